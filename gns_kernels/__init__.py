@@ -1,0 +1,11 @@
+"""gns_kernels: gradient noise scales in the optimizer's geometry (l2, l1, nuclear),
+fused kernels to measure them during data-parallel training, and Algorithm 1 of
+"Adaptive Batch Sizes Using Non-Euclidean Gradient Noise Scales" to grow the batch.
+
+See README.md and ../shared/DESIGN.md for the math and the public API.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import reference  # noqa: F401  (float64 oracle)
