@@ -9,3 +9,4 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import reference  # noqa: F401  (float64 oracle)
+from .spectral import gram, sqrt_trace, nuclear_stats  # noqa: F401
