@@ -1,0 +1,396 @@
+"""Algorithm 1 of the paper: grow the global batch size from EMAs of GNS noise and signal.
+
+The controller knows only numbers. Once per optimizer step k = 0, 1, 2, ... the training
+loop calls ``ctrl.update(k, estimate)`` and then reads ``ctrl.batch_size`` (B_{k+1}, the
+global batch of the next step) and ``ctrl.lr_multiplier`` (omega_{k+1}, to multiply the
+scheduled learning rate eta_{k+1} with).
+
+Rule (DESIGN.md "batch rule"; paper Algorithm 1 and eq. (var_ema_method)):
+
+- Measuring steps are those with ``k % every == 0`` (F = ``every``). At a measuring step
+  with a *valid* estimate the EMAs are updated, also during warm-up::
+
+      N_k = beta_noise  * N_{k-1} + (1 - beta_noise)  * estimate.noise
+      M_k = beta_signal * M_{k-1} + (1 - beta_signal) * estimate.signal
+
+  The EMAs start at the first valid measurement (N = noise, M = signal), so there is no
+  zero-initialisation bias to correct.
+- A measurement is *invalid* (and skipped: EMAs and batch unchanged, a WARNING is logged)
+  when ``estimate.valid`` is False, when noise or signal is not finite, when signal <= 0,
+  or when noise < 0. ``estimate=None`` at a measuring step means "nothing was measured"
+  and is skipped the same way (logged at DEBUG). Estimates passed at non-measuring steps
+  are ignored, so a loop may pass the hook's last estimate every step. If the estimate
+  carries an integer ``step`` attribute that differs from ``k`` it is stale (the hook did
+  not measure at k) and is skipped with a WARNING.
+- Only when ``k >= warmup_steps`` (I) and the measurement was valid::
+
+      B_{k+1} = max(ceil(N_k / (theta^2 M_k)), B_k)
+
+  then rounded *up* to a multiple of ``multiple_of`` and capped at ``max_batch_size``
+  (the cap never takes B below B_k: B_k itself never exceeds the cap). Otherwise
+  B_{k+1} = B_k. B is therefore non-decreasing.
+- ``ceil`` of a float quotient: N/(theta^2 M) for an exact integer target can come out as
+  64.00000000001 in floating point (theta = 0.6 has no exact binary form). A quotient within
+  1e-9 relative of an integer is taken as that integer before ``ceil``; this changes the
+  batch by at most one example in a case that is a rounding artefact anyway.
+- Learning-rate multiplier, cumulative over the run: omega_{k+1} = omega_k sqrt(B_{k+1}/B_k)
+  = sqrt(B_{k+1}/B_0) for ``lr_scaling="sqrt"`` (computed in the closed form from the final
+  rounded and capped B, so it does not drift); ``"linear"``: B_{k+1}/B_0; ``"none"``: 1.
+
+Units: noise and signal are those of the estimate (gns = noise/signal is a batch size in
+examples); batch sizes are global (all ranks x micro-batches) numbers of examples.
+
+Calls must come with strictly increasing steps (gaps are allowed: nothing happens at
+non-measuring steps, so calling only at measuring steps is equivalent); a repeated or
+decreasing step raises ``ValueError`` (typically a resume that forgot to load the state).
+
+``state_dict()`` / ``load_state_dict()`` round-trip exactly (plain Python ints and floats):
+a resumed controller continues the same trajectory as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from numbers import Integral, Real
+from typing import Any
+
+__all__ = ["AdaptiveBatchSize"]
+
+logger = logging.getLogger("gns_kernels.controller")
+
+_LR_SCALINGS = ("sqrt", "linear", "none")
+_STATE_VERSION = 1
+# a quotient within this relative distance of an integer is taken as that integer before ceil
+_CEIL_RTOL = 1e-9
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _ceil_tolerant(x: float) -> int:
+    """ceil(x) for x >= 0, treating x within 1e-9 relative of an integer as that integer."""
+    r = round(x)
+    if abs(x - r) <= _CEIL_RTOL * max(1.0, abs(r)):
+        return int(r)
+    return int(math.ceil(x))
+
+
+class AdaptiveBatchSize:
+    """Algorithm 1 (adaptive batch size from the GNS) with exact resume.
+
+    Args:
+        initial_batch_size: B_0, global batch of step 0 (examples); a multiple of
+            ``multiple_of``.
+        theta: the tolerance theta > 0 of B = N / (theta^2 M); smaller theta -> larger
+            batches. The paper used 0.6 for l1 / nuclear and 0.3 for l2 on LLMs (vision
+            runs up to 4).
+        beta_noise, beta_signal: EMA factors in [0, 1) (0 = use the last measurement only).
+        every: F >= 1, measuring period in optimizer steps (measure at k % F == 0).
+        warmup_steps: I >= 0; the batch is frozen while k < I (EMAs still update).
+        max_batch_size: cap on B (a multiple of ``multiple_of``, >= initial), or None.
+        multiple_of: B is always a multiple of this (ranks x micro-batches for the equal
+            split of DESIGN.md).
+        lr_scaling: "sqrt" (paper, omega = sqrt(B/B_0)), "linear" (B/B_0) or "none" (1).
+
+    Read-outs: ``batch_size`` (B_{k+1}), ``lr_multiplier`` (omega_{k+1}), ``noise_ema``,
+    ``signal_ema``, ``gns_ema`` (N/M), ``target_batch_size`` (unrounded N/(theta^2 M) of the
+    last batch decision), ``last_step``, ``last_measured_step``, ``num_measurements``,
+    ``num_skipped``.
+    """
+
+    def __init__(
+        self,
+        initial_batch_size: int = 64,
+        theta: float = 0.6,
+        beta_noise: float = 0.9,
+        beta_signal: float = 0.9,
+        every: int = 100,
+        warmup_steps: int = 0,
+        max_batch_size: int | None = None,
+        multiple_of: int = 1,
+        lr_scaling: str = "sqrt",
+    ) -> None:
+        self.initial_batch_size = _check_int("initial_batch_size", initial_batch_size, 1)
+        self.theta = _check_real("theta", theta)
+        if self.theta <= 0:
+            raise ValueError(f"theta must be > 0, got {theta}")
+        self.beta_noise = _check_real("beta_noise", beta_noise)
+        self.beta_signal = _check_real("beta_signal", beta_signal)
+        for name, b in (("beta_noise", self.beta_noise), ("beta_signal", self.beta_signal)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {b}")
+        self.every = _check_int("every", every, 1)
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.multiple_of = _check_int("multiple_of", multiple_of, 1)
+        if self.initial_batch_size % self.multiple_of:
+            raise ValueError(
+                f"initial_batch_size ({self.initial_batch_size}) must be a multiple of "
+                f"multiple_of ({self.multiple_of})"
+            )
+        if max_batch_size is not None:
+            max_batch_size = _check_int("max_batch_size", max_batch_size, 1)
+            if max_batch_size < self.initial_batch_size:
+                raise ValueError(
+                    f"max_batch_size ({max_batch_size}) must be >= initial_batch_size "
+                    f"({self.initial_batch_size})"
+                )
+            if max_batch_size % self.multiple_of:
+                raise ValueError(
+                    f"max_batch_size ({max_batch_size}) must be a multiple of multiple_of "
+                    f"({self.multiple_of}) so that the capped batch still splits equally"
+                )
+        self.max_batch_size = max_batch_size
+        if lr_scaling not in _LR_SCALINGS:
+            raise ValueError(f"lr_scaling must be one of {_LR_SCALINGS}, got {lr_scaling!r}")
+        self.lr_scaling = lr_scaling
+
+        # trajectory state
+        self._batch_size = self.initial_batch_size
+        self._noise_ema: float | None = None
+        self._signal_ema: float | None = None
+        self._target: float | None = None
+        self._last_step: int | None = None
+        self._last_measured_step: int | None = None
+        self._num_measurements = 0
+        self._num_skipped = 0
+
+    # ------------------------------------------------------------------ read-outs
+    @property
+    def batch_size(self) -> int:
+        """B_{k+1}: global batch size for the step after the last ``update``."""
+        return self._batch_size
+
+    @property
+    def lr_multiplier(self) -> float:
+        """omega_{k+1}: multiply the scheduled learning rate with this (1 at the start)."""
+        ratio = self._batch_size / self.initial_batch_size
+        if self.lr_scaling == "sqrt":
+            return math.sqrt(ratio)
+        if self.lr_scaling == "linear":
+            return float(ratio)
+        return 1.0
+
+    @property
+    def noise_ema(self) -> float | None:
+        """N_k, EMA of the noise term (None before the first valid measurement)."""
+        return self._noise_ema
+
+    @property
+    def signal_ema(self) -> float | None:
+        """M_k, EMA of the signal term (None before the first valid measurement)."""
+        return self._signal_ema
+
+    @property
+    def gns_ema(self) -> float | None:
+        """N_k / M_k, the smoothed GNS (examples); None before the first valid measurement."""
+        if self._noise_ema is None or self._signal_ema is None:
+            return None
+        return self._noise_ema / self._signal_ema
+
+    @property
+    def target_batch_size(self) -> float | None:
+        """Unrounded N_k/(theta^2 M_k) of the last batch decision (None before the first)."""
+        return self._target
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last ``update`` call (None before the first)."""
+        return self._last_step
+
+    @property
+    def last_measured_step(self) -> int | None:
+        """The last step whose measurement entered the EMAs (None before the first)."""
+        return self._last_measured_step
+
+    @property
+    def num_measurements(self) -> int:
+        """Number of valid measurements that entered the EMAs."""
+        return self._num_measurements
+
+    @property
+    def num_skipped(self) -> int:
+        """Number of measuring steps skipped (invalid, stale or None estimate)."""
+        return self._num_skipped
+
+    # ------------------------------------------------------------------ the rule
+    def _invalid_reason(self, step: int, estimate: Any) -> str | None:
+        try:
+            noise = estimate.noise
+            signal = estimate.signal
+        except AttributeError:
+            raise TypeError(
+                "estimate must be None or have float attributes noise, signal (and "
+                f"optionally valid, step), e.g. gk.GNSEstimate; got {type(estimate).__name__}"
+            ) from None
+        est_step = getattr(estimate, "step", None)
+        if isinstance(est_step, Integral) and not isinstance(est_step, bool) and est_step != step:
+            return f"stale estimate (measured at step {est_step})"
+        if not bool(getattr(estimate, "valid", True)):
+            return "estimate.valid is False"
+        try:
+            noise = float(noise)
+            signal = float(signal)
+        except (TypeError, ValueError):
+            return f"noise/signal not numbers ({noise!r}, {signal!r})"
+        if not (math.isfinite(noise) and math.isfinite(signal)):
+            return f"non-finite noise/signal ({noise}, {signal})"
+        if signal <= 0.0:
+            return f"signal <= 0 ({signal})"
+        if noise < 0.0:
+            return f"noise < 0 ({noise})"
+        return None
+
+    def update(self, step: int, estimate: Any = None) -> int:
+        """Feed the measurement of optimizer step ``step`` (k); returns B_{k+1}.
+
+        ``estimate``: None or an object with float ``noise`` and ``signal`` (and optional
+        bool ``valid``, int ``step``), e.g. ``gk.GNSEstimate``. Only used when
+        ``step % every == 0``. Raises ValueError if ``step`` does not exceed the previous one.
+        """
+        step = _check_int("step", step, 0)
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"step must increase strictly between update() calls: got step {step} after "
+                f"step {self._last_step} (repeated or out-of-order call, or a resume without "
+                "load_state_dict?)"
+            )
+        self._last_step = step
+        if step % self.every:
+            return self._batch_size
+        if estimate is None:
+            self._num_skipped += 1
+            logger.debug("step %d: no measurement (estimate None), skipped", step)
+            return self._batch_size
+        reason = self._invalid_reason(step, estimate)
+        if reason is not None:
+            self._num_skipped += 1
+            logger.warning("step %d: invalid GNS measurement skipped: %s", step, reason)
+            return self._batch_size
+
+        noise, signal = float(estimate.noise), float(estimate.signal)
+        if self._noise_ema is None or self._signal_ema is None:
+            self._noise_ema, self._signal_ema = noise, signal
+        else:
+            self._noise_ema = self.beta_noise * self._noise_ema + (1.0 - self.beta_noise) * noise
+            self._signal_ema = (
+                self.beta_signal * self._signal_ema + (1.0 - self.beta_signal) * signal
+            )
+        self._num_measurements += 1
+        self._last_measured_step = step
+        if step >= self.warmup_steps:
+            self._decide(step)
+        return self._batch_size
+
+    def _decide(self, step: int) -> None:
+        assert self._noise_ema is not None and self._signal_ema is not None
+        old = self._batch_size
+        target = self._noise_ema / (self.theta * self.theta * self._signal_ema)
+        self._target = target
+        if math.isfinite(target):
+            new = max(_ceil_tolerant(target), old)
+        elif self.max_batch_size is not None:
+            new = self.max_batch_size
+        else:
+            logger.warning(
+                "step %d: target batch size overflowed (N=%g, M=%g) and no max_batch_size: "
+                "batch kept at %d", step, self._noise_ema, self._signal_ema, old,
+            )
+            return
+        m = self.multiple_of
+        new = -(-new // m) * m  # round up to a multiple of multiple_of (integer arithmetic)
+        if self.max_batch_size is not None and new > self.max_batch_size:
+            new = max(self.max_batch_size, old)
+        if new != old:
+            self._batch_size = new
+            logger.info(
+                "step %d: batch size %d -> %d (gns_ema=%.6g, target=%.6g, lr x%.4g)",
+                step, old, new, self.gns_ema, target, self.lr_multiplier,
+            )
+
+    # ------------------------------------------------------------------ resume
+    def _config(self) -> dict[str, Any]:
+        return {
+            "initial_batch_size": self.initial_batch_size,
+            "theta": self.theta,
+            "beta_noise": self.beta_noise,
+            "beta_signal": self.beta_signal,
+            "every": self.every,
+            "warmup_steps": self.warmup_steps,
+            "max_batch_size": self.max_batch_size,
+            "multiple_of": self.multiple_of,
+            "lr_scaling": self.lr_scaling,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python snapshot (config + trajectory state); safe for torch.save / json."""
+        return {
+            "version": _STATE_VERSION,
+            "config": self._config(),
+            "batch_size": self._batch_size,
+            "noise_ema": self._noise_ema,
+            "signal_ema": self._signal_ema,
+            "target_batch_size": self._target,
+            "last_step": self._last_step,
+            "last_measured_step": self._last_measured_step,
+            "num_measurements": self._num_measurements,
+            "num_skipped": self._num_skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Restore a ``state_dict()``.
+
+        strict=True: the saved configuration must equal this controller's (ValueError
+        naming the differing keys). strict=False: keep this controller's configuration
+        (e.g. a new ``max_batch_size``) and load only the trajectory state.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"state_dict has version {state_dict.get('version')!r}, expected {_STATE_VERSION}"
+            )
+        missing = [k for k in ("config", "batch_size", "noise_ema", "signal_ema",
+                               "target_batch_size", "last_step", "last_measured_step",
+                               "num_measurements", "num_skipped") if k not in state_dict]
+        if missing:
+            raise ValueError(f"state_dict is missing keys {missing}")
+        saved = state_dict["config"]
+        if strict:
+            mine = self._config()
+            diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+            if diff:
+                details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
+                raise ValueError(
+                    f"state_dict configuration differs ({details}); construct the controller "
+                    "with the saved settings or pass strict=False"
+                )
+        batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
+        if batch % self.multiple_of:
+            raise ValueError(f"state_dict['batch_size'] ({batch}) is not a multiple of {self.multiple_of}")
+        self._batch_size = batch
+        self._noise_ema = None if state_dict["noise_ema"] is None else float(state_dict["noise_ema"])
+        self._signal_ema = None if state_dict["signal_ema"] is None else float(state_dict["signal_ema"])
+        t = state_dict["target_batch_size"]
+        self._target = None if t is None else float(t)
+        self._last_step = state_dict["last_step"]
+        self._last_measured_step = state_dict["last_measured_step"]
+        self._num_measurements = int(state_dict["num_measurements"])
+        self._num_skipped = int(state_dict["num_skipped"])
+
+    def __repr__(self) -> str:
+        cfg = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"AdaptiveBatchSize({cfg}; batch_size={self._batch_size}, step={self._last_step})"

@@ -1,0 +1,343 @@
+"""AdaptiveBatchSize (Algorithm 1): every expected number below is worked out by hand."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from gns_kernels.controller import AdaptiveBatchSize
+
+
+@dataclass
+class Est:
+    noise: float
+    signal: float
+    valid: bool = True
+
+
+def ctrl(**kw):
+    base = dict(initial_batch_size=4, theta=1.0, beta_noise=0.0, beta_signal=0.0, every=1)
+    base.update(kw)
+    return AdaptiveBatchSize(**base)
+
+
+def test_defaults_match_design():
+    c = AdaptiveBatchSize()
+    assert (c.initial_batch_size, c.theta, c.beta_noise, c.beta_signal, c.every) == (64, 0.6, 0.9, 0.9, 100)
+    assert (c.warmup_steps, c.max_batch_size, c.multiple_of, c.lr_scaling) == (0, None, 1, "sqrt")
+    assert c.batch_size == 64 and c.lr_multiplier == 1.0
+    assert c.noise_ema is None and c.signal_ema is None and c.gns_ema is None
+    assert c.last_step is None and c.last_measured_step is None
+
+
+def test_first_valid_measurement_starts_the_ema():
+    # beta 0.9: a zero-initialised EMA would give N = 10, M = 0.1 after one step
+    c = AdaptiveBatchSize(initial_batch_size=4, theta=1.0, every=1)
+    c.update(0, Est(100.0, 1.0))
+    assert c.noise_ema == 100.0 and c.signal_ema == 1.0
+    assert c.batch_size == 100
+
+
+def test_ema_arithmetic_by_hand():
+    # theta = 0.5 -> theta^2 = 0.25 exactly; beta_noise 0.5, beta_signal 0.75
+    c = AdaptiveBatchSize(initial_batch_size=4, theta=0.5, beta_noise=0.5, beta_signal=0.75, every=1)
+    c.update(0, Est(8.0, 2.0))       # N = 8, M = 2 -> 8 / 0.5 = 16
+    assert (c.noise_ema, c.signal_ema, c.batch_size) == (8.0, 2.0, 16)
+    c.update(1, Est(16.0, 6.0))      # N = 4 + 8 = 12, M = 1.5 + 1.5 = 3 -> 12 / 0.75 = 16
+    assert (c.noise_ema, c.signal_ema, c.batch_size) == (12.0, 3.0, 16)
+    c.update(2, Est(4.0, 2.0))       # N = 6 + 2 = 8, M = 2.25 + 0.5 = 2.75 -> 11.64 -> 12 < 16
+    assert (c.noise_ema, c.signal_ema, c.batch_size) == (8.0, 2.75, 16)
+    assert c.target_batch_size == pytest.approx(8.0 / 0.6875, rel=1e-15)
+    c.update(3, Est(100.0, 1.0))     # N = 4 + 50 = 54, M = 2.0625 + 0.25 = 2.3125 -> 93.405 -> 94
+    assert (c.noise_ema, c.signal_ema, c.batch_size) == (54.0, 2.3125, 94)
+    assert c.gns_ema == pytest.approx(54.0 / 2.3125, rel=1e-15)
+    assert c.num_measurements == 4 and c.last_measured_step == 3
+
+
+def test_period_only_measuring_steps_enter():
+    c = AdaptiveBatchSize(initial_batch_size=1, theta=1.0, beta_noise=0.5, beta_signal=0.5, every=10)
+    for k in range(26):
+        c.update(k, Est(float(k + 1), 1.0))   # steps 0, 10, 20 carry noise 1, 11, 21
+        if k < 10:
+            assert c.batch_size == 1
+    # N: 1 -> 0.5 + 5.5 = 6 -> 3 + 10.5 = 13.5; M stays 1
+    assert c.noise_ema == 13.5 and c.signal_ema == 1.0
+    assert c.num_measurements == 3 and c.last_measured_step == 20 and c.last_step == 25
+    assert c.batch_size == 14
+
+
+def test_decision_only_at_measuring_steps():
+    c = AdaptiveBatchSize(initial_batch_size=1, theta=1.0, beta_noise=0.0, beta_signal=0.0, every=5)
+    c.update(0, Est(3.0, 1.0))
+    assert c.batch_size == 3
+    for k in range(1, 5):
+        c.update(k, Est(50.0, 1.0))     # ignored: not measuring steps
+        assert c.batch_size == 3 and c.noise_ema == 3.0
+    c.update(5, Est(7.0, 1.0))
+    assert c.batch_size == 7
+
+
+def test_warmup_freezes_batch_but_updates_emas():
+    c = AdaptiveBatchSize(initial_batch_size=8, theta=1.0, beta_noise=0.5, beta_signal=0.0,
+                          every=10, warmup_steps=15)
+    c.update(0, Est(100.0, 1.0))
+    assert c.batch_size == 8 and c.noise_ema == 100.0 and c.lr_multiplier == 1.0
+    c.update(10, Est(300.0, 1.0))       # k = 10 < I = 15: EMA 200, batch frozen
+    assert c.batch_size == 8 and c.noise_ema == 200.0
+    c.update(15, Est(1e6, 1.0))         # k = 15 >= I but not a measuring step: nothing
+    assert c.batch_size == 8 and c.noise_ema == 200.0
+    c.update(20, Est(0.0, 1.0))         # EMA 100: first decision at k = 20
+    assert c.noise_ema == 100.0 and c.batch_size == 100
+
+
+def test_warmup_boundary_is_inclusive():
+    c = AdaptiveBatchSize(initial_batch_size=8, theta=1.0, beta_noise=0.0, beta_signal=0.0,
+                          every=10, warmup_steps=10)
+    c.update(0, Est(50.0, 1.0))
+    assert c.batch_size == 8
+    c.update(10, Est(50.0, 1.0))        # k >= I at k == I
+    assert c.batch_size == 50
+
+
+def test_monotone_never_shrinks():
+    c = ctrl()
+    sizes = []
+    for k, noise in enumerate([10.0, 40.0, 5.0, 0.0, 39.5, 41.0, 1.0]):
+        sizes.append(c.update(k, Est(noise, 1.0)))
+    assert sizes == [10, 40, 40, 40, 40, 41, 41]
+
+
+def test_multiple_of_rounds_up():
+    c = ctrl(initial_batch_size=8, multiple_of=8)
+    c.update(0, Est(61.0, 1.0))
+    assert c.batch_size == 64
+    c.update(1, Est(64.0, 1.0))
+    assert c.batch_size == 64
+    c.update(2, Est(64.5, 1.0))
+    assert c.batch_size == 72
+
+
+def test_cap():
+    c = ctrl(initial_batch_size=8, multiple_of=8, max_batch_size=96)
+    c.update(0, Est(90.0, 1.0))
+    assert c.batch_size == 96
+    c.update(1, Est(1e9, 1.0))
+    assert c.batch_size == 96
+    assert c.lr_multiplier == pytest.approx(math.sqrt(12.0), rel=1e-15)
+
+
+def test_cap_equal_to_initial_keeps_batch():
+    c = ctrl(initial_batch_size=16, max_batch_size=16)
+    c.update(0, Est(1e6, 1.0))
+    assert c.batch_size == 16 and c.lr_multiplier == 1.0
+
+
+@pytest.mark.parametrize("mode,expected", [("sqrt", 2.0), ("linear", 4.0), ("none", 1.0)])
+def test_lr_multiplier_modes(mode, expected):
+    c = ctrl(initial_batch_size=16, lr_scaling=mode)
+    c.update(0, Est(64.0, 1.0))
+    assert c.batch_size == 64
+    assert c.lr_multiplier == expected
+
+
+def test_lr_multiplier_is_cumulative_product():
+    # omega_{k+1} = omega_k * sqrt(B_{k+1} / B_k), with omega_0 = 1
+    c = ctrl(initial_batch_size=3, multiple_of=3)
+    omega, prev = 1.0, 3
+    for k, noise in enumerate([5.0, 5.0, 17.0, 2.0, 100.0, 101.0]):
+        b = c.update(k, Est(noise, 1.0))
+        omega *= math.sqrt(b / prev)
+        prev = b
+        assert c.lr_multiplier == pytest.approx(omega, rel=1e-13)
+    assert c.batch_size == 102  # 101 rounded up to a multiple of 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [Est(float("nan"), 1.0), Est(1.0, float("nan")), Est(float("inf"), 1.0), Est(1.0, float("inf")),
+     Est(1.0, 0.0), Est(1.0, -2.0), Est(-1.0, 1.0), Est(50.0, 1.0, valid=False)],
+    ids=["nan-noise", "nan-signal", "inf-noise", "inf-signal", "zero-signal", "neg-signal",
+         "neg-noise", "valid-false"],
+)
+def test_invalid_measurement_skipped(bad, caplog):
+    c = ctrl(beta_noise=0.5, beta_signal=0.5)
+    c.update(0, Est(10.0, 1.0))
+    before = c.state_dict()
+    with caplog.at_level(logging.WARNING, logger="gns_kernels.controller"):
+        c.update(1, bad)
+    after = c.state_dict()
+    assert after["num_skipped"] == 1 and after["last_step"] == 1
+    for key in ("batch_size", "noise_ema", "signal_ema", "num_measurements", "last_measured_step"):
+        assert after[key] == before[key], key
+    assert any("invalid" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    c.update(2, Est(30.0, 1.0))         # EMA continues from the last valid value
+    assert c.noise_ema == 20.0 and c.batch_size == 20
+
+
+def test_invalid_first_measurement_then_valid_starts_ema():
+    c = AdaptiveBatchSize(initial_batch_size=2, theta=1.0, beta_noise=0.9, beta_signal=0.9, every=1)
+    c.update(0, Est(float("nan"), 1.0))
+    c.update(1, Est(5.0, 0.0))
+    c.update(2, None)
+    assert c.noise_ema is None and c.batch_size == 2 and c.num_skipped == 3
+    c.update(3, Est(40.0, 2.0))
+    assert (c.noise_ema, c.signal_ema, c.batch_size) == (40.0, 2.0, 20)
+
+
+def test_none_at_measuring_step_keeps_everything():
+    c = ctrl(beta_noise=0.5, beta_signal=0.5, every=2)
+    c.update(0, Est(10.0, 1.0))
+    c.update(1, None)
+    c.update(2, None)
+    assert c.noise_ema == 10.0 and c.batch_size == 10 and c.num_skipped == 1
+    assert c.last_measured_step == 0 and c.last_step == 2
+
+
+def test_stale_estimate_with_step_attribute_skipped():
+    @dataclass
+    class StepEst(Est):
+        step: int = 0
+
+    c = ctrl(every=2)
+    c.update(0, StepEst(10.0, 1.0, step=0))
+    c.update(2, StepEst(90.0, 1.0, step=0))   # hook did not measure at 2: stale
+    assert c.batch_size == 10 and c.num_skipped == 1
+    c.update(4, StepEst(90.0, 1.0, step=4))
+    assert c.batch_size == 90
+
+
+def test_ceil_tolerates_float_noise():
+    # 21.96 / 0.6^2 evaluates to 61.00000000000001 in float64: a naive ceil gives 62
+    assert 21.96 / (0.6 * 0.6 * 1.0) > 61.0
+    c = ctrl(theta=0.6)
+    c.update(0, Est(21.96, 1.0))
+    assert c.batch_size == 61
+    c.update(1, Est(0.36 * 61.5, 1.0))     # a genuine fraction still rounds up
+    assert c.batch_size == 62
+
+
+def test_overflowing_target():
+    c = ctrl(max_batch_size=1024)
+    c.update(0, Est(1e300, 1e-300))
+    assert c.batch_size == 1024
+    c2 = ctrl()
+    c2.update(0, Est(1e300, 1e-300))
+    assert c2.batch_size == 4 and c2.noise_ema == 1e300
+
+
+def test_logs_info_on_change(caplog):
+    c = ctrl()
+    with caplog.at_level(logging.INFO, logger="gns_kernels.controller"):
+        c.update(0, Est(4.0, 1.0))       # target 4 == B: no change, no message
+        assert not [r for r in caplog.records if r.levelno == logging.INFO]
+        c.update(1, Est(9.0, 1.0))
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(msgs) == 1 and "4 -> 9" in msgs[0]
+
+
+def test_steps_must_increase():
+    c = ctrl()
+    c.update(0, None)
+    c.update(3, None)                   # gaps are fine
+    with pytest.raises(ValueError, match="step"):
+        c.update(3, None)
+    with pytest.raises(ValueError, match="step"):
+        c.update(1, None)
+    with pytest.raises(ValueError, match="step"):
+        c.update(-1, None)
+    with pytest.raises(TypeError, match="step"):
+        c.update(4.0, None)
+
+
+def test_estimate_without_fields_is_a_type_error():
+    c = ctrl()
+    with pytest.raises(TypeError, match="estimate"):
+        c.update(0, 3.5)
+
+
+def _random_stream(seed, n):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.1:
+            out.append(None)
+        elif u < 0.2:
+            out.append(Est(float("nan"), 1.0))
+        else:
+            out.append(Est(rng.uniform(0.0, 50.0) * (1 + len(out) / 10), rng.uniform(0.5, 2.0)))
+    return out
+
+
+def _trace(c, stream, start):
+    return [(c.update(k, e), c.lr_multiplier, c.noise_ema, c.signal_ema, c.gns_ema)
+            for k, e in enumerate(stream) if k >= start]
+
+
+@pytest.mark.parametrize("cut", [7, 23, 40])
+def test_state_round_trip_continues_same_trajectory(cut):
+    kw = dict(initial_batch_size=8, theta=0.6, beta_noise=0.9, beta_signal=0.8, every=3,
+              warmup_steps=10, max_batch_size=400, multiple_of=4)
+    stream = _random_stream(cut, 60)
+    full = AdaptiveBatchSize(**kw)
+    whole = _trace(full, stream, 0)
+
+    first = AdaptiveBatchSize(**kw)
+    head = _trace(first, stream[:cut], 0)
+    sd = json.loads(json.dumps(first.state_dict()))    # through a text checkpoint
+    resumed = AdaptiveBatchSize(**kw)
+    resumed.load_state_dict(copy.deepcopy(sd))
+    assert resumed.state_dict() == first.state_dict()
+    tail = _trace(resumed, stream, cut)
+    assert head + tail == whole                          # exact, float for float
+    assert full.state_dict() == resumed.state_dict()
+    assert whole[-1][0] > 8                              # the trajectory did grow
+
+
+def test_load_state_dict_config_mismatch():
+    c = ctrl(initial_batch_size=8)
+    c.update(0, Est(20.0, 1.0))
+    sd = c.state_dict()
+    other = ctrl(initial_batch_size=8, theta=0.5, max_batch_size=64)
+    with pytest.raises(ValueError, match="theta"):
+        other.load_state_dict(sd)
+    other.load_state_dict(sd, strict=False)              # keep own config, load the state
+    assert other.batch_size == 20 and other.theta == 0.5
+    with pytest.raises(ValueError, match="multiple"):
+        ctrl(initial_batch_size=8, multiple_of=8).load_state_dict(sd, strict=False)
+    with pytest.raises(ValueError, match="version"):
+        c.load_state_dict({**sd, "version": 99})
+    with pytest.raises(ValueError, match="missing"):
+        c.load_state_dict({k: v for k, v in sd.items() if k != "noise_ema"})
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,name",
+    [
+        (dict(theta=0.0), ValueError, "theta"),
+        (dict(theta=-0.6), ValueError, "theta"),
+        (dict(theta=float("nan")), ValueError, "theta"),
+        (dict(theta="0.6"), TypeError, "theta"),
+        (dict(beta_noise=1.0), ValueError, "beta_noise"),
+        (dict(beta_noise=-0.1), ValueError, "beta_noise"),
+        (dict(beta_signal=1.5), ValueError, "beta_signal"),
+        (dict(every=0), ValueError, "every"),
+        (dict(every=2.5), TypeError, "every"),
+        (dict(warmup_steps=-1), ValueError, "warmup_steps"),
+        (dict(initial_batch_size=0), ValueError, "initial_batch_size"),
+        (dict(initial_batch_size=True), TypeError, "initial_batch_size"),
+        (dict(initial_batch_size=64, multiple_of=48), ValueError, "multiple_of"),
+        (dict(multiple_of=0), ValueError, "multiple_of"),
+        (dict(initial_batch_size=64, max_batch_size=32), ValueError, "max_batch_size"),
+        (dict(initial_batch_size=64, multiple_of=8, max_batch_size=100), ValueError, "max_batch_size"),
+        (dict(lr_scaling="cubic"), ValueError, "lr_scaling"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        AdaptiveBatchSize(**kwargs)
