@@ -10,3 +10,4 @@ __version__ = "0.1.0"
 
 from . import reference  # noqa: F401  (float64 oracle)
 from .spectral import gram, sqrt_trace, nuclear_stats  # noqa: F401
+from .controller import AdaptiveBatchSize  # noqa: F401
