@@ -12,3 +12,4 @@ from . import reference  # noqa: F401  (float64 oracle)
 from .spectral import gram, sqrt_trace, nuclear_stats  # noqa: F401
 from .controller import AdaptiveBatchSize  # noqa: F401
 from .ops import variance_norms, square_pack, accumulate_sq, variance_norms_multi, accumulate_sq_multi  # noqa: F401
+from .optim import SignSGD, Signum, SpecSGD, geometry_for  # noqa: F401
