@@ -1,0 +1,363 @@
+"""Gradient noise scale estimates from R sample gradients (ranks or ranks x micro-batches).
+
+Paper eqs. (GNS_estimate_SGD_signSGD), (spec_sample_variance_estimate), (GNS_estimates);
+DESIGN.md "The math". R samples g^j, each the MEAN gradient over b = B/R examples of a
+global batch B (equal split), g = mean_j g^j, S an optional shift identical on all samples:
+
+    s2_i = B/(R-1) * ( mean_j (g^j_i - S_i)^2 - (g_i - S_i)^2 )          (clamped at 0)
+    C    = B/(R-1) * ( mean_j (G^j-S)(G^j-S)^T - (G-S)(G-S)^T )         (m x m, m <= n;
+           the n x n column side when m > n: tr(C_row^{1/2}) = tr(C_col^{1/2}))
+
+    geometry  noise N                           signal M                     GNS = N / M
+    'l2'      sum_i s2_i                        ||g||_2^2
+    'l1'      ||s||_1^2          (s = sqrt(s2)) ||g||_1^2
+    'nuclear' (sum_l tr(C_l^{1/2}))^2           (sum_l ||G_l||_S1)^2         2-D tensors only
+
+Units: N estimates a single-example quantity (tr Sigma, ||sigma||_1^2 or
+||C^{1/2}||_S1^2); M is in squared gradient units; the GNS is a number of examples.
+
+bias_correction=True (default) removes the small-R bias of the noise: the l1 noise is
+multiplied by 1/c4(R)^2 (exact for Gaussian rank means), each nuclear sqrt-trace is replaced
+by gns_kernels.bias.nuclear_sqrt_trace_corrected (second-order Wishart correction); l2 is
+unbiased already. bias_correction=False is the paper's estimator exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import bias as _bias
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "GEOMETRIES",
+    "CBS_RULES",
+    "GNSEstimate",
+    "estimate",
+    "estimate_from_stats",
+    "critical_batch_size",
+]
+
+GEOMETRIES = ("l2", "l1", "nuclear")
+CBS_RULES = ("fraction", "inflection", "efficiency")
+
+
+@dataclass(frozen=True)
+class GNSEstimate:
+    """One GNS measurement.
+
+    gns = noise / signal (examples). noise, signal: as in the module docstring (noise bias
+    corrected when bias_corrected). valid: False when any statistic is non-finite or the
+    signal is <= 0; then gns, noise and signal are nan (never a finite number a controller
+    could swallow). signal_unbiased: l2 only, signal - noise / B, an unbiased estimate of
+    ||grad L||_2^2 (nan when invalid); None for l1 and nuclear (no unbiased estimator of
+    |mu| exists for a Gaussian mean; see docs/estimators.md). noise_raw: the paper's
+    uncorrected noise (equal to noise when bias_corrected is False; None if not known).
+    """
+
+    gns: float
+    noise: float
+    signal: float
+    valid: bool
+    signal_unbiased: float | None
+    geometry: str
+    num_samples: int
+    batch_size: float
+    bias_corrected: bool
+    noise_raw: float | None = None
+
+    @property
+    def gns_unbiased_signal(self) -> float | None:
+        """noise / signal_unbiased (l2 only; nan when that signal is <= 0 or invalid)."""
+        if self.signal_unbiased is None:
+            return None
+        if not self.valid or not self.signal_unbiased > 0:
+            return math.nan
+        return self.noise / self.signal_unbiased
+
+
+def _check_geometry(geometry: str) -> str:
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry: expected one of 'l2', 'l1', 'nuclear', got {geometry!r}")
+    return geometry
+
+
+def _check_counts(num_samples, batch_size) -> tuple[int, float]:
+    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 2:
+        raise ValueError(f"num_samples: expected an integer >= 2 (samples of the gradient), got {num_samples}")
+    R = int(num_samples)
+    try:
+        B = float(batch_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_size: expected a number, got {batch_size!r}") from None
+    if not math.isfinite(B) or B != int(B):
+        raise ValueError(f"batch_size: expected a finite integer number of examples, got {batch_size!r}")
+    if B < R:
+        raise ValueError(
+            f"batch_size: expected at least the number of samples ({R}) (each sample averages "
+            f"B/R >= 1 examples), got {batch_size}"
+        )
+    if int(B) % R != 0:
+        raise ValueError(
+            f"batch_size: expected a multiple of the number of samples ({R}); the estimators "
+            f"assume an equal split of B into R samples of B/R examples, got {int(B)}"
+        )
+    return R, B
+
+
+def _as_float(x) -> float:
+    if isinstance(x, Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"expected a scalar statistic, got a tensor of shape {tuple(x.shape)}")
+        return float(x.detach().double().cpu())
+    return float(x)
+
+
+def estimate_from_stats(
+    geometry: str,
+    noise_raw_sum,
+    signal_raw_sum,
+    num_samples: int,
+    batch_size: float,
+    bias_correction: bool = True,
+    noise_uncorrected_sum=None,
+) -> GNSEstimate:
+    """Build a GNSEstimate from reduced statistics (used by estimate() and the hooks).
+
+    Arguments (floats or 0-d tensors), summed over all parameters/layers:
+      'l2':      noise_raw_sum = sum_i s2_i           signal_raw_sum = ||g||_2^2
+      'l1':      noise_raw_sum = ||s||_1               signal_raw_sum = ||g||_1
+      'nuclear': noise_raw_sum = sum_l tr(C_l^{1/2})   signal_raw_sum = sum_l ||G_l||_S1
+    For 'nuclear' the correction needs the eigenvalues, so it is applied where they are
+    computed: pass the sqrt-traces from bias.nuclear_sqrt_trace_corrected (spectral ops with
+    bias_correction=True) when bias_correction is True, and optionally the uncorrected sum
+    as noise_uncorrected_sum (recorded as noise_raw). For 'l1' this function applies the
+    factor 1/c4(R) to ||s||_1 when bias_correction is True. Then noise/signal are squared
+    for l1/nuclear. Validity: any non-finite statistic, a negative noise or a signal <= 0
+    gives valid=False with gns, noise, signal = nan.
+    """
+    _check_geometry(geometry)
+    R, B = _check_counts(num_samples, batch_size)
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
+    n = _as_float(noise_raw_sum)
+    s = _as_float(signal_raw_sum)
+    n_unc = _as_float(noise_uncorrected_sum) if noise_uncorrected_sum is not None else None
+    if geometry == "l2":
+        noise, signal, noise_raw = n, s, n
+    elif geometry == "l1":
+        factor = _bias.l1_noise_factor(R) if bias_correction else 1.0
+        noise, signal, noise_raw = (n * factor) ** 2, s * s, n * n
+    else:
+        noise, signal = n * n, s * s
+        if bias_correction:
+            noise_raw = n_unc * n_unc if n_unc is not None else None
+        else:
+            noise_raw = noise
+    valid = (
+        math.isfinite(noise)
+        and math.isfinite(signal)
+        and noise >= 0
+        and signal > 0
+        and (noise_raw is None or math.isfinite(noise_raw))
+    )
+    if not valid:
+        nan = math.nan
+        return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
+                           geometry, R, B, bias_correction, nan)
+    sig_unb = signal - noise / B if geometry == "l2" else None
+    return GNSEstimate(noise / signal, noise, signal, True, sig_unb, geometry, R, B,
+                       bias_correction, noise_raw)
+
+
+def _normalise_samples(rank_grads) -> list[list[Tensor]]:
+    if isinstance(rank_grads, Tensor) or rank_grads is None:
+        raise ValueError(
+            "rank_grads: expected a list (one entry per sample) of lists of tensors, got "
+            f"{type(rank_grads).__name__}"
+        )
+    samples = list(rank_grads)
+    if len(samples) == 0:
+        raise ValueError("rank_grads: empty; expected at least 2 samples (ranks or micro-batches)")
+    out = []
+    for j, sample in enumerate(samples):
+        params = [sample] if isinstance(sample, Tensor) else list(sample)
+        for p, t in enumerate(params):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"rank_grads[{j}][{p}]: expected a tensor, got {type(t).__name__}")
+        out.append(params)
+    if len(out) < 2:
+        raise ValueError(f"rank_grads: expected at least 2 samples for a variance, got {len(out)}")
+    n_params = len(out[0])
+    if n_params == 0:
+        raise ValueError("rank_grads[0]: empty; expected at least one gradient tensor per sample")
+    for j, params in enumerate(out):
+        if len(params) != n_params:
+            raise ValueError(
+                f"rank_grads[{j}]: has {len(params)} tensors, rank_grads[0] has {n_params}; "
+                "every sample must hold the same parameters"
+            )
+        for p, t in enumerate(params):
+            if t.shape != out[0][p].shape:
+                raise ValueError(
+                    f"rank_grads[{j}][{p}]: shape {tuple(t.shape)} differs from "
+                    f"rank_grads[0][{p}] shape {tuple(out[0][p].shape)}"
+                )
+    if sum(t.numel() for t in out[0]) == 0:
+        raise ValueError("rank_grads: the gradient tensors hold no elements")
+    return out
+
+
+def _normalise_shift(shift, first: list[Tensor]) -> list[Tensor | None]:
+    if shift is None:
+        return [None] * len(first)
+    shifts = [shift] if isinstance(shift, Tensor) else list(shift)
+    if len(shifts) != len(first):
+        raise ValueError(f"shift: expected {len(first)} tensors (one per parameter, or None), got {len(shifts)}")
+    for p, (s, t) in enumerate(zip(shifts, first)):
+        if s is not None and (not isinstance(s, Tensor) or s.shape != t.shape):
+            got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+            raise ValueError(f"shift[{p}]: expected None or a tensor of shape {tuple(t.shape)}, got {got}")
+    return shifts
+
+
+def estimate(
+    rank_grads: Sequence[Sequence[Tensor]],
+    batch_size: int,
+    geometry: str = "l1",
+    bias_correction: bool = True,
+    shift: Sequence[Tensor | None] | Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    *,
+    nuclear_dof_model: str = "columns",
+) -> GNSEstimate:
+    """GNS of R sample gradients in the given geometry (see the module docstring).
+
+    rank_grads: R >= 2 samples, each a list of tensors (one per parameter, same shapes in
+      every sample; a bare tensor counts as a one-parameter list); sample j holds the MEAN
+      gradient over batch_size / R examples.
+    batch_size: global batch B, a multiple of R.
+    geometry: 'l2', 'l1' or 'nuclear' (nuclear uses 2-D tensors only; others are ignored).
+    bias_correction: correct the small-R bias of the noise (l1: 1/c4(R)^2; nuclear:
+      bias.nuclear_sqrt_trace_corrected with other_dim = the matrix's other side and
+      dof_model=nuclear_dof_model); False gives the paper's estimator.
+    shift: None, or one tensor (or None) per parameter, identical for all samples (e.g. the
+      momentum buffer); the variance is computed from g^j - S, exact in exact arithmetic and
+      far more accurate in float32 when S is close to g.
+    dtype: arithmetic of the statistics (subtraction formula, as the fused ops use).
+    Returns GNSEstimate; non-finite gradients give valid=False.
+    """
+    _check_geometry(geometry)
+    samples = _normalise_samples(rank_grads)
+    R, B = _check_counts(len(samples), batch_size)
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    shifts = _normalise_shift(shift, samples[0])
+    scale = B / (R - 1)
+    n_params = len(samples[0])
+
+    def shifted(p: int) -> tuple[Tensor, Tensor | None]:
+        x = torch.stack([samples[j][p].detach().to(dtype) for j in range(R)])
+        S = shifts[p]
+        if S is None:
+            return x, None
+        S = S.detach().to(device=x.device, dtype=dtype)
+        return x - S, S
+
+    if geometry in ("l2", "l1"):
+        noise_sum = None
+        signal_sum = None
+        for p in range(n_params):
+            x, S = shifted(p)
+            d = x.mean(dim=0)
+            q = (x * x).mean(dim=0)
+            s2 = scale * (q - d * d)
+            s2 = torch.where(s2 < 0, torch.zeros_like(s2), s2)  # NaN stays NaN
+            g = d if S is None else d + S
+            if geometry == "l2":
+                nt, st = s2.sum(), (g * g).sum()
+            else:
+                nt, st = s2.sqrt().sum(), g.abs().sum()
+            noise_sum = nt if noise_sum is None else noise_sum + nt
+            signal_sum = st if signal_sum is None else signal_sum + st
+        return estimate_from_stats(geometry, noise_sum, signal_sum, R, B, bias_correction)
+
+    mats = [p for p in range(n_params) if samples[0][p].dim() == 2]
+    if not mats:
+        raise ValueError("rank_grads: geometry 'nuclear' needs at least one 2-D tensor per sample")
+    noise_sum, noise_unc, signal_sum = 0.0, 0.0, 0.0
+    for p in mats:
+        x, S = shifted(p)
+        m, n = x.shape[-2], x.shape[-1]
+        if m > n:  # column Gram: same sqrt-trace, smaller matrix
+            x = x.mT
+            S = None if S is None else S.mT
+            m, n = n, m
+        d = x.mean(dim=0)
+        A = (x @ x.mT).mean(dim=0)
+        C = scale * (A - d @ d.mT)
+        if not bool(torch.isfinite(C).all()):
+            ev = torch.full((m,), math.nan, dtype=dtype, device=C.device)
+        else:
+            ev = torch.linalg.eigvalsh(0.5 * (C + C.mT))
+        raw = torch.where(ev < 0, torch.zeros_like(ev), ev).sqrt().sum()
+        if bias_correction:
+            corr = _bias.nuclear_sqrt_trace_corrected(
+                ev, R, B, other_dim=n, dof_model=nuclear_dof_model
+            )
+        else:
+            corr = raw
+        g = d if S is None else d + S
+        if bool(torch.isfinite(g).all()):
+            sv = torch.linalg.svdvals(g).sum()
+        else:
+            sv = torch.tensor(math.nan, dtype=dtype)
+        noise_sum = noise_sum + _as_float(corr)
+        noise_unc = noise_unc + _as_float(raw)
+        signal_sum = signal_sum + _as_float(sv)
+    return estimate_from_stats(
+        "nuclear", noise_sum, signal_sum, R, B, bias_correction, noise_uncorrected_sum=noise_unc
+    )
+
+
+def critical_batch_size(gns, geometry: str, rule: str = "fraction", kappa: float = 0.5) -> float:
+    """Critical batch size from a GNS (paper Sec. 3.3 and Appendix C).
+
+    gns: a number (or a GNSEstimate, whose .gns is used; nan when it is invalid).
+    rule:
+      'fraction'   smallest B reaching a fraction kappa in (0, 1) of the deterministic
+                   improvement: l2 (SGD): kappa/(1-kappa) * GNS (= GNS at kappa = 1/2);
+                   l1 / nuclear: (1/(1-sqrt(kappa)))^2 * GNS. (B = GNS/theta^2 is
+                   kappa = (1-theta)^2.)
+      'inflection' inflection point of (1-sqrt(GNS/B))^2: 16/9 * GNS (l1 / nuclear only).
+      'efficiency' maximum improvement per example: 4 * GNS (l1 / nuclear only).
+    For l2 the improvement curve is concave with its efficiency maximum at B = 1, so
+    'inflection' and 'efficiency' are undefined there (ValueError).
+    """
+    _check_geometry(geometry)
+    if isinstance(gns, GNSEstimate):
+        gns = gns.gns
+    g = float(gns)
+    if g < 0:
+        raise ValueError(f"gns: expected a non-negative noise scale, got {g}")
+    if rule == "fraction":
+        k = float(kappa)
+        if not 0.0 < k < 1.0:
+            raise ValueError(f"kappa: expected a fraction in (0, 1), got {kappa}")
+        if geometry == "l2":
+            return k / (1.0 - k) * g
+        return g / (1.0 - math.sqrt(k)) ** 2
+    if rule in ("inflection", "efficiency"):
+        if geometry == "l2":
+            raise ValueError(
+                f"rule: {rule!r} is undefined for geometry 'l2' (SGD's improvement curve is "
+                "concave with no inflection point); use rule='fraction'"
+            )
+        return (16.0 / 9.0 if rule == "inflection" else 4.0) * g
+    raise ValueError(f"rule: expected one of 'fraction', 'inflection', 'efficiency', got {rule!r}")
