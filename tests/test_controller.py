@@ -341,3 +341,34 @@ def test_load_state_dict_config_mismatch():
 def test_bad_arguments(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         AdaptiveBatchSize(**kwargs)
+
+
+def test_with_real_gns_estimates():
+    # gk.GNSEstimate from gk.estimate drives the controller; batch from the oracle's numbers
+    import torch
+
+    import gns_kernels as gk
+    from gns_kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    R, B = 4, 32
+    c = AdaptiveBatchSize(initial_batch_size=4, theta=0.6, beta_noise=0.5, beta_signal=0.5,
+                          every=1, multiple_of=4)
+    N = M = None
+    expected = 4
+    for k in range(3):
+        mean = torch.randn(5, 3, generator=g, dtype=torch.float64)
+        rank_grads = [[mean + 2.0 * torch.randn(5, 3, generator=g, dtype=torch.float64)] for _ in range(R)]
+        est = gk.estimate(rank_grads, batch_size=B, geometry="l1", bias_correction=False)
+        n, s = reference.raw_gns(rank_grads, B, "l1")
+        N = n if N is None else 0.5 * N + 0.5 * n
+        M = s if M is None else 0.5 * M + 0.5 * s
+        expected = max(expected, 4 * math.ceil(N / (0.36 * M) / 4))
+        c.update(k, est)
+        assert c.noise_ema == pytest.approx(N, rel=1e-10)
+        assert c.signal_ema == pytest.approx(M, rel=1e-10)
+        assert c.batch_size == expected
+    bad = [[torch.full((5, 3), float("nan"), dtype=torch.float64)] for _ in range(R)]
+    before = c.state_dict()
+    c.update(3, gk.estimate(bad, batch_size=B, geometry="l1"))
+    assert c.num_skipped == 1 and c.noise_ema == before["noise_ema"]
