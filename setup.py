@@ -27,7 +27,11 @@ def _ext_modules():
     cpu_sources = _sources("*.cpp", "cpu/*.cpp")
     if not cpu_sources:
         return []
-    extra_cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # -fno-math-errno lets sqrtf vectorize (the kernels never rely on errno);
+    # -ffp-contract=off keeps every SIMD clone (AVX-512 / AVX2 / baseline, see
+    # csrc/cpu/cpu_common.h) bit-identical: no FMA contraction; -fopenmp makes
+    # at::parallel_for (ATen's OpenMP backend, inlined from its headers) parallel.
+    extra_cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
     return [
         CppExtension(
             name="gns_kernels._C",

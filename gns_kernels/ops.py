@@ -82,21 +82,50 @@ def _require_cpp() -> None:
         raise RuntimeError("gns_kernels.ops: " + _REBUILD_HINT.format(err=_C_ERROR))
 
 
+# Fake (meta) kernels: output shapes/dtypes for torch.compile, FakeTensor and opcheck.
+if _C is not None:
+
+    @torch.library.register_fake("gns_kernels::variance_norms")
+    def _variance_norms_fake(mean_grad, mean_sq, scale, shift=None):
+        return mean_grad.new_empty(4, dtype=torch.float32)
+
+    @torch.library.register_fake("gns_kernels::variance_norms_multi")
+    def _variance_norms_multi_fake(mean_grads, mean_sqs, scale, shifts):
+        torch._check(len(mean_grads) > 0, lambda: "mean_grads: expected a non-empty list")
+        return mean_grads[0].new_empty(4, dtype=torch.float32)
+
+    @torch.library.register_fake("gns_kernels::square_pack")
+    def _square_pack_fake(grad, out, shift=None):
+        return None
+
+    @torch.library.register_fake("gns_kernels::accumulate_sq")
+    def _accumulate_sq_fake(grad, prev, sq):
+        return None
+
+    @torch.library.register_fake("gns_kernels::accumulate_sq_multi")
+    def _accumulate_sq_multi_fake(grads, prevs, sqs):
+        return None
+
+
 _TRITON_REGISTERED = False
 
 
 def _register_triton_cuda() -> None:
-    """Let the Triton helper register its kernels as the CUDA impls of the torch ops."""
+    """Let the Triton helper register its kernels as the CUDA impls of the torch ops.
+
+    Called once (lazily): at import when CUDA is available, else at the first CUDA call.
+    Only a missing triton (or a gns_kernels.triton without the hook) is tolerated; any
+    other error inside gns_kernels.triton surfaces.
+    """
     global _TRITON_REGISTERED
-    if _TRITON_REGISTERED:
+    if _TRITON_REGISTERED or _C is None:
         return
     _TRITON_REGISTERED = True
     try:
-        from .triton import register_cuda_kernels  # noqa: WPS433
+        from .triton import register_cuda_kernels
     except ImportError as exc:
-        # Only a missing triton (or a triton package without the hook yet) is tolerated;
-        # any other error inside gns_kernels.triton surfaces.
-        if getattr(exc, "name", None) in ("triton", "gns_kernels.triton") or "triton" in str(exc):
+        name = getattr(exc, "name", None) or ""
+        if name in ("triton", "gns_kernels.triton") or name.startswith("triton."):
             return
         raise
     register_cuda_kernels()
@@ -110,6 +139,10 @@ def _triton_fused():
             f"gns_kernels.ops: backend 'triton' needs triton and gns_kernels.triton.fused ({exc})"
         ) from exc
     return fused
+
+
+if _C is not None and torch.cuda.is_available():
+    _register_triton_cuda()
 
 
 # --------------------------------------------------------------------------------------
@@ -135,8 +168,8 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
             _require_cpp()
         return b
     if device.type == "cpu":
-        # The C++ extension is being written: until it exists, CPU falls back to eager.
-        return "cpp" if _C is not None else "eager"
+        _require_cpp()  # no silent fallback: eager stays available explicitly
+        return "cpp"
     if device.type == "cuda":
         _register_triton_cuda()
         if _has_cuda_kernel(op_name):
@@ -347,8 +380,12 @@ def variance_norms_multi(
     if shifts is not None:
         _common_device("shifts", [s for s in shifts if s is not None])
     b = _resolve(backend, dev, "variance_norms_multi")
+    if not mean_grads:  # nothing to dispatch on: the sums are zero
+        return torch.zeros(4, dtype=torch.float32, device=dev)
     if b == "cpp":
-        return torch.ops.gns_kernels.variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
+        return torch.ops.gns_kernels.variance_norms_multi(
+            mean_grads, mean_sqs, scale, [] if shifts is None else shifts
+        )
     if b == "triton":
         return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
     total = torch.zeros(4, dtype=torch.float64, device=dev)
@@ -377,6 +414,8 @@ def accumulate_sq_multi(
     _common_device("prevs", prevs)
     _common_device("sqs", sqs)
     b = _resolve(backend, dev, "accumulate_sq_multi")
+    if not grads:
+        return
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq_multi(grads, prevs, sqs)
     elif b == "triton":

@@ -1,0 +1,152 @@
+// CPU kernels of the element-wise fused ops: square_pack, accumulate_sq, accumulate_sq_multi.
+// One pass, no temporaries; work split into the fixed blocks of cpu_common.h (each element
+// is written by exactly one thread, so the results do not depend on the thread count).
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu/cpu_common.h"
+
+namespace gns_cpu {
+namespace {
+
+// ---- square_pack: out[i] = x, out[n + i] = x*x, x = grad - shift -------------------------
+template <typename T, typename S, bool kShift>
+GNS_CPU_CLONES void square_pack_block(const void* gv, const void* sv, float* out, int64_t n, int64_t off,
+                                      int64_t len) {
+  const T* __restrict__ g = static_cast<const T*>(gv) + off;
+  const S* __restrict__ s = kShift ? static_cast<const S*>(sv) + off : nullptr;
+  float* __restrict__ x_out = out + off;
+  float* __restrict__ sq_out = out + n + off;
+  for (int64_t i = 0; i < len; ++i) {
+    const float x = kShift ? gns::shifted(static_cast<float>(g[i]), static_cast<float>(s[i]))
+                           : static_cast<float>(g[i]);
+    x_out[i] = x;
+    sq_out[i] = x * x;
+  }
+}
+
+using SquarePackFn = void (*)(const void*, const void*, float*, int64_t, int64_t, int64_t);
+
+void square_pack_cpu(const at::Tensor& grad, const at::Tensor& out, const c10::optional<at::Tensor>& shift) {
+  check_input(grad, "grad");
+  check_float32(out, "out");
+  const int64_t n = grad.numel();
+  check_numel(out, "out", 2 * n, "2x grad");
+  const bool has_shift = shift.has_value() && shift->defined();
+  if (has_shift) {
+    check_input(*shift, "shift");
+    check_numel(*shift, "shift", n, "grad");
+  }
+  SquarePackFn fn = nullptr;
+  dispatch_float(grad.scalar_type(), [&](auto gtag) {
+    using T = decltype(gtag);
+    if (!has_shift) {
+      fn = &square_pack_block<T, float, false>;
+    } else {
+      dispatch_float(shift->scalar_type(), [&](auto stag) { fn = &square_pack_block<T, decltype(stag), true>; });
+    }
+  });
+  const void* g = grad.data_ptr();
+  const void* s = has_shift ? shift->data_ptr() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, num_blocks(n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t off = b * kBlock;
+      fn(g, s, o, n, off, std::min(kBlock, n - off));
+    }
+  });
+}
+
+// ---- accumulate_sq: d = grad - prev; sq += d*d; prev = grad ------------------------------
+template <typename G, typename P>
+GNS_CPU_CLONES void accumulate_sq_block(const void* gv, void* pv, float* sqv, int64_t off, int64_t len) {
+  const G* __restrict__ g = static_cast<const G*>(gv) + off;
+  P* __restrict__ p = static_cast<P*>(pv) + off;
+  float* __restrict__ sq = sqv + off;
+  for (int64_t i = 0; i < len; ++i) {
+    const G gi = g[i];
+    sq[i] = gns::accumulate_sq_value(static_cast<float>(gi), static_cast<float>(p[i]), sq[i]);
+    p[i] = static_cast<P>(gi);  // exact: P is G's type or float32
+  }
+}
+
+using AccFn = void (*)(const void*, void*, float*, int64_t, int64_t);
+
+struct AccTensor {
+  const void* g;
+  void* p;
+  float* sq;
+  int64_t n;
+  AccFn fn;
+};
+
+AccTensor make_acc_tensor(const at::Tensor& grad, const at::Tensor& prev, const at::Tensor& sq,
+                          const std::string& suffix) {
+  const std::string ng = "grad" + suffix, np = "prev" + suffix, ns = "sq" + suffix;
+  check_input(grad, ng);
+  check_input(prev, np);
+  TORCH_CHECK_TYPE(prev.scalar_type() == grad.scalar_type() || prev.scalar_type() == at::kFloat, np,
+                   ": expected dtype ", grad.scalar_type(), " (like ", ng, ") or float32, got ",
+                   prev.scalar_type());
+  check_float32(sq, ns);
+  check_numel(prev, np, grad.numel(), ng);
+  check_numel(sq, ns, grad.numel(), ng);
+  AccTensor t;
+  t.g = grad.data_ptr();
+  t.p = prev.data_ptr();
+  t.sq = sq.data_ptr<float>();
+  t.n = grad.numel();
+  t.fn = nullptr;
+  dispatch_float(grad.scalar_type(), [&](auto gtag) {
+    using G = decltype(gtag);
+    if (prev.scalar_type() == grad.scalar_type()) {
+      t.fn = &accumulate_sq_block<G, G>;
+    } else {
+      t.fn = &accumulate_sq_block<G, float>;
+    }
+  });
+  return t;
+}
+
+void run_accumulate_sq(const std::vector<AccTensor>& ts) {
+  std::vector<int64_t> first;  // first[k] = index of tensor k's first block
+  int64_t nb = 0;
+  for (const AccTensor& t : ts) {
+    first.push_back(nb);
+    nb += num_blocks(t.n);
+  }
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    size_t k = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      while (k + 1 < ts.size() && first[k + 1] <= b) ++k;
+      const int64_t off = (b - first[k]) * kBlock;
+      ts[k].fn(ts[k].g, ts[k].p, ts[k].sq, off, std::min(kBlock, ts[k].n - off));
+    }
+  });
+}
+
+void accumulate_sq_cpu(const at::Tensor& grad, const at::Tensor& prev, const at::Tensor& sq) {
+  run_accumulate_sq({make_acc_tensor(grad, prev, sq, "")});
+}
+
+void accumulate_sq_multi_cpu(at::TensorList grads, at::TensorList prevs, at::TensorList sqs) {
+  const size_t n = grads.size();
+  TORCH_CHECK_VALUE(prevs.size() == n, "prevs: expected ", n, " tensors like grads, got ", prevs.size());
+  TORCH_CHECK_VALUE(sqs.size() == n, "sqs: expected ", n, " tensors like grads, got ", sqs.size());
+  std::vector<AccTensor> ts;
+  ts.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    ts.push_back(make_acc_tensor(grads[i], prevs[i], sqs[i], "s[" + std::to_string(i) + "]"));
+  }
+  run_accumulate_sq(ts);
+}
+
+}  // namespace
+}  // namespace gns_cpu
+
+TORCH_LIBRARY_IMPL(gns_kernels, CPU, m) {
+  m.impl("square_pack", &gns_cpu::square_pack_cpu);
+  m.impl("accumulate_sq", &gns_cpu::accumulate_sq_cpu);
+  m.impl("accumulate_sq_multi", &gns_cpu::accumulate_sq_multi_cpu);
+}
