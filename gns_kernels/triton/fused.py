@@ -1,0 +1,529 @@
+"""Triton kernels of the fused l1/l2 ops (GPU path of gns_kernels.ops; same signatures).
+
+Semantics (float32 arithmetic whatever the input dtype; oracle gns_kernels.reference):
+
+- ``variance_norms(mean_grad, mean_sq, scale, shift=None) -> Tensor[4]`` float32:
+  d = mean_grad, q = mean_sq, g = d + shift (d without shift),
+  s2 = max(scale * (q - d^2), 0) with NaN kept (``tl.where(s2 < 0, 0, s2)``: NaN < 0 is
+  false, whereas tl.maximum would drop the NaN), s = sqrt(s2) (correctly rounded),
+  returns [||s||_1, ||g||_1, sum s2, ||g||_2^2] (units: gradient, gradient, gradient^2,
+  gradient^2; shapes: any, flattened).
+- ``square_pack(grad, out, shift=None) -> out``: x = grad - shift; out[:n] = x,
+  out[n:2n] = x^2 (out float32, 2n elements).
+- ``accumulate_sq(grad, prev, sq) -> None``: d = grad - prev; sq += d^2; prev = grad.
+- ``variance_norms_multi`` / ``accumulate_sq_multi``: the same over lists of tensors.
+
+Inputs: contiguous float32 / bfloat16 / float16 tensors on a CUDA device (compiled
+kernels) or on the CPU (Triton's interpreter, for tests). Validation is shared with
+gns_kernels.ops (same error messages).
+
+Work split (no float atomics anywhere; results bit-identical run to run on one device):
+- Elements are cut in tiles of BLOCK = 1024; program p handles the contiguous tiles
+  [p*T, (p+1)*T) with T = clamp(ceil(tiles / 1024), 1, 64), so there are at most 1024
+  programs up to 64M elements (one resident wave on A100/H100 at 4 warps) and each
+  float32 lane sums at most 64 values before the tree reduction. Full tiles are loaded
+  without masks (128-bit vector loads when the pointer is 16-byte aligned); only the one
+  partial tile at the end of a tensor is masked.
+- Reductions: each program writes its 4 partial sums to its own slot of a [4, programs]
+  float32 buffer; a second kernel (4 programs, one per statistic) sums the slots in a
+  fixed order. The only temporaries are O(programs).
+- Lists (_multi): ONE launch per distinct dtype combination (usually one) over a
+  device-side int64 table, one row per non-empty tensor:
+  [ptr_a, ptr_b, ptr_c, numel, first_tile]; the global tile sequence of all tensors is
+  split among programs as above, each program finds its first tensor by binary search
+  over first_tile and walks on. Tables are built on the host (one small host-to-device
+  copy) and cached by (pointers, sizes), so repeated calls on the same buffers, as in
+  training, reuse them. Pointers are hinted 16-byte aligned (tl.multiple_of) only when
+  every tensor of the launch is, so misaligned views still run (with scalar loads).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import torch
+import triton.language as tl
+
+from .. import ops as _ops
+from ._runtime import SUM_COMBINE, dual_kernel
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "variance_norms",
+    "square_pack",
+    "accumulate_sq",
+    "variance_norms_multi",
+    "accumulate_sq_multi",
+    "BLOCK",
+    "NUM_WARPS",
+    "MAX_PROGRAMS",
+    "MAX_TILES_PER_PROGRAM",
+    "plan",
+]
+
+BLOCK = 1024  # elements per tile (4 warps x 32 lanes x 8 elements)
+NUM_WARPS = 4
+REDUCE_BLOCK = 1024  # partial slots summed per step by the final reduction
+MAX_PROGRAMS = 1024  # programs per launch up to MAX_PROGRAMS * MAX_TILES_PER_PROGRAM tiles
+MAX_TILES_PER_PROGRAM = 64  # bounds the sequential float32 sum per lane
+
+_sum_combine = SUM_COMBINE  # global name the kernels reference
+
+
+# --------------------------------------------------------------------------------------
+# Kernels (raw functions wrapped by dual_kernel: builtins only, see _runtime.py)
+# --------------------------------------------------------------------------------------
+@dual_kernel
+def _variance_norms_kernel(g_ptr, q_ptr, s_ptr, part_ptr, part_stride, n, num_tiles,
+                           tiles_per_prog, scale,
+                           HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial sums [sqrt(s2), |g|, s2, g^2] of program p's tiles -> part[k*stride + p]."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, num_tiles)
+    n_full = n // BLOCK
+    full_end = tl.minimum(t1, n_full)
+    lane = tl.arange(0, BLOCK)
+    acc_s = tl.full([BLOCK], 0.0, tl.float32)
+    acc_a = tl.full([BLOCK], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK], 0.0, tl.float32)
+    acc_g = tl.full([BLOCK], 0.0, tl.float32)
+    for t in range(t0, full_end):
+        offs = t * BLOCK + lane
+        d = tl.load(g_ptr + offs).to(tl.float32)
+        q = tl.load(q_ptr + offs).to(tl.float32)
+        s2 = scale * (q - d * d)
+        s2 = tl.where(s2 < 0.0, 0.0, s2)  # keeps NaN
+        if HAS_SHIFT:
+            g = d + tl.load(s_ptr + offs).to(tl.float32)
+        else:
+            g = d
+        acc_s += tl.sqrt_rn(s2)
+        acc_a += tl.abs(g)
+        acc_v += s2
+        acc_g += g * g
+    if full_end < t1:  # the masked tail tile (index n_full) is this program's
+        offs = n_full * BLOCK + lane
+        m = offs < n
+        d = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        s2 = scale * (q - d * d)
+        s2 = tl.where(s2 < 0.0, 0.0, s2)
+        s2 = tl.where(m, s2, 0.0)  # scale * 0 is NaN for scale = inf
+        if HAS_SHIFT:
+            g = d + tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        else:
+            g = d
+        acc_s += tl.sqrt_rn(s2)
+        acc_a += tl.abs(g)
+        acc_v += s2
+        acc_g += g * g
+    tl.store(part_ptr + pid, tl.reduce(acc_s, 0, _sum_combine))
+    tl.store(part_ptr + part_stride + pid, tl.reduce(acc_a, 0, _sum_combine))
+    tl.store(part_ptr + 2 * part_stride + pid, tl.reduce(acc_v, 0, _sum_combine))
+    tl.store(part_ptr + 3 * part_stride + pid, tl.reduce(acc_g, 0, _sum_combine))
+
+
+@dual_kernel
+def _variance_norms_multi_kernel(table_ptr, part_ptr, part_stride, n_tensors, total_tiles,
+                                 tiles_per_prog, scale,
+                                 G_DT: tl.constexpr, S_DT: tl.constexpr,
+                                 HAS_SHIFT: tl.constexpr, ALIGNED: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """variance_norms partials over a table of tensors; row = [d, q, shift, numel, tile0]."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
+    # Binary search: the last table row whose first tile is <= t0.
+    lo = pid * 0
+    hi = lo + (n_tensors - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(table_ptr + mid * 5 + 4) <= t0
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    lane = tl.arange(0, BLOCK)
+    acc_s = tl.full([BLOCK], 0.0, tl.float32)
+    acc_a = tl.full([BLOCK], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK], 0.0, tl.float32)
+    acc_g = tl.full([BLOCK], 0.0, tl.float32)
+    t = t0
+    k = lo
+    while t < t1:
+        row = table_ptr + k * 5
+        dp = tl.load(row).to(tl.pointer_type(G_DT), bitcast=True)
+        qp = tl.load(row + 1).to(tl.pointer_type(G_DT), bitcast=True)
+        sp = tl.load(row + 2).to(tl.pointer_type(S_DT), bitcast=True)
+        if ALIGNED:
+            dp = tl.multiple_of(dp, 16)
+            qp = tl.multiple_of(qp, 16)
+            sp = tl.multiple_of(sp, 16)
+        numel = tl.load(row + 3)
+        first = tl.load(row + 4)
+        n_full = numel // BLOCK
+        end_k = tl.minimum(first + (numel + (BLOCK - 1)) // BLOCK, t1)
+        full_end = tl.minimum(first + n_full, end_k)
+        for tt in range(t, full_end):
+            offs = (tt - first) * BLOCK + lane
+            d = tl.load(dp + offs).to(tl.float32)
+            q = tl.load(qp + offs).to(tl.float32)
+            s2 = scale * (q - d * d)
+            s2 = tl.where(s2 < 0.0, 0.0, s2)
+            if HAS_SHIFT:
+                g = d + tl.load(sp + offs).to(tl.float32)
+            else:
+                g = d
+            acc_s += tl.sqrt_rn(s2)
+            acc_a += tl.abs(g)
+            acc_v += s2
+            acc_g += g * g
+        if full_end < end_k:
+            offs = n_full * BLOCK + lane
+            m = offs < numel
+            d = tl.load(dp + offs, mask=m, other=0.0).to(tl.float32)
+            q = tl.load(qp + offs, mask=m, other=0.0).to(tl.float32)
+            s2 = scale * (q - d * d)
+            s2 = tl.where(s2 < 0.0, 0.0, s2)
+            s2 = tl.where(m, s2, 0.0)
+            if HAS_SHIFT:
+                g = d + tl.load(sp + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                g = d
+            acc_s += tl.sqrt_rn(s2)
+            acc_a += tl.abs(g)
+            acc_v += s2
+            acc_g += g * g
+        t = end_k
+        k += 1
+    tl.store(part_ptr + pid, tl.reduce(acc_s, 0, _sum_combine))
+    tl.store(part_ptr + part_stride + pid, tl.reduce(acc_a, 0, _sum_combine))
+    tl.store(part_ptr + 2 * part_stride + pid, tl.reduce(acc_v, 0, _sum_combine))
+    tl.store(part_ptr + 3 * part_stride + pid, tl.reduce(acc_g, 0, _sum_combine))
+
+
+@dual_kernel
+def _reduce_partials_kernel(part_ptr, out_ptr, num_parts, RBLOCK: tl.constexpr):
+    """out[k] = sum_p part[k, p] in a fixed order (program k; deterministic)."""
+    k = tl.program_id(0)
+    row = part_ptr + k.to(tl.int64) * num_parts
+    lane = tl.arange(0, RBLOCK)
+    acc = tl.full([RBLOCK], 0.0, tl.float32)
+    for start in range(0, num_parts, RBLOCK):
+        offs = start + lane
+        acc += tl.load(row + offs, mask=offs < num_parts, other=0.0)
+    tl.store(out_ptr + k, tl.reduce(acc, 0, _sum_combine))
+
+
+@dual_kernel
+def _square_pack_kernel(g_ptr, s_ptr, out_ptr, n, num_tiles, tiles_per_prog,
+                        HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """x = grad - shift; out[i] = x, out[n + i] = x^2 (float32)."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, num_tiles)
+    n_full = n // BLOCK
+    full_end = tl.minimum(t1, n_full)
+    lane = tl.arange(0, BLOCK)
+    for t in range(t0, full_end):
+        offs = t * BLOCK + lane
+        x = tl.load(g_ptr + offs).to(tl.float32)
+        if HAS_SHIFT:
+            x = x - tl.load(s_ptr + offs).to(tl.float32)
+        tl.store(out_ptr + offs, x)
+        tl.store(out_ptr + n + offs, x * x)
+    if full_end < t1:
+        offs = n_full * BLOCK + lane
+        m = offs < n
+        x = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_SHIFT:
+            x = x - tl.load(s_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, x, mask=m)
+        tl.store(out_ptr + n + offs, x * x, mask=m)
+
+
+@dual_kernel
+def _accumulate_sq_kernel(g_ptr, p_ptr, sq_ptr, n, num_tiles, tiles_per_prog,
+                          BLOCK: tl.constexpr):
+    """d = grad - prev; sq += d^2; prev = grad (in place)."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, num_tiles)
+    n_full = n // BLOCK
+    full_end = tl.minimum(t1, n_full)
+    lane = tl.arange(0, BLOCK)
+    for t in range(t0, full_end):
+        offs = t * BLOCK + lane
+        graw = tl.load(g_ptr + offs)
+        d = graw.to(tl.float32) - tl.load(p_ptr + offs).to(tl.float32)
+        tl.store(sq_ptr + offs, tl.load(sq_ptr + offs) + d * d)
+        tl.store(p_ptr + offs, graw.to(p_ptr.dtype.element_ty))
+    if full_end < t1:
+        offs = n_full * BLOCK + lane
+        m = offs < n
+        graw = tl.load(g_ptr + offs, mask=m, other=0.0)
+        d = graw.to(tl.float32) - tl.load(p_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(sq_ptr + offs, tl.load(sq_ptr + offs, mask=m, other=0.0) + d * d, mask=m)
+        tl.store(p_ptr + offs, graw.to(p_ptr.dtype.element_ty), mask=m)
+
+
+@dual_kernel
+def _accumulate_sq_multi_kernel(table_ptr, n_tensors, total_tiles, tiles_per_prog,
+                                G_DT: tl.constexpr, P_DT: tl.constexpr,
+                                ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """accumulate_sq over a table of tensors; row = [grad, prev, sq, numel, tile0]."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
+    lo = pid * 0
+    hi = lo + (n_tensors - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(table_ptr + mid * 5 + 4) <= t0
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    lane = tl.arange(0, BLOCK)
+    t = t0
+    k = lo
+    while t < t1:
+        row = table_ptr + k * 5
+        gp = tl.load(row).to(tl.pointer_type(G_DT), bitcast=True)
+        pp = tl.load(row + 1).to(tl.pointer_type(P_DT), bitcast=True)
+        qp = tl.load(row + 2).to(tl.pointer_type(tl.float32), bitcast=True)
+        if ALIGNED:
+            gp = tl.multiple_of(gp, 16)
+            pp = tl.multiple_of(pp, 16)
+            qp = tl.multiple_of(qp, 16)
+        numel = tl.load(row + 3)
+        first = tl.load(row + 4)
+        n_full = numel // BLOCK
+        end_k = tl.minimum(first + (numel + (BLOCK - 1)) // BLOCK, t1)
+        full_end = tl.minimum(first + n_full, end_k)
+        for tt in range(t, full_end):
+            offs = (tt - first) * BLOCK + lane
+            graw = tl.load(gp + offs)
+            d = graw.to(tl.float32) - tl.load(pp + offs).to(tl.float32)
+            tl.store(qp + offs, tl.load(qp + offs) + d * d)
+            tl.store(pp + offs, graw.to(P_DT))
+        if full_end < end_k:
+            offs = n_full * BLOCK + lane
+            m = offs < numel
+            graw = tl.load(gp + offs, mask=m, other=0.0)
+            d = graw.to(tl.float32) - tl.load(pp + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(qp + offs, tl.load(qp + offs, mask=m, other=0.0) + d * d, mask=m)
+            tl.store(pp + offs, graw.to(P_DT), mask=m)
+        t = end_k
+        k += 1
+
+
+KERNELS = {
+    "variance_norms": _variance_norms_kernel,
+    "variance_norms_multi": _variance_norms_multi_kernel,
+    "reduce_partials": _reduce_partials_kernel,
+    "square_pack": _square_pack_kernel,
+    "accumulate_sq": _accumulate_sq_kernel,
+    "accumulate_sq_multi": _accumulate_sq_multi_kernel,
+}
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(num_tiles: int) -> tuple[int, int]:
+    """(tiles_per_program, programs) for ``num_tiles`` tiles of BLOCK elements."""
+    tpp = min(MAX_TILES_PER_PROGRAM, max(1, _cdiv(num_tiles, MAX_PROGRAMS)))
+    return tpp, _cdiv(num_tiles, tpp)
+
+
+def _check_device(name: str, t: Tensor) -> torch.device:
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CUDA tensor (or CPU under Triton's interpreter), got {t.device}")
+    return t.device
+
+
+def _reduce(part: Tensor, device: torch.device) -> Tensor:
+    out = torch.empty(4, dtype=torch.float32, device=device)
+    _reduce_partials_kernel.launch(device, (4,), part, out, part.shape[1], RBLOCK=REDUCE_BLOCK)
+    return out
+
+
+def variance_norms(mean_grad: Tensor, mean_sq: Tensor, scale: float, shift: Optional[Tensor] = None) -> Tensor:
+    """[||s||_1, ||g||_1, sum s2, ||g||_2^2] as float32 Tensor[4] (see module docstring).
+
+    mean_grad, mean_sq (same dtype), shift (any of float32/bf16/fp16): same numel,
+    contiguous, one device. Two launches: partial sums, then the fixed-order reduction.
+    """
+    _ops._check_vn(mean_grad, mean_sq, shift)
+    scale = _ops._check_scale(scale)
+    dev = _check_device("mean_grad", mean_grad)
+    n = mean_grad.numel()
+    if n == 0:
+        return torch.zeros(4, dtype=torch.float32, device=dev)
+    num_tiles = _cdiv(n, BLOCK)
+    tpp, progs = plan(num_tiles)
+    part = torch.empty((4, progs), dtype=torch.float32, device=dev)
+    s = mean_grad if shift is None else shift
+    _variance_norms_kernel.launch(
+        dev, (progs,), mean_grad, mean_sq, s, part, progs, n, num_tiles, tpp, scale,
+        HAS_SHIFT=shift is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return _reduce(part, dev)
+
+
+def square_pack(grad: Tensor, out: Tensor, shift: Optional[Tensor] = None) -> Tensor:
+    """out[:n] = x, out[n:2n] = x^2 with x = grad - shift, in float32; returns ``out``."""
+    _ops._check_tensor("grad", grad)
+    _ops._check_tensor("out", out, allowed=(torch.float32,))
+    _ops._check_like("out", out, "grad (2x)", grad, numel=2 * grad.numel())
+    if shift is not None:
+        _ops._check_tensor("shift", shift)
+        _ops._check_like("shift", shift, "grad", grad)
+    dev = _check_device("grad", grad)
+    n = grad.numel()
+    if n == 0:
+        return out
+    num_tiles = _cdiv(n, BLOCK)
+    tpp, progs = plan(num_tiles)
+    s = grad if shift is None else shift
+    _square_pack_kernel.launch(dev, (progs,), grad, s, out, n, num_tiles, tpp,
+                               HAS_SHIFT=shift is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor) -> None:
+    """In place: d = grad - prev; sq += d^2; prev = grad (float32 arithmetic)."""
+    _ops._check_acc(grad, prev, sq)
+    dev = _check_device("grad", grad)
+    n = grad.numel()
+    if n == 0:
+        return None
+    num_tiles = _cdiv(n, BLOCK)
+    tpp, progs = plan(num_tiles)
+    _accumulate_sq_kernel.launch(dev, (progs,), grad, prev, sq, n, num_tiles, tpp,
+                                 BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return None
+
+
+# Device-side tables, cached by their exact content (pointers and sizes), so a cached
+# table is always correct; a few entries cover the buffers a training loop reuses.
+_TABLE_CACHE: "OrderedDict[tuple, Tensor]" = OrderedDict()
+_TABLE_CACHE_SIZE = 16
+
+
+def _table(rows: list[tuple[int, ...]], device: torch.device) -> Tensor:
+    key = (str(device), tuple(rows))
+    t = _TABLE_CACHE.get(key)
+    if t is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return t
+    t = torch.tensor(rows, dtype=torch.int64).to(device)
+    _TABLE_CACHE[key] = t
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return t
+
+
+def _groups(triples: list[tuple[Tensor, Tensor, Optional[Tensor]]], key_fn):
+    """Group non-empty (a, b, c) triples by key_fn (dtype combination), first-seen order."""
+    groups: "OrderedDict[tuple, list]" = OrderedDict()
+    for tr in triples:
+        if tr[0].numel() == 0:
+            continue
+        groups.setdefault(key_fn(tr), []).append(tr)
+    return groups
+
+
+def _rows(triples) -> tuple[list[tuple[int, ...]], int, bool]:
+    rows, first, aligned = [], 0, True
+    for a, b, c in triples:
+        ptrs = (a.data_ptr(), b.data_ptr(), (a if c is None else c).data_ptr())
+        aligned = aligned and all(p % 16 == 0 for p in ptrs)
+        n = a.numel()
+        rows.append(ptrs + (n, first))
+        first += _cdiv(n, BLOCK)
+    return rows, first, aligned
+
+
+def variance_norms_multi(
+    mean_grads: Sequence[Tensor],
+    mean_sqs: Sequence[Tensor],
+    scale: float,
+    shifts: Optional[Sequence[Optional[Tensor]]] = None,
+) -> Tensor:
+    """Sum of variance_norms over lists (float32 Tensor[4]; zeros for empty lists).
+
+    One launch per distinct (mean_grad dtype, shift dtype or None) combination over a
+    device-side table of the non-empty tensors, then one fixed-order reduction of all
+    partial slots.
+    """
+    mean_grads = _ops._check_list("mean_grads", mean_grads)
+    mean_sqs = _ops._check_list("mean_sqs", mean_sqs)
+    if len(mean_sqs) != len(mean_grads):
+        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
+    if shifts is not None:
+        shifts = _ops._check_list("shifts", shifts)
+        if len(shifts) != len(mean_grads):
+            raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
+    scale = _ops._check_scale(scale)
+    sh = [None] * len(mean_grads) if shifts is None else shifts
+    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
+        _ops._check_vn(d, q, sh[i], suffix=f"s[{i}]")
+    dev = _ops._common_device("mean_grads", mean_grads)
+    _ops._common_device("mean_sqs", mean_sqs)
+    _ops._common_device("shifts", [s for s in sh if s is not None])
+    for i, s in enumerate(sh):
+        if s is not None and s.device != dev:
+            raise ValueError(f"shifts[{i}]: expected device {dev} like mean_grads, got {s.device}")
+    if mean_grads:
+        _check_device("mean_grads[0]", mean_grads[0])
+    groups = _groups(list(zip(mean_grads, mean_sqs, sh)),
+                     lambda tr: (tr[0].dtype, None if tr[2] is None else tr[2].dtype))
+    if not groups:
+        return torch.zeros(4, dtype=torch.float32, device=dev)
+    launches, total_progs = [], 0
+    for (g_dt, s_dt), triples in groups.items():
+        rows, tiles, aligned = _rows(triples)
+        tpp, progs = plan(tiles)
+        launches.append((g_dt, s_dt, rows, tiles, aligned, tpp, progs, total_progs))
+        total_progs += progs
+    part = torch.empty((4, total_progs), dtype=torch.float32, device=dev)
+    for g_dt, s_dt, rows, tiles, aligned, tpp, progs, col0 in launches:
+        table = _table(rows, dev)
+        _variance_norms_multi_kernel.launch(
+            dev, (progs,), table, part[:, col0:], total_progs, len(rows), tiles, tpp, scale,
+            G_DT=_TL_DTYPE[g_dt], S_DT=_TL_DTYPE[g_dt if s_dt is None else s_dt],
+            HAS_SHIFT=s_dt is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return _reduce(part, dev)
+
+
+def accumulate_sq_multi(grads: Sequence[Tensor], prevs: Sequence[Tensor], sqs: Sequence[Tensor]) -> None:
+    """accumulate_sq over lists, in place; one launch per (grad dtype, prev dtype) pair."""
+    grads = _ops._check_list("grads", grads)
+    prevs = _ops._check_list("prevs", prevs)
+    sqs = _ops._check_list("sqs", sqs)
+    for name, xs in (("prevs", prevs), ("sqs", sqs)):
+        if len(xs) != len(grads):
+            raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
+    for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
+        _ops._check_acc(g, p, s, suffix=f"s[{i}]")
+    dev = _ops._common_device("grads", grads)
+    _ops._common_device("prevs", prevs)
+    _ops._common_device("sqs", sqs)
+    if grads:
+        _check_device("grads[0]", grads[0])
+    groups = _groups(list(zip(grads, prevs, sqs)), lambda tr: (tr[0].dtype, tr[1].dtype))
+    for (g_dt, p_dt), triples in groups.items():
+        rows, tiles, aligned = _rows(triples)
+        tpp, progs = plan(tiles)
+        table = _table(rows, dev)
+        _accumulate_sq_multi_kernel.launch(
+            dev, (progs,), table, len(rows), tiles, tpp,
+            G_DT=_TL_DTYPE[g_dt], P_DT=_TL_DTYPE[p_dt], ALIGNED=aligned, BLOCK=BLOCK,
+            num_warps=NUM_WARPS)
+    return None
