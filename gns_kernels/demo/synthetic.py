@@ -36,6 +36,8 @@ __all__ = [
     "ground_truth",
     "simulate_ranks",
     "simulate_ranks_batched",
+    "GaussianMatrixNoise",
+    "LeastSquares",
 ]
 
 
@@ -246,3 +248,74 @@ def simulate_ranks(
     input gns_kernels.estimate takes."""
     sim = simulate_ranks_batched(per_example, num_ranks, batch_size, 1, generator)
     return [[t[0, j] for t in sim.values()] for j in range(num_ranks)]
+
+
+# ----------------------------------------------------------------------------------------
+# Matrix-gradient problems with closed-form noise, for the bias measurements (tests, bench)
+# ----------------------------------------------------------------------------------------
+
+
+class GaussianMatrixNoise:
+    """Single-example gradient M + L Z / sqrt(n) (m x n), Z iid N(0, 1), L = Q diag(sqrt(tau)).
+
+    Row covariance C = L L^T (eigenvalues tau_k = 1/(k+1), random rotation Q), per-coordinate
+    variance C_ii / n. A mean over b examples is exactly M + L Z / sqrt(n b): draw() samples
+    those rank means directly. Truths (closed form): tr C, ||sigma||_1 = sqrt(n) sum_i
+    sqrt(C_ii), tr(C^{1/2}) = sum_k sqrt(tau_k), ||M||_S1.
+    """
+
+    def __init__(self, m: int = 12, n: int = 32, seed: int = 0, signal_scale: float = 0.1):
+        g = torch.Generator().manual_seed(seed)
+        self.m, self.n = m, n
+        Q, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+        self.tau = 1.0 / torch.arange(1, m + 1, dtype=torch.float64)
+        self.L = Q * self.tau.sqrt()
+        self.C = self.L @ self.L.T
+        self.M = signal_scale * torch.randn(m, n, generator=g, dtype=torch.float64)
+
+    def draw(self, num_ranks: int, local_batch: int, num_draws: int, generator: torch.Generator) -> Tensor:
+        """Rank means Tensor[num_draws, R, m, n] (each the mean of local_batch examples)."""
+        Z = torch.randn(num_draws, num_ranks, self.m, self.n, generator=generator, dtype=torch.float64)
+        return self.M + (self.L @ Z) / math.sqrt(self.n * local_batch)
+
+    def trace(self) -> float:
+        return float(torch.diagonal(self.C).sum())
+
+    def sigma_l1(self) -> float:
+        return float(math.sqrt(self.n) * torch.diagonal(self.C).sqrt().sum())
+
+    def sqrt_trace(self) -> float:
+        return float(self.tau.sqrt().sum())
+
+
+class LeastSquares:
+    """Per-example gradient of 0.5 ||W x - y||^2 at W: r x^T, r = D x + eps (m x n, rank one).
+
+    x ~ N(0, I_n), eps ~ N(0, noise_std^2 I_m), D = W - W_true (entries N(0, delta_scale^2/n)).
+    Closed forms: mean gradient D; per-coordinate variance |D_i|^2 + D_ic^2 + noise_std^2;
+    row covariance C = (n + 1) D D^T + n noise_std^2 I_m (from E[|x|^2 x x^T] = (n+2) I).
+    draw() builds the rank means from explicit per-example gradients (not Gaussian).
+    """
+
+    def __init__(self, m: int = 12, n: int = 32, seed: int = 0, noise_std: float = 1.0, delta_scale: float = 1.0):
+        g = torch.Generator().manual_seed(seed)
+        self.m, self.n, self.noise_std = m, n, noise_std
+        self.D = delta_scale / math.sqrt(n) * torch.randn(m, n, generator=g, dtype=torch.float64)
+        self.C = (n + 1) * self.D @ self.D.T + n * noise_std**2 * torch.eye(m, dtype=torch.float64)
+        self.var = (self.D**2).sum(dim=1, keepdim=True) + self.D**2 + noise_std**2
+
+    def draw(self, num_ranks: int, local_batch: int, num_draws: int, generator: torch.Generator) -> Tensor:
+        """Rank means Tensor[num_draws, R, m, n] of local_batch per-example gradients r x^T."""
+        x = torch.randn(num_draws, num_ranks, local_batch, self.n, generator=generator, dtype=torch.float64)
+        eps = torch.randn(num_draws, num_ranks, local_batch, self.m, generator=generator, dtype=torch.float64)
+        r = x @ self.D.T + self.noise_std * eps
+        return r.transpose(-1, -2) @ x / local_batch
+
+    def trace(self) -> float:
+        return float(self.var.sum())
+
+    def sigma_l1(self) -> float:
+        return float(self.var.sqrt().sum())
+
+    def sqrt_trace(self) -> float:
+        return float(torch.linalg.eigvalsh(self.C).clamp_min(0).sqrt().sum())
