@@ -45,12 +45,21 @@ def c4(R: int | float) -> float:
     R = float(R)
     if not R > 1.0 or not math.isfinite(R):
         raise ValueError(f"R: expected a finite number of samples > 1, got {R}")
+    if R > _C4_SERIES_FROM:
+        return 1.0 - 1.0 / (4 * R) - 7.0 / (32 * R * R) - 19.0 / (128 * R**3)
     return math.exp(0.5 * math.log(2.0 / (R - 1.0)) + math.lgamma(R / 2.0) - math.lgamma((R - 1.0) / 2.0))
+
+
+# lgamma differences lose digits for huge N; the asymptotic series is exact to ~N^-4 there
+_C4_SERIES_FROM = 1e4
 
 
 def c4_tensor(N: Tensor) -> Tensor:
     """Element-wise c4(N) for a tensor of real N > 1 (no host sync)."""
-    return torch.exp(0.5 * torch.log(2.0 / (N - 1.0)) + torch.lgamma(N / 2.0) - torch.lgamma((N - 1.0) / 2.0))
+    small = N.clamp_max(_C4_SERIES_FROM)
+    exact = torch.exp(0.5 * torch.log(2.0 / (small - 1.0)) + torch.lgamma(small / 2.0) - torch.lgamma((small - 1.0) / 2.0))
+    series = 1.0 - 1.0 / (4 * N) - 7.0 / (32 * N * N) - 19.0 / (128 * N**3)
+    return torch.where(N > _C4_SERIES_FROM, series, exact)
 
 
 def l1_noise_factor(R: int) -> float:
