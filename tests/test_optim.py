@@ -222,3 +222,24 @@ def test_geometry_for_unknown():
         geometry_for(torch.optim.RMSprop(_ps()))
     with pytest.raises(ValueError, match="str"):
         geometry_for("adamw")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_is_not_a_silent_finite_step(bad):
+    G = torch.ones(3, 2, dtype=torch.float64)
+    G[1, 0] = bad
+    assert torch.isnan(polar_factor(G)).all()
+    p = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+    opt = SpecSGD([p], lr=0.1)
+    p.grad = G
+    opt.step()
+    assert torch.isnan(p).all()
+
+
+@pytest.mark.parametrize("make", [lambda ps: SignSGD(ps, lr=0.5), lambda ps: Signum(ps, lr=0.5)])
+def test_sign_methods_non_finite_gradient_gives_nan(make):
+    # torch.sign(nan) == 0 would be a silent non-step: the NaN must reach the parameter
+    p = _param([1.0, 1.0, 1.0])
+    opt = make([p])
+    _step(opt, p, [float("nan"), float("-inf"), -2.0])
+    assert math.isnan(p[0].item()) and math.isnan(p[1].item()) and p[2].item() == 1.5

@@ -6,7 +6,10 @@ Signum:   m <- beta * m + (1 - beta) * g      (m_0 = 0; Bernstein et al. 2018, A
           x <- x - lr * sign(m)
 
 Conventions:
-- sign(0) = 0 (torch.sign), so a coordinate with exactly zero gradient / momentum stays put.
+- sign(0) = 0, so a coordinate with exactly zero gradient / momentum stays put.
+- Non-finite inputs: a NaN or inf gradient (or momentum) coordinate gives a NaN step, so the
+  parameter turns NaN as with torch's other optimizers (torch.sign alone maps NaN to 0, a
+  silent non-step, and inf to 1). Use GradScaler or skip such steps.
 - Signum's momentum is the exponential moving average form ("EMA parameter beta" in the
   paper's tables). The heavy-ball form m <- beta m + g gives the same sign (it is the EMA
   scaled by 1/(1-beta) from m_0 = 0), but the EMA keeps ``state["momentum_buffer"]`` on the
@@ -27,6 +30,11 @@ from torch.optim import Optimizer
 from ._common import check_hyper
 
 __all__ = ["SignSGD", "Signum"]
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """sign(x) with NaN wherever x is not finite (x - x is 0 for finite x, NaN otherwise)."""
+    return torch.sign(x).add_(x - x)
 
 
 def _grad_of(p: torch.Tensor, name: str) -> torch.Tensor:
@@ -66,7 +74,7 @@ class SignSGD(Optimizer):
                 g = _grad_of(p, "SignSGD")
                 if wd != 0:
                     p.mul_(1 - lr * wd)
-                p.add_(torch.sign(g).to(p.dtype), alpha=-lr)
+                p.add_(_sign(g).to(p.dtype), alpha=-lr)
         return loss
 
 
@@ -108,5 +116,5 @@ class Signum(Optimizer):
                 m.mul_(beta).add_(g.to(m.dtype), alpha=1 - beta)
                 if wd != 0:
                     p.mul_(1 - lr * wd)
-                p.add_(torch.sign(m), alpha=-lr)
+                p.add_(_sign(m), alpha=-lr)
         return loss

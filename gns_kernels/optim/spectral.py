@@ -21,6 +21,9 @@ embeddings/norm gains/biases to another optimizer (the paper uses AdamW for 1-D
 parameters in composite set-ups and measures the nuclear GNS on the 2-D parameters only).
 No shape-dependent learning-rate adjustment is applied (Muon's adjust_lr_fn is not).
 SVD runs in float32 for half/bfloat16/float32 parameters and in float64 for float64 ones.
+A non-finite gradient (or momentum) gives a NaN direction, so the parameter turns NaN as
+with any torch optimizer (use GradScaler / skip such steps; torch.linalg.svd would raise on
+NaN and silently return zeros on inf).
 """
 from __future__ import annotations
 
@@ -37,12 +40,16 @@ __all__ = ["SpecSGD", "polar_factor"]
 def polar_factor(G: torch.Tensor) -> torch.Tensor:
     """matsign(G) = U sign(S) V^T of a 2-D tensor (m x n) by reduced SVD; same dtype as G.
 
-    Singular values <= max(m, n) * eps * max(S) are treated as zero.
+    Singular values <= max(m, n) * eps * max(S) are treated as zero. A G with any
+    non-finite entry gives an all-NaN result (the polar factor is undefined; the NaN then
+    shows in the parameters, as with torch's optimizers, instead of a silent finite step).
     """
     if G.ndim != 2:
         raise ValueError(f"polar_factor expects a 2-D tensor, got shape {tuple(G.shape)}")
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
     A = G.to(work)
+    if not bool(torch.isfinite(A).all()):
+        return torch.full_like(G, float("nan"))
     U, S, Vh = torch.linalg.svd(A, full_matrices=False)
     if S.numel() == 0:
         return torch.zeros_like(G)
