@@ -1,0 +1,274 @@
+"""gk.estimate / estimate_from_stats / critical_batch_size against reference.py and closed
+forms: raw path = the paper's equations, corrections, shift, validity and bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gns_kernels as gk
+from gns_kernels import bias, reference
+from gns_kernels.estimators import estimate_from_stats
+
+
+def _rank_grads(R, shapes, seed, dtype=torch.float64, offset=0.5):
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s, generator=g, dtype=torch.float64) + offset for s in shapes]
+    return [[(b + 0.7 * torch.randn(b.shape, generator=g, dtype=torch.float64)).to(dtype) for b in base]
+            for _ in range(R)]
+
+
+SHAPES = [(5, 7), (9, 4), (3,), (2, 3, 5), (1, 6)]
+
+
+def _fresh_seed():
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+@pytest.mark.parametrize("R", [2, 3, 5])
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+def test_raw_equals_reference(R, geometry):
+    rg = _rank_grads(R, SHAPES, _fresh_seed())
+    B = 7 * R
+    est = gk.estimate(rg, B, geometry, bias_correction=False)
+    noise, signal = reference.raw_gns(rg, B, geometry)
+    tol = 1e-6 if geometry == "nuclear" else 1e-10
+    assert est.valid
+    assert est.noise == pytest.approx(noise, rel=tol)
+    assert est.signal == pytest.approx(signal, rel=tol)
+    assert est.gns == pytest.approx(noise / signal, rel=2 * tol)
+    assert est.gns == est.noise / est.signal
+    assert est.noise_raw == est.noise
+    assert (est.geometry, est.num_samples, est.batch_size, est.bias_corrected) == (geometry, R, B, False)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_corrections_relative_to_raw(R):
+    rg = _rank_grads(R, SHAPES, _fresh_seed())
+    B = 3 * R
+    raw = {g: gk.estimate(rg, B, g, bias_correction=False) for g in ("l2", "l1", "nuclear")}
+    cor = {g: gk.estimate(rg, B, g) for g in ("l2", "l1", "nuclear")}
+    # l2 is unbiased: unchanged
+    assert cor["l2"].noise == raw["l2"].noise and cor["l2"].signal == raw["l2"].signal
+    # l1: noise x 1/c4(R)^2, signal unchanged
+    assert cor["l1"].noise == pytest.approx(raw["l1"].noise / bias.c4(R) ** 2, rel=1e-12)
+    assert cor["l1"].noise_raw == pytest.approx(raw["l1"].noise, rel=1e-12)
+    assert cor["l1"].signal == raw["l1"].signal
+    # nuclear: per-matrix corrected sqrt-traces (other_dim = the other side), summed, squared
+    mats = [p for p, s in enumerate(SHAPES) if len(s) == 2]
+    tot = 0.0
+    for p in mats:
+        cov = reference.row_covariance([r[p] for r in rg], B)
+        other = max(SHAPES[p])
+        tot += float(bias.nuclear_sqrt_trace_corrected(torch.linalg.eigvalsh(cov), R, B, other_dim=other))
+    assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
+    assert cor["nuclear"].noise > raw["nuclear"].noise
+    assert cor["nuclear"].noise_raw == pytest.approx(raw["nuclear"].noise, rel=1e-12)
+    assert cor["nuclear"].signal == raw["nuclear"].signal
+
+
+def test_signal_unbiased():
+    rg = _rank_grads(4, SHAPES, _fresh_seed())
+    e = gk.estimate(rg, 16, "l2")
+    assert e.signal_unbiased == pytest.approx(e.signal - e.noise / 16, rel=1e-14)
+    assert e.gns_unbiased_signal == pytest.approx(e.noise / e.signal_unbiased, rel=1e-14)
+    assert gk.estimate(rg, 16, "l1").signal_unbiased is None
+    assert gk.estimate(rg, 16, "nuclear").signal_unbiased is None
+
+
+def test_l2_signal_unbiased_statistically():
+    # E||g||^2 = ||mu||^2 + tr(Sigma)/B: the raw signal is biased up, signal_unbiased is not
+    gen = torch.Generator().manual_seed(5)
+    mu = torch.randn(40, generator=gen, dtype=torch.float64) * 0.2
+    sd = torch.rand(40, generator=gen, dtype=torch.float64) + 0.5
+    R, b, draws = 4, 8, 4000
+    x = mu + sd * torch.randn(draws, R, 40, generator=gen, dtype=torch.float64) / math.sqrt(b)
+    raw, unb = [], []
+    for t in range(0, draws):
+        e = gk.estimate([[x[t, j]] for j in range(R)], R * b, "l2")
+        raw.append(e.signal)
+        unb.append(e.signal_unbiased)
+    truth = float((mu * mu).sum())
+    for vals, biased in ((raw, True), (unb, False)):
+        v = torch.tensor(vals)
+        m, se = float(v.mean()), float(v.std() / math.sqrt(draws))
+        if biased:
+            assert m - 4 * se > truth
+        else:
+            assert abs(m - truth) < 4 * se
+
+
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+def test_float32_inputs_and_dtype(geometry):
+    rg64 = _rank_grads(3, SHAPES, _fresh_seed())
+    rg32 = [[t.float() for t in r] for r in rg64]
+    noise, signal = reference.raw_gns(rg32, 9, geometry)
+    e64 = gk.estimate(rg32, 9, geometry, bias_correction=False)
+    assert e64.noise == pytest.approx(noise, rel=1e-6 if geometry == "nuclear" else 1e-10)
+    e32 = gk.estimate(rg32, 9, geometry, bias_correction=False, dtype=torch.float32)
+    assert e32.noise == pytest.approx(noise, rel=1e-4)
+    assert e32.signal == pytest.approx(signal, rel=1e-4)
+
+
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+def test_shift_exact_in_float64(geometry):
+    rg = _rank_grads(4, SHAPES, _fresh_seed())
+    g = torch.Generator().manual_seed(3)
+    shift = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+    shift[1] = None
+    a = gk.estimate(rg, 12, geometry)
+    b = gk.estimate(rg, 12, geometry, shift=shift)
+    assert b.noise == pytest.approx(a.noise, rel=1e-9)
+    assert b.signal == pytest.approx(a.signal, rel=1e-12)
+
+
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+def test_shift_accuracy_float32(geometry):
+    # per-coordinate noise std 1e-4 of the signal; shift within 1e-3 relative of the mean
+    # gradient (like a momentum buffer). float32 subtraction formula: the shifted estimate
+    # must be at least 10x more accurate than the unshifted one (truth: float64 reference).
+    R, B = 4, 64
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(24, 40), (40, 24), (100,)]
+    errs_plain, errs_shift = [], []
+    for trial in range(4):
+        mean = [1.0 + torch.rand(s, generator=gen, dtype=torch.float64) for s in shapes]
+        rg64 = [[mu + 1e-4 * mu * torch.randn(s, generator=gen, dtype=torch.float64) for mu, s in zip(mean, shapes)]
+                for _ in range(R)]
+        rg = [[t.float() for t in r] for r in rg64]
+        gbar = [torch.stack([r[p] for r in rg]).double().mean(0) for p in range(len(shapes))]
+        shift = [(g * (1 + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64))).float() for g in gbar]
+        truth, _ = reference.raw_gns(rg, B, geometry)  # float64 oracle on the same float32 data
+        plain = gk.estimate(rg, B, geometry, bias_correction=False, dtype=torch.float32)
+        shifted = gk.estimate(rg, B, geometry, bias_correction=False, shift=shift, dtype=torch.float32)
+        errs_plain.append(abs(plain.noise / truth - 1) if plain.valid else math.inf)
+        errs_shift.append(abs(shifted.noise / truth - 1))
+    assert max(errs_shift) * 10 <= min(errs_plain), (errs_shift, errs_plain)
+    assert max(errs_shift) < 1e-2
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_non_finite_is_invalid(bad, geometry, shift):
+    rg = _rank_grads(3, SHAPES, 1)
+    rg[2][0][1, 2] = float(bad)
+    sh = [torch.zeros(s, dtype=torch.float64) for s in SHAPES] if shift else None
+    for corr in (True, False):
+        e = gk.estimate(rg, 6, geometry, bias_correction=corr, shift=sh)
+        assert e.valid is False
+        assert math.isnan(e.gns) and math.isnan(e.noise) and math.isnan(e.signal)
+        if geometry == "l2":
+            assert math.isnan(e.signal_unbiased)
+            assert math.isnan(e.gns_unbiased_signal)
+
+
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+def test_zero_signal_is_invalid(geometry):
+    rg = [[torch.ones(3, 4, dtype=torch.float64)], [-torch.ones(3, 4, dtype=torch.float64)]]
+    e = gk.estimate(rg, 4, geometry)
+    assert not e.valid and math.isnan(e.gns)
+    # identical samples: zero noise, valid, gns 0
+    e = gk.estimate([[torch.ones(3, 4)], [torch.ones(3, 4)]], 4, geometry)
+    assert e.valid and e.gns == 0.0 and e.noise == 0.0
+
+
+def test_bad_input():
+    ok = _rank_grads(3, [(4, 5), (3,)], 0)
+    with pytest.raises(ValueError, match="rank_grads: empty"):
+        gk.estimate([], 8, "l1")
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        gk.estimate(ok[:1], 8, "l1")
+    with pytest.raises(ValueError, match=r"rank_grads\[0\]: empty"):
+        gk.estimate([[], []], 8, "l1")
+    with pytest.raises(ValueError, match="no elements"):
+        gk.estimate([[torch.ones(0)], [torch.ones(0)]], 8, "l1")
+    with pytest.raises(ValueError, match=r"rank_grads\[1\]\[0\]: shape"):
+        gk.estimate([ok[0], [torch.ones(5, 4), ok[1][1]], ok[2]], 9, "l1")
+    with pytest.raises(ValueError, match=r"rank_grads\[2\]: has 1 tensors"):
+        gk.estimate([ok[0], ok[1], ok[2][:1]], 9, "l1")
+    with pytest.raises(ValueError, match=r"rank_grads\[1\]\[1\]: expected a tensor"):
+        gk.estimate([ok[0], [ok[1][0], 3.0], ok[2]], 9, "l1")
+    with pytest.raises(ValueError, match="rank_grads: expected a list"):
+        gk.estimate(torch.ones(3, 4), 9, "l1")
+    with pytest.raises(ValueError, match="geometry"):
+        gk.estimate(ok, 9, "l3")
+    with pytest.raises(ValueError, match="batch_size: expected at least the number of samples"):
+        gk.estimate(ok, 2, "l1")
+    with pytest.raises(ValueError, match="batch_size: expected a multiple"):
+        gk.estimate(ok, 10, "l1")
+    with pytest.raises(ValueError, match="batch_size"):
+        gk.estimate(ok, float("nan"), "l1")
+    with pytest.raises(ValueError, match="batch_size"):
+        gk.estimate(ok, "many", "l1")
+    with pytest.raises(ValueError, match="dtype"):
+        gk.estimate(ok, 9, "l1", dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias_correction"):
+        gk.estimate(ok, 9, "l1", bias_correction="yes")
+    with pytest.raises(ValueError, match="shift: expected 2 tensors"):
+        gk.estimate(ok, 9, "l1", shift=[torch.zeros(4, 5)])
+    with pytest.raises(ValueError, match=r"shift\[0\]: expected None or a tensor of shape \(4, 5\)"):
+        gk.estimate(ok, 9, "l1", shift=[torch.zeros(5, 4), None])
+    with pytest.raises(ValueError, match="nuclear"):
+        gk.estimate([[torch.ones(3)], [torch.zeros(3)]], 4, "nuclear")
+    # a bare tensor per sample is a one-parameter list
+    e = gk.estimate([torch.ones(3, 4), torch.zeros(3, 4)], 4, "nuclear")
+    assert e.valid
+
+
+def test_estimate_from_stats():
+    e = estimate_from_stats("l1", torch.tensor(3.0), 2.0, 4, 16, True)
+    assert e.noise == pytest.approx((3.0 / bias.c4(4)) ** 2, rel=1e-14)
+    assert e.signal == 4.0 and e.noise_raw == 9.0 and e.valid
+    e = estimate_from_stats("l1", 3.0, 2.0, 4, 16, False)
+    assert e.noise == 9.0 and e.gns == 9.0 / 4.0
+    e = estimate_from_stats("l2", 3.0, 2.0, 4, 16)
+    assert (e.noise, e.signal, e.signal_unbiased) == (3.0, 2.0, 2.0 - 3.0 / 16)
+    e = estimate_from_stats("nuclear", 3.0, 2.0, 4, 16, True, noise_uncorrected_sum=2.5)
+    assert (e.noise, e.signal, e.noise_raw) == (9.0, 4.0, 6.25)
+    for n, s in ((float("nan"), 1.0), (1.0, float("inf")), (1.0, 0.0), (1.0, -1.0), (-1.0, 1.0),
+                 (torch.tensor(float("nan")), 1.0)):
+        e = estimate_from_stats("l2", n, s, 2, 4)
+        assert not e.valid and math.isnan(e.gns) and math.isnan(e.noise) and math.isnan(e.signal)
+    with pytest.raises(ValueError, match="num_samples"):
+        estimate_from_stats("l1", 1.0, 1.0, 1, 4)
+    with pytest.raises(ValueError, match="geometry"):
+        estimate_from_stats("l0", 1.0, 1.0, 2, 4)
+    with pytest.raises(ValueError, match="scalar"):
+        estimate_from_stats("l1", torch.ones(2), 1.0, 2, 4)
+
+
+def test_critical_batch_size_closed_forms():
+    cbs = gk.critical_batch_size
+    assert cbs(100.0, "l2") == pytest.approx(100.0)  # kappa = 1/2: B = GNS
+    assert cbs(100.0, "l2", kappa=0.8) == pytest.approx(400.0)
+    assert cbs(100.0, "l1", kappa=0.25) == pytest.approx(400.0)  # (1/(1-1/2))^2 = 4
+    assert cbs(100.0, "nuclear") == pytest.approx(100.0 / (1 - math.sqrt(0.5)) ** 2)
+    theta = 0.6  # kappa = (1 - theta)^2 recovers B = GNS / theta^2
+    assert cbs(50.0, "l1", kappa=(1 - theta) ** 2) == pytest.approx(50.0 / theta**2)
+    assert cbs(90.0, "l1", "inflection") == pytest.approx(160.0)
+    assert cbs(90.0, "nuclear", "efficiency") == pytest.approx(360.0)
+    # the rules are the stated points of f(B) = (1 - sqrt(GNS/B))^2
+    G = 7.0
+    f = lambda B: (1 - math.sqrt(G / B)) ** 2  # noqa: E731
+    assert f(cbs(G, "l1", kappa=0.3)) == pytest.approx(0.3)
+    Bi, h = cbs(G, "l1", "inflection"), 1e-3
+    assert (f(Bi + h) - 2 * f(Bi) + f(Bi - h)) / h**2 == pytest.approx(0.0, abs=1e-6)
+    Be = cbs(G, "l1", "efficiency")
+    assert f(Be) / Be > max(f(Be * 1.01) / (Be * 1.01), f(Be * 0.99) / (Be * 0.99))
+    est = gk.estimate([[torch.ones(3)], [torch.ones(3) * 2]], 4, "l1")
+    assert cbs(est, "l1", "efficiency") == pytest.approx(4 * est.gns)
+    with pytest.raises(ValueError, match="undefined for geometry 'l2'"):
+        cbs(1.0, "l2", "inflection")
+    with pytest.raises(ValueError, match="undefined for geometry 'l2'"):
+        cbs(1.0, "l2", "efficiency")
+    with pytest.raises(ValueError, match="kappa"):
+        cbs(1.0, "l1", kappa=1.0)
+    with pytest.raises(ValueError, match="rule"):
+        cbs(1.0, "l1", "median")
+    with pytest.raises(ValueError, match="gns"):
+        cbs(-1.0, "l1")
+    with pytest.raises(ValueError, match="geometry"):
+        cbs(1.0, "linf")
+    assert math.isnan(cbs(float("nan"), "l1"))
