@@ -1,0 +1,275 @@
+"""DDP communication hook that measures the gradient noise scale inside the all-reduce.
+
+Register with ``ddp.register_comm_hook(state, gk.ddp_gns_hook)`` (state: GNSHookState or
+MicroBatchGNS). DDP calls the hook once per gradient bucket per synchronized backward,
+buckets in index order 0, 1, ..., last.
+
+Other steps (k % F != 0): exactly DDP's default hook -- buffer /= R, one all-reduce of the
+bucket buffer -- nothing else is computed, allocated or communicated.
+
+Measurement steps (k % F == 0), still ONE all-reduce per bucket, with a larger float32
+payload built by the fused ops (R ranks; B = state.batch_size; scale = B / (S-1), S the
+number of samples: R, or R x A micro-batches for MicroBatchGNS):
+
+- l1 / l2: per measured parameter x = g^j - S (shift S, or g^j) -> [x, x^2] with
+  ``square_pack`` (unmeasured parameters of the bucket are copied), divided by R and
+  all-reduced: the halves become mean_j x and mean_j x^2. ``variance_norms_multi`` then
+  gives [sum ||s||_1, ||g||_1, sum s2, ||g||_2^2] for the bucket (s2 = scale (mean x^2 -
+  (mean x)^2), g = mean x + S), and the mean gradient is written back into the bucket.
+- nuclear: the bucket's gradients (float32 copy) followed by each measured matrix's local
+  Gram (G^j - S)(G^j - S)^T on its smaller side (``spectral.gram``); after the all-reduce
+  ``spectral.nuclear_stats`` gives per-matrix tr(C^{1/2}) and ||G||_S1.
+
+The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
+buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP
+sums in the bucket dtype, so the two can differ by the rounding of that dtype; with a shift
+the float32 mean is (mean x) + S, which can differ from the unshifted mean in the last
+float32 bit). Per-bucket statistics are combined when the last bucket's all-reduce and
+all earlier ones have completed: the last bucket's future waits for all of them, and DDP
+waits for every bucket's future before ``backward()`` returns, so ``state.estimate`` is
+final when backward returns, and identical on every rank (every rank reduces the same
+numbers in the same order). Non-finite gradients on any rank reach every rank through the
+all-reduce: that measurement is invalid (valid=False) everywhere, and the gradients are
+the same NaN/inf ones plain DDP would produce; the next measurement starts afresh.
+
+Memory of a measurement step: the packed buffer of each bucket from its hook call until
+its all-reduce completes (2x the bucket's elements in float32 for l1/l2; the bucket's
+elements plus the Grams for nuclear). DDP launches buckets back to back, so on a fast
+backward several buckets' packs can be alive at once (bench/RESULTS.md reports the
+measured peak); never a copy of the whole model's gradients unless the model fits in a
+bucket.
+"""
+# No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .. import spectral
+from .state import GNSHookState
+
+Tensor = torch.Tensor
+
+__all__ = ["ddp_gns_hook"]
+
+
+def _group(state: GNSHookState):
+    return state.process_group if state.process_group is not None else dist.group.WORLD
+
+
+def _default_allreduce(group, buf: Tensor) -> torch.futures.Future:
+    """DDP's default: buffer /= R, all-reduce(sum), future of the buffer."""
+    buf.div_(group.size())
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+class _Measurement:
+    """Statistics of one measurement backward (one per measured optimizer step)."""
+
+    def __init__(self, state: GNSHookState, world: int, num_samples: int):
+        self.state = state
+        self.world = world
+        self.num_samples = num_samples
+        self.scale = float(state.batch_size) / (num_samples - 1)
+        self.step = state.step
+        self.micro = None
+        self.futures: list = []
+        self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
+        self.nuc: dict[int, tuple] = {}  # bucket index -> (noise Tensor[L], signal Tensor[L])
+
+    def finish(self) -> None:
+        st = self.state
+        if st.geometry == "nuclear":
+            parts = [self.nuc[i] for i in sorted(self.nuc)]
+            noise = sum(float(n.double().sum()) for n, _ in parts) if parts else 0.0
+            signal = sum(float(s.double().sum()) for _, s in parts) if parts else 0.0
+            st._finish(self.num_samples, None, noise, signal, self.step)
+        else:
+            terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
+            total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
+            st._finish(self.num_samples, total, None, None, self.step)
+
+
+def _segments(bucket, state: GNSHookState):
+    """[(offset, numel, param, measured)] in bucket-buffer order (params are packed back to
+    back in the flat buffer, in bucket.parameters() order)."""
+    out = []
+    off = 0
+    for p in bucket.parameters():
+        n = p.numel()
+        out.append((off, n, p, state.measures(p)))
+        off += n
+    return out
+
+
+def _pack_l(buf: Tensor, segs, state: GNSHookState, micro):
+    """Pack [x, x^2] per measured parameter (copies for the others). Returns (pack, plan)
+    with plan = [(buf_off, n, pack_off, param, shift or None, measured)]."""
+    total = sum(2 * n if m else n for _, n, _, m in segs)
+    pack = torch.empty(total, dtype=torch.float32, device=buf.device)
+    plan = []
+    q = 0
+    for off, n, p, m in segs:
+        src = buf[off:off + n]
+        if m and micro is not None:
+            # last micro-batch of this rank, then [local mean gradient, A * sum_a d_a^2]
+            micro.accumulate_last(p, src)
+            pack[q:q + n].copy_(src)
+            torch.mul(micro.sq[id(p)].view(-1), float(micro.count), out=pack[q + n:q + 2 * n])
+            plan.append((off, n, q, p, None, True))
+            q += 2 * n
+        elif m:
+            s = state.shift_for(p)
+            ops.square_pack(src, pack[q:q + 2 * n], None if s is None else s.view(-1))
+            plan.append((off, n, q, p, s, True))
+            q += 2 * n
+        else:
+            pack[q:q + n].copy_(src)
+            plan.append((off, n, q, p, None, False))
+            q += n
+    return pack, plan
+
+
+def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) -> Tensor:
+    st = ctx.state
+    ds, qs, shifts = [], [], []
+    for off, n, q, p, s, m in plan:
+        if m:
+            ds.append(pack[q:q + n])
+            qs.append(pack[q + n:q + 2 * n])
+            shifts.append(None if s is None else s.view(-1))
+    if ds:
+        any_shift = any(s is not None for s in shifts)
+        ctx.l_terms[index] = ops.variance_norms_multi(ds, qs, ctx.scale, shifts if any_shift else None)
+    for off, n, q, p, s, m in plan:
+        mean = pack[q:q + n]
+        if s is not None:
+            mean.add_(s.view(-1))  # d + S: the mean gradient
+        if m:
+            st.keep_mean(p, mean)
+        buf[off:off + n].copy_(mean)
+    return buf
+
+
+def _pack_nuclear(buf: Tensor, segs, state: GNSHookState, micro):
+    """Pack [bucket gradients (float32), local Grams of the measured matrices]."""
+    n_buf = buf.numel()
+    mats = [(off, n, p) for off, n, p, m in segs if m]
+    shifts = [None if micro is not None else state.shift_for(p) for _, _, p in mats]
+    if micro is not None:
+        grams = [micro.accumulate_last_gram(p, buf[off:off + n].view(p.shape)) for off, n, p in mats]
+    else:
+        views = []
+        for (off, n, p), s in zip(mats, shifts):
+            g = buf[off:off + n].view(p.shape)
+            views.append(g if s is None else g.float() - s.float())
+        grams = spectral.gram(views)
+    total = n_buf + sum(G.numel() for G in grams)
+    pack = torch.empty(total, dtype=torch.float32, device=buf.device)
+    pack[:n_buf].copy_(buf)
+    plan = []
+    q = n_buf
+    for (off, n, p), s, G in zip(mats, shifts, grams):
+        k = G.numel()
+        pack[q:q + k].copy_(G.view(-1))
+        plan.append((off, n, p, s, q, G.shape))
+        q += k
+    del grams
+    return pack, plan
+
+
+def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) -> Tensor:
+    st = ctx.state
+    n_buf = buf.numel()
+    if plan:
+        mean_grams, mean_grads, shifts = [], [], []
+        for off, n, p, s, q, gshape in plan:
+            mean_grams.append(pack[q:q + gshape.numel()].view(gshape))
+            G = pack[off:off + n].view(p.shape)
+            mean_grads.append(G if s is None else G - s.float())  # D = G - S (shifted mean)
+            shifts.append(s)
+        finite = all(bool(torch.isfinite(A).all()) for A in mean_grams) and all(
+            bool(torch.isfinite(D).all()) for D in mean_grads)
+        if finite:
+            any_shift = any(s is not None for s in shifts)
+            noise, signal = spectral.nuclear_stats(
+                mean_grams, mean_grads, scale=ctx.scale, shifts=shifts if any_shift else None,
+                bias_correction=st.bias_correction, num_samples=ctx.num_samples,
+                batch_size=float(st.batch_size))
+        else:  # non-finite gradients on some rank: this measurement is invalid everywhere
+            nan = torch.full((len(plan),), float("nan"))
+            noise, signal = nan, nan
+        ctx.nuc[index] = (noise, signal)
+        for off, n, p, s, q, gshape in plan:
+            st.keep_mean(p, pack[off:off + n])
+    buf.copy_(pack[:n_buf])
+    return buf
+
+
+def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the default all-reduce, measuring the GNS at steps k % F == 0.
+
+    See the module docstring. ``state`` is a GNSHookState (or MicroBatchGNS); after a
+    measurement step's backward, ``state.estimate`` holds its GNSEstimate.
+    """
+    group = _group(state)
+    buf = bucket.buffer()
+    index = bucket.index()
+    last = bucket.is_last()
+    if index == 0:  # buckets are launched in index order: a new synchronized backward
+        state._current = None
+        micro = getattr(state, "_micro_for_sync", lambda: None)()
+        if state.is_measurement_step():
+            world = group.size()
+            samples = world * (micro.count if micro is not None else 1)
+            if samples < 2:
+                raise ValueError(
+                    "GNSHookState: measuring needs at least 2 samples, got a process group of 1 "
+                    "rank without micro-batches; use gk.MicroBatchGNS on a single rank")
+            ctx = _Measurement(state, world, samples)
+            ctx.micro = micro
+            state._current = ctx
+    ctx: Optional[_Measurement] = state._current
+    if ctx is None:
+        if last:
+            state._step += 1
+            getattr(state, "_after_sync", lambda: None)()
+        return _default_allreduce(group, buf)
+
+    micro = ctx.micro
+    segs = _segments(bucket, state)
+    if not any(m for *_, m in segs):
+        fut = _default_allreduce(group, buf)
+    else:
+        if state.geometry == "nuclear":
+            pack, plan = _pack_nuclear(buf, segs, state, micro)
+            unpack = _unpack_nuclear
+        else:
+            pack, plan = _pack_l(buf, segs, state, micro)
+            unpack = _unpack_l
+        pack.div_(ctx.world)
+        work = dist.all_reduce(pack, group=group, async_op=True)
+
+        def _done(f, buf=buf, pack=pack, plan=plan, index=index, unpack=unpack):
+            f.value()
+            return unpack(buf, pack, plan, ctx, index)
+
+        fut = work.get_future().then(_done)
+        del pack, plan
+    ctx.futures.append(fut)
+    if not last:
+        return fut
+
+    state._step += 1
+    state._current = None
+    getattr(state, "_after_sync", lambda: None)()
+    futures = list(ctx.futures)
+
+    def _finalize(all_done, buf=buf, ctx=ctx):
+        for f in all_done.value():
+            f.value()  # re-raise a failure of any bucket
+        ctx.finish()
+        return buf
+
+    return torch.futures.collect_all(futures).then(_finalize)

@@ -1,0 +1,233 @@
+"""MicroBatchGNS: gradient-accumulation micro-batches as the GNS samples.
+
+One rank (no data parallelism) cannot form a variance across ranks, but gradient
+accumulation gives A micro-batches of b examples each (B = A * b): their gradients are
+samples too. With several DDP ranks the samples are ranks x micro-batches (S = R * A).
+
+Loss-scaling convention (the usual one for accumulation): each micro-batch's loss is its
+mean loss divided by A, so after the A backward passes ``.grad`` holds the mean gradient of
+the whole (local) batch. The gradient of micro-batch a is then recovered as
+g^a = A * (grad_a - grad_{a-1}), grad_a the accumulated ``.grad`` after micro-step a (and
+grad_0 = 0: zero the gradients, or set them to None, before the first micro-batch).
+``.grad`` must be float32: a difference of successive bf16 accumulations loses about
+A * 2^-8 of its value (keep float32 master gradients, e.g. float32 parameters under autocast).
+
+Per measurement step, with d_a = grad_a - grad_{a-1} (fused op ``accumulate_sq``):
+    mean_a g^a       = grad_A                      (the accumulated .grad)
+    mean_a (g^a)^2   = A * sum_a d_a^2              (l1 / l2, per coordinate)
+    mean_a G^a G^aT  = A * sum_a gram(d_a)          (nuclear, per 2-D parameter)
+and the variance scale is B / (S - 1) as for ranks. No shift (the accumulation op has none).
+
+Usage, one process (``micro_batches`` = A, settable like ``batch_size``)::
+
+    mb = gk.MicroBatchGNS(model.parameters(), geometry="l1", every=F, batch_size=B,
+                          micro_batches=A)
+    for a in range(A):
+        (loss_fn(model(x[a]), y[a]) / A).backward()
+        mb.micro_step()            # the A-th call finishes the step (estimate if measured)
+    opt.step(); opt.zero_grad()
+
+Several ranks: register it as the DDP comm hook state and keep the same loop, the first
+A-1 backward passes under ``ddp.no_sync()``; the synchronized backward's hook adds the
+last micro-batch and sends [g, A * sum d^2] (or the Grams) in its one all-reduce per bucket::
+
+    ddp.register_comm_hook(mb, gk.ddp_gns_hook)
+    for a in range(A):
+        with (ddp.no_sync() if a < A - 1 else contextlib.nullcontext()):
+            (loss / A).backward()
+        mb.micro_step()
+
+Memory on a measurement step: ``prev`` (one float32 copy of the measured gradients) and
+``sq`` (another, l1/l2) or the m x m Grams (nuclear), from the first micro-step to the end
+of the step. Non-measurement steps only count micro-steps.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .. import ops
+from .. import spectral
+from .state import GNSHookState
+
+Tensor = torch.Tensor
+
+__all__ = ["MicroBatchGNS"]
+
+
+class MicroBatchGNS(GNSHookState):
+    """GNS from gradient-accumulation micro-batches (x ranks, when used as a DDP hook state).
+
+    Args:
+        params: the parameters whose ``.grad`` is read (and measured; for "nuclear" the
+            2-D ones).
+        geometry, every, batch_size, process_group, bias_correction: as GNSHookState.
+        micro_batches: A, micro-batches per optimizer step on each rank (settable).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        geometry: str = "l1",
+        every: int = 1,
+        batch_size: Optional[float] = None,
+        micro_batches: Optional[int] = None,
+        process_group=None,
+        bias_correction: bool = True,
+    ):
+        if isinstance(params, Tensor):
+            raise TypeError("params: expected an iterable of parameters, got a single tensor")
+        plist = list(params)
+        super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
+                         params=plist, process_group=process_group,
+                         bias_correction=bias_correction)
+        self._params = [p for p in plist if self.measures(p)]
+        if not self._params:
+            what = "2-D parameters" if geometry == "nuclear" else "parameters"
+            raise ValueError(f"params: expected at least one of the {what} this geometry measures, got none")
+        if micro_batches is None:
+            raise ValueError("micro_batches: expected the number of micro-batches per step (an int >= 1), got None")
+        self.micro_batches = micro_batches
+        self._count = 0
+        self._synced = False
+        self.prev: dict[int, Tensor] = {}
+        self.sq: dict[int, Tensor] = {}
+        self.gsum: dict[int, Tensor] = {}
+
+    @property
+    def micro_batches(self) -> int:
+        return self._micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"micro_batches: expected an int >= 1, got {value!r}")
+        self._micro_batches = value
+
+    @property
+    def count(self) -> int:
+        """Micro-steps taken in the current optimizer step."""
+        return self._count
+
+    # -------------------------------------------------------------- accumulation
+    def _grad(self, p: Tensor) -> Optional[Tensor]:
+        g = p.grad
+        if g is None:
+            return None
+        if g.dtype != torch.float32:
+            raise TypeError(
+                f"MicroBatchGNS: expected float32 .grad (accumulate gradients in float32), got "
+                f"{str(g.dtype).replace('torch.', '')} for a parameter of shape {tuple(p.shape)}")
+        return g if g.is_contiguous() else g.contiguous()
+
+    def _buffers(self, p: Tensor) -> None:
+        if id(p) not in self.prev:
+            self.prev[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            if self.geometry == "nuclear":
+                self.gsum[id(p)] = None
+            else:
+                self.sq[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _accumulate(self) -> None:
+        live = [(p, g) for p in self._params if (g := self._grad(p)) is not None]
+        for p, _ in live:
+            self._buffers(p)
+        if self.geometry == "nuclear":
+            diffs = [g - self.prev[id(p)] for p, g in live]
+            for (p, g), G in zip(live, spectral.gram(diffs)):
+                acc = self.gsum[id(p)]
+                self.gsum[id(p)] = G if acc is None else acc.add_(G)
+                self.prev[id(p)].copy_(g)
+        elif live:
+            ops.accumulate_sq_multi([g for _, g in live], [self.prev[id(p)] for p, _ in live],
+                                    [self.sq[id(p)] for p, _ in live])
+
+    def _reset(self) -> None:
+        self._count = 0
+        self._synced = False
+        self.prev.clear()
+        self.sq.clear()
+        self.gsum.clear()
+
+    def micro_step(self) -> None:
+        """Call after each micro-batch's backward (all A of them, see the module docstring)."""
+        self._count += 1
+        if self._synced:  # DDP: the synchronized backward's hook took this micro-batch
+            if self._count != self._micro_batches:
+                raise RuntimeError(
+                    f"MicroBatchGNS: the synchronized backward was micro-step {self._count} of the "
+                    f"step, but micro_batches is {self._micro_batches}")
+            self._reset()
+            return
+        if self.is_measurement_step():
+            self._accumulate()
+        if self._count == self._micro_batches:
+            if self.is_measurement_step():
+                self._measure_local()
+            self._step += 1
+            self._reset()
+
+    def _measure_local(self) -> None:
+        A = self._micro_batches
+        if A < 2:
+            raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
+        scale = float(self._batch_size) / (A - 1)
+        live = [p for p in self._params if p.grad is not None]
+        if self.geometry == "nuclear":
+            grams = [self.gsum[id(p)].mul_(A) for p in live]
+            grads = [self._grad(p).float() for p in live]
+            finite = all(bool(torch.isfinite(G).all()) for G in grams + grads)
+            if finite and live:
+                noise, signal = spectral.nuclear_stats(
+                    grams, grads, scale=scale, bias_correction=self.bias_correction,
+                    num_samples=A, batch_size=float(self._batch_size))
+                n, s = float(noise.double().sum()), float(signal.double().sum())
+            else:
+                n = s = float("nan")
+            self._finish(A, None, n, s)
+        else:
+            qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
+            terms = ops.variance_norms_multi([self._grad(p).view(-1) for p in live], qs, scale)
+            self._finish(A, terms.double(), None, None)
+
+    # -------------------------------------------------------------- DDP hook side
+    def _micro_for_sync(self):
+        """Called by ddp_gns_hook at the first bucket of a synchronized backward."""
+        if self._count + 1 != self._micro_batches:
+            raise RuntimeError(
+                f"MicroBatchGNS: synchronized backward after {self._count} micro-steps, expected "
+                f"{self._micro_batches - 1} (call micro_step() after every micro-batch backward, "
+                "the first micro_batches-1 of them under ddp.no_sync())")
+        if self._count == 0 or not self.is_measurement_step():
+            return None
+        return _SyncMicro(self, self._count + 1)
+
+    def _after_sync(self) -> None:
+        self._synced = True
+
+
+class _SyncMicro:
+    """The last micro-batch of a rank, taken from the bucket inside the DDP hook."""
+
+    def __init__(self, owner: MicroBatchGNS, A: int):
+        self.owner = owner
+        self.count = A
+
+    def accumulate_last(self, p: Tensor, flat_grad: Tensor) -> None:
+        o = self.owner
+        o._buffers(p)
+        ops.accumulate_sq(flat_grad, o.prev[id(p)].view(-1), o.sq[id(p)].view(-1))
+
+    @property
+    def sq(self):
+        return self.owner.sq
+
+    def accumulate_last_gram(self, p: Tensor, grad: Tensor) -> Tensor:
+        o = self.owner
+        o._buffers(p)
+        (G,) = spectral.gram([grad.float() - o.prev[id(p)]])
+        acc = o.gsum[id(p)]
+        acc = G if acc is None else acc.add_(G)
+        o.gsum[id(p)] = acc
+        return acc.mul_(self.count)

@@ -1,0 +1,220 @@
+"""GNSHookState: schedule, configuration and results of the distributed GNS hooks.
+
+One object per model, shared by the DDP comm hook (``ddp_gns_hook``), the micro-batch
+estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
+
+- the schedule: ``step`` k counts optimizer steps = synchronized backward passes (one
+  per DDP gradient synchronization; no_sync() micro-steps do not count). A backward is a
+  *measurement step* when k % every == 0 -- the schedule of ``gk.AdaptiveBatchSize``
+  (its ``every``), so one F drives both. ``step`` may be set on resume.
+- ``batch_size``: the current GLOBAL batch B (examples per optimizer step, all ranks and
+  micro-batches together). The trainer keeps it current; the variance scale is
+  B / (S - 1) with S the number of samples (ranks, or ranks x micro-batches).
+- ``geometry`` ("l2", "l1", "nuclear"), ``bias_correction`` (as gk.estimate), ``params``
+  (the measured subset; nuclear uses its 2-D members only), ``shift`` and
+  ``process_group``.
+- ``estimate``: the GNSEstimate of the last measurement (None before the first),
+  identical on every rank; ``estimate_step``: the k it was measured at.
+
+Shift (exact, see DESIGN.md "Cancellation"): var = mean_j (g^j - S)^2 - (g - S)^2 for any S
+identical on all ranks. ``shift`` may be
+
+- None: no shift;
+- a mapping {parameter: tensor} or a callable ``parameter -> tensor | None`` (e.g.
+  ``lambda p: opt.state[p].get("momentum_buffer")``): user tensors, read at every
+  measurement, which MUST be identical on all ranks (the momentum buffer of a DDP model
+  is; nothing checks it: checking would need a collective);
+- "last": keep the last measured mean gradient of the measured parameters (float32, one
+  gradient copy held between measurements: opt-in; the first measurement is unshifted).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Mapping, Optional, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = ["GNSHookState", "GEOMETRIES"]
+
+GEOMETRIES = ("l2", "l1", "nuclear")
+
+ShiftSpec = Union[None, str, Mapping, Callable]
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_batch_size(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"batch_size: expected a positive number (the global batch), got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"batch_size: expected a positive finite number (the global batch), got {value}")
+    return value
+
+
+class GNSHookState:
+    """State of the gradient-noise-scale comm hooks (see the module docstring).
+
+    Args:
+        geometry: "l2", "l1" or "nuclear" (the optimizer's geometry).
+        every: F >= 1, measure at optimizer steps k with k % F == 0.
+        batch_size: global batch size B (examples per optimizer step); settable.
+        shift: None, "last", {param: tensor} or callable(param) -> tensor | None.
+        params: iterable of parameters to measure (default: all the hook sees). For
+            "nuclear" only the 2-D ones are used (as gk.estimate does).
+        process_group: the data-parallel group (default: the default group).
+        bias_correction: as gk.estimate (default True: the c4 l1 correction and the
+            spectral ops' nuclear correction; False: the paper's raw estimators).
+    """
+
+    def __init__(
+        self,
+        geometry: str = "l1",
+        every: int = 1,
+        batch_size: Optional[float] = None,
+        shift: ShiftSpec = None,
+        params: Optional[Iterable[Tensor]] = None,
+        process_group=None,
+        bias_correction: bool = True,
+    ):
+        if geometry not in GEOMETRIES:
+            raise ValueError(f"geometry: expected one of {GEOMETRIES}, got {geometry!r}")
+        self.geometry = geometry
+        self.every = _check_positive_int("every", every)
+        if batch_size is None:
+            raise ValueError("batch_size: expected the global batch size (a positive number), got None")
+        self._batch_size = _check_batch_size(batch_size)
+        if not (shift is None or shift == "last" or isinstance(shift, Mapping) or callable(shift)):
+            raise TypeError(
+                "shift: expected None, 'last', a mapping {parameter: tensor} or a callable "
+                f"parameter -> tensor, got {type(shift).__name__}"
+            )
+        if isinstance(shift, str) and shift != "last":
+            raise ValueError(f"shift: the only string accepted is 'last', got {shift!r}")
+        self.shift = shift
+        if params is not None:
+            if isinstance(params, Tensor):
+                raise TypeError("params: expected an iterable of parameters, got a single tensor")
+            plist = list(params)
+            for i, p in enumerate(plist):
+                if not isinstance(p, Tensor):
+                    raise TypeError(f"params[{i}]: expected a parameter tensor, got {type(p).__name__}")
+            self._param_ids = {id(p) for p in plist}
+            if not self._param_ids:
+                raise ValueError("params: expected at least one parameter, got an empty iterable")
+        else:
+            self._param_ids = None
+        self.process_group = process_group
+        self.bias_correction = bool(bias_correction)
+        self._step = 0
+        self.estimate = None
+        self.estimate_step: Optional[int] = None
+        self._last_mean: dict[int, Tensor] = {}  # id(param) -> float32 mean gradient (shift="last")
+        self._current = None  # per-backward measurement context (ddp.py)
+
+    # ---------------------------------------------------------------- schedule
+    @property
+    def step(self) -> int:
+        """k: the number of synchronized backward passes seen so far (settable on resume)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = _check_positive_int("step", value, minimum=0)
+
+    @property
+    def batch_size(self) -> float:
+        """Global batch size B of the current step (settable; the trainer keeps it current)."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: float) -> None:
+        self._batch_size = _check_batch_size(value)
+
+    def is_measurement_step(self, step: Optional[int] = None) -> bool:
+        """True when optimizer step k (default: the next one, ``self.step``) measures."""
+        k = self._step if step is None else step
+        return k % self.every == 0
+
+    # ---------------------------------------------------------------- parameters
+    def measures(self, param: Tensor) -> bool:
+        """Whether ``param`` contributes to the statistics of this geometry."""
+        if self._param_ids is not None and id(param) not in self._param_ids:
+            return False
+        if self.geometry == "nuclear":
+            return param.dim() == 2
+        return True
+
+    def shift_for(self, param: Tensor) -> Optional[Tensor]:
+        """The shift tensor of ``param`` for the current measurement (None: no shift)."""
+        spec = self.shift
+        if spec is None:
+            return None
+        if spec == "last":
+            return self._last_mean.get(id(param))
+        s = spec.get(param) if isinstance(spec, Mapping) else spec(param)
+        if s is None:
+            return None
+        if not isinstance(s, Tensor):
+            raise TypeError(f"shift: expected a tensor (or None) for a parameter of shape "
+                            f"{tuple(param.shape)}, got {type(s).__name__}")
+        if s.shape != param.shape:
+            raise ValueError(f"shift: expected a tensor of shape {tuple(param.shape)} like its "
+                             f"parameter, got {tuple(s.shape)}")
+        s = s.detach()
+        return s if s.is_contiguous() else s.contiguous()
+
+    def keep_mean(self, param: Tensor, mean_grad: Tensor) -> None:
+        """Store the measured mean gradient as the next shift (only when shift == 'last')."""
+        if self.shift != "last":
+            return
+        held = self._last_mean.get(id(param))
+        if held is None or held.shape != param.shape:
+            held = torch.empty(param.shape, dtype=torch.float32, device=mean_grad.device)
+            self._last_mean[id(param)] = held
+        held.copy_(mean_grad.reshape(param.shape))
+
+    # ---------------------------------------------------------------- results
+    def _finish(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise, nuc_signal,
+                step: Optional[int] = None) -> None:
+        """Turn the summed statistics of one measurement into ``self.estimate``.
+
+        l_terms: float64 Tensor[4] = sum over buckets of variance_norms, i.e.
+            [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] (l1/l2);
+        nuc_noise / nuc_signal: float64 sums over layers of tr(C_l^{1/2}) (bias-corrected
+            when ``bias_correction``) and ||G_l||_S1 (nuclear).
+        """
+        from ._estimate import estimate_from_sums
+
+        self.estimate = estimate_from_sums(
+            self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
+            self.bias_correction,
+        )
+        self.estimate_step = self._step if step is None else step
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Schedule and configuration to resume (the estimate and a 'last' shift are not kept)."""
+        return {"step": self._step, "every": self.every, "batch_size": self._batch_size,
+                "geometry": self.geometry}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("step", "every", "batch_size", "geometry"):
+            if key not in sd:
+                raise KeyError(f"state_dict: missing key {key!r}")
+        if sd["geometry"] != self.geometry:
+            raise ValueError(f"state_dict: geometry {sd['geometry']!r} differs from this state's {self.geometry!r}")
+        self.every = _check_positive_int("every", sd["every"])
+        self.step = sd["step"]
+        self.batch_size = sd["batch_size"]
+
+    def __repr__(self) -> str:
+        return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
+                f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r})")

@@ -1,0 +1,237 @@
+"""Rank-side code of the DDP hook tests (runs inside the spawned gloo processes).
+
+Each scenario trains nothing (no optimizer step unless stated): it runs a few steps of a
+small MLP under DDP with ``gk.ddp_gns_hook`` and, side by side, the same steps under plain
+DDP (no hook) and on an unwrapped local copy, and records per step:
+  - the hook's estimate and gk.estimate on the all-gathered local gradients (the expected
+    value, computed by the estimator, not by the hook),
+  - the hooked model's gradients, plain DDP's gradients and the float64 mean of the local
+    gradients,
+  - collectives: the process group's sequence number advance over the whole step (counts
+    every collective, including DDP's own C++ ones) for the hooked and the plain model,
+    and the payloads of the all-reduces the hook issued (dist.all_reduce wrapped),
+  - the buckets the hook saw (parameter shapes, dtype).
+The test module asserts on these records.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gns_kernels as gk
+from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
+
+LOCAL_BATCH = 4
+IN, HID, MID, OUT = 13, 24, 17, 5
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(IN, HID)
+        self.b = torch.nn.Linear(HID, MID)
+        self.c = torch.nn.Linear(MID, OUT, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _model(dtype):
+    torch.manual_seed(1234)  # identical on every rank
+    return _Net().to(dtype)
+
+
+def _batch(rank: int, step: int, micro: int, dtype, nan: bool = False):
+    g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * micro + rank)
+    x = torch.randn(LOCAL_BATCH, IN, generator=g).to(dtype)
+    y = torch.randn(LOCAL_BATCH, OUT, generator=g).to(dtype)
+    if nan:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _loss(model, x, y, scale: float = 1.0):
+    return F.mse_loss(model(x).float(), y.float()) * scale
+
+
+class _Recorder:
+    """Wraps dist.all_reduce (payloads) and the hook (buckets) for counting."""
+
+    def __init__(self):
+        self.payloads = []
+        self.buckets = []
+        self._orig = dist.all_reduce
+
+    def __enter__(self):
+        rec = self
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            rec.payloads.append((tensor.numel(), str(tensor.dtype)))
+            return rec._orig(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._orig
+
+    def hook(self, state, bucket):
+        self.buckets.append({"index": bucket.index(), "numel": bucket.buffer().numel(),
+                             "dtype": str(bucket.buffer().dtype),
+                             "shapes": [tuple(p.shape) for p in bucket.parameters()],
+                             "ids": [id(p) for p in bucket.parameters()]})
+        return ddp_gns_hook(state, bucket)
+
+
+def _gather(tensors):
+    """[[rank j's tensor p for p] for j]: all_gather each tensor (outside counted regions)."""
+    world = dist.get_world_size()
+    out = [[None] * len(tensors) for _ in range(world)]
+    for p, t in enumerate(tensors):
+        buf = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(buf, t.contiguous())
+        for j in range(world):
+            out[j][p] = buf[j]
+    return out
+
+
+def _est_tuple(e):
+    if e is None:
+        return None
+    return (e.gns, e.noise, e.signal, e.valid)
+
+
+def _seq():
+    return dist.group.WORLD._get_sequence_number_for_group()
+
+
+def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, shift=None,
+             subset=False, bias_correction=True, bucket_cap_mb=0.001, accumulate=1,
+             as_view=False, static_graph=False, nan_at=None, micro=False):
+    dtype = getattr(torch, dtype)
+    base = _model(dtype)
+    hooked, plain, local = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    ddp_kw = dict(bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view, static_graph=static_graph)
+    dh = DDP(hooked, **ddp_kw)
+    dp = DDP(plain, **ddp_kw)
+    hp = list(hooked.parameters())
+    names = [n for n, _ in hooked.named_parameters()]
+    measured = [p for n, p in zip(names, hp) if p.dim() == 2] if subset else None
+    shift_tensors = None
+    shift_spec = None
+    if shift == "user":
+        g = torch.Generator().manual_seed(77)  # identical on every rank
+        shift_tensors = [0.05 * torch.randn(p.shape, generator=g).to(dtype) for p in hp]
+        table = {p: s for p, s in zip(hp, shift_tensors)}
+        shift_spec = lambda p: table.get(p)  # noqa: E731
+    elif shift == "last":
+        shift_spec = "last"
+    B = LOCAL_BATCH * world * accumulate
+    if micro:
+        state = MicroBatchGNS(hp, geometry=geometry, every=every, batch_size=B,
+                              micro_batches=accumulate, bias_correction=bias_correction)
+    else:
+        state = GNSHookState(geometry, every=every, batch_size=B, shift=shift_spec,
+                             params=measured, bias_correction=bias_correction)
+    rec = _Recorder()
+    dh.register_comm_hook(state, rec.hook)
+    records = []
+    last_mean = None
+    for k in range(steps):
+        for m in (hooked, plain, local):
+            for p in m.parameters():
+                p.grad = None
+        nan = nan_at is not None and k == nan_at and rank == world - 1
+        # local copy: the per-rank (and per-micro-batch) gradients, for the expectation
+        samples = []
+        acc = None
+        for a in range(accumulate):
+            for p in local.parameters():
+                p.grad = None
+            x, y = _batch(rank, k, a, dtype, nan)
+            _loss(local, x, y, 1.0 / accumulate).backward()
+            gs = [p.grad.detach().clone() for p in local.parameters()]
+            samples.append([accumulate * t.float() for t in gs])  # micro-batch mean gradient
+            acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
+        # plain DDP
+        s0 = _seq()
+        for a in range(accumulate):
+            x, y = _batch(rank, k, a, dtype, nan)
+            ctx = dp.no_sync() if a < accumulate - 1 else contextlib.nullcontext()
+            with ctx:
+                _loss(dp, x, y, 1.0 / accumulate).backward()
+        plain_seq = _seq() - s0
+        # hooked DDP
+        measuring = state.is_measurement_step()
+        n_buckets0, n_payload0 = len(rec.buckets), len(rec.payloads)
+        s0 = _seq()
+        with rec:
+            for a in range(accumulate):
+                x, y = _batch(rank, k, a, dtype, nan)
+                ctx = dh.no_sync() if a < accumulate - 1 else contextlib.nullcontext()
+                with ctx:
+                    _loss(dh, x, y, 1.0 / accumulate).backward()
+                if micro:
+                    state.micro_step()
+        hooked_seq = _seq() - s0
+        buckets = rec.buckets[n_buckets0:]
+        payloads = rec.payloads[n_payload0:]
+        # expectation from the gathered local gradients
+        if micro:
+            mine = [t for s in samples for t in s]
+            allg = _gather(mine)
+            n_p = len(hp)
+            rank_grads = [allg[j][a * n_p:(a + 1) * n_p] for j in range(world) for a in range(accumulate)]
+        else:
+            rank_grads = _gather(acc)  # each rank's local (accumulated) mean gradient
+        mean64 = [torch.stack([rg[p].double() for rg in rank_grads]).mean(0) for p in range(len(hp))]
+        idx = [i for i, n in enumerate(names) if (not subset or hp[i].dim() == 2)]
+        sel = [[rg[i] for i in idx] for rg in rank_grads]
+        ref_shift = None
+        if shift == "user":
+            ref_shift = [shift_tensors[i] for i in idx]
+        elif shift == "last" and last_mean is not None:
+            ref_shift = [last_mean[i] for i in idx]
+        ref = None
+        if measuring:
+            try:
+                ref = gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
+                                  shift=ref_shift)
+            except Exception as exc:  # recorded, asserted in the parent
+                ref = repr(exc)
+            if shift == "last":
+                last_mean = [p.grad.detach().float().clone() for p in hp]
+        records.append({
+            "step": k,
+            "measuring": measuring,
+            "state_step": state.step,
+            "estimate_step": state.estimate_step,
+            "est": _est_tuple(state.estimate) if measuring else None,
+            "ref": _est_tuple(ref) if not isinstance(ref, str) and ref is not None else ref,
+            "grad_vs_mean": max(float((p.grad.double() - m).abs().max()) for p, m in zip(hp, mean64)),
+            "grad_scale": max(float(m.abs().max()) for m in mean64),
+            "grad_vs_plain": max(float((p.grad.double() - q.grad.double()).abs().max())
+                                 for p, q in zip(hp, plain.parameters())),
+            "plain_seq": plain_seq,
+            "hooked_seq": hooked_seq,
+            "buckets": [{kk: v for kk, v in b.items() if kk != "ids"} for b in buckets],
+            "measured_in_bucket": [[(not subset or s_ is None or len(s_) == 2) for s_ in b["shapes"]]
+                                   for b in buckets],
+            "payloads": payloads,
+        })
+    return {"records": records}
+
+
+def run_many(rank, world, *, scenarios):
+    """Run several run_hook scenarios in one process group: {name: result}."""
+    out = {}
+    for name, kwargs in scenarios.items():
+        out[name] = run_hook(rank, world, **kwargs)
+        dist.barrier()
+    return out

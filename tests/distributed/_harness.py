@@ -1,0 +1,86 @@
+"""Launch a function on W gloo ranks (spawned processes) and collect what each returns.
+
+Robust for CI: rendezvous through a FileStore in a fresh temporary folder (no TCP port
+that could collide), a process-group timeout, an overall deadline after which the
+children we started are terminated (by their pids), and results passed back as files.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+PG_TIMEOUT_S = 60
+
+
+def _entry(rank: int, world: int, folder: str, module: str, fn_name: str, kwargs: dict) -> None:
+    import importlib
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = os.path.join(folder, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+            world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        fn = getattr(importlib.import_module(module), fn_name)
+        result = fn(rank, world, **kwargs)
+        dist.barrier()
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # report to the parent, then exit non-zero
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(module: str, fn_name: str, world: int, timeout: float = 150.0, **kwargs) -> list:
+    """Run ``module.fn_name(rank, world, **kwargs)`` on ``world`` gloo ranks; return the
+    per-rank results (a list indexed by rank). Raises AssertionError with the child's
+    traceback on failure, TimeoutError after ``timeout`` seconds (children terminated)."""
+    with tempfile.TemporaryDirectory(prefix="gns_ddp_") as folder:
+        ctx = mp.start_processes(_entry, args=(world, folder, module, fn_name, kwargs),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        failure = None
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=1.0):
+                        break
+                except Exception as exc:  # a child raised or died
+                    failure = exc
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn_name} on {world} ranks did not finish in {timeout:.0f} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = []
+        errors = []
+        for r in range(world):
+            path = os.path.join(folder, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result")
+                continue
+            rec = torch.load(path, weights_only=False)
+            if rec["ok"]:
+                results.append(rec["result"])
+            else:
+                errors.append(f"rank {r}:\n{rec['error']}")
+        if errors or failure is not None:
+            raise AssertionError(f"{fn_name} on {world} ranks failed: {failure}\n" + "\n".join(errors))
+        return results

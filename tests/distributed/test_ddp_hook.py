@@ -1,0 +1,160 @@
+"""gk.ddp_gns_hook on 2 and 4 gloo ranks (spawned processes; see _harness.py).
+
+Every scenario runs in one process group per world size (a spawn costs seconds); the
+rank-side code is in _ddp_scenarios.py, the assertions here. Expected values come from
+gk.estimate on the all-gathered local gradients of the same step (float64), plain DDP
+(no hook) on the same data, and the process group's collective sequence counter.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from _harness import run_world
+
+pytestmark = pytest.mark.distributed
+
+TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
+
+SCENARIOS_2 = {
+    "l2": dict(geometry="l2"),
+    "l1": dict(geometry="l1"),
+    "nuclear": dict(geometry="nuclear"),
+    "nuclear_raw": dict(geometry="nuclear", bias_correction=False),
+    "l1_raw": dict(geometry="l1", bias_correction=False),
+    "l1_shift_user_subset": dict(geometry="l1", shift="user", subset=True),
+    "l2_shift_last": dict(geometry="l2", shift="last", every=1),
+    "nuclear_shift_user": dict(geometry="nuclear", shift="user"),
+    "nuclear_shift_last": dict(geometry="nuclear", shift="last", every=1, steps=3),
+    "l1_bf16": dict(geometry="l1", dtype="bfloat16"),
+    "nuclear_bf16": dict(geometry="nuclear", dtype="bfloat16"),
+    "l1_one_bucket": dict(geometry="l1", bucket_cap_mb=25),
+    "l1_no_sync_accumulation": dict(geometry="l1", accumulate=3),
+    "l1_view_static": dict(geometry="l1", as_view=True, static_graph=True),
+    "nuclear_view_static": dict(geometry="nuclear", as_view=True, static_graph=True, shift="user"),
+    "l1_nan": dict(geometry="l1", every=1, nan_at=1, steps=3),
+    "nuclear_nan": dict(geometry="nuclear", every=1, nan_at=1, steps=3),
+    "l1_micro": dict(geometry="l1", accumulate=3, micro=True),
+    "nuclear_micro": dict(geometry="nuclear", accumulate=2, micro=True),
+}
+
+SCENARIOS_4 = {
+    "l2": dict(geometry="l2", steps=3),
+    "l1_shift_user": dict(geometry="l1", shift="user", steps=3),
+    "nuclear": dict(geometry="nuclear", steps=3),
+    "l1_bf16_view": dict(geometry="l1", dtype="bfloat16", as_view=True, steps=3),
+    "l1_nan": dict(geometry="l1", every=1, nan_at=1, steps=3),
+    "l2_micro": dict(geometry="l2", accumulate=2, micro=True, steps=3),
+}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world("_ddp_scenarios", "run_many", 2, scenarios=SCENARIOS_2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world("_ddp_scenarios", "run_many", 4, scenarios=SCENARIOS_4)
+
+
+def _cases():
+    for name in SCENARIOS_2:
+        yield pytest.param(2, name, id=f"R2-{name}")
+    for name in SCENARIOS_4:
+        yield pytest.param(4, name, id=f"R4-{name}")
+
+
+def _results(request, world):
+    return request.getfixturevalue(f"world{world}")
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
+def test_estimate_matches_gathered_gradients(request, world, name):
+    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    res = _results(request, world)
+    ranks = [r[name]["records"] for r in res]
+    tol = TOL[cfg["geometry"]]
+    n_measured = 0
+    for k, rec in enumerate(ranks[0]):
+        assert rec["state_step"] == k + 1, "one step per synchronized backward"
+        if not rec["measuring"]:
+            assert k % cfg.get("every", 2) != 0
+            continue
+        n_measured += 1
+        assert rec["estimate_step"] == k
+        for other in ranks[1:]:  # identical on every rank (nan == nan here)
+            assert _same(other[k]["est"], rec["est"]), (k, other[k]["est"], rec["est"])
+        est, ref = rec["est"], rec["ref"]
+        assert not isinstance(ref, str), ref
+        assert est[3] == ref[3], f"step {k}: valid {est[3]} but gk.estimate valid {ref[3]}"
+        if cfg.get("nan_at") == k:
+            assert est[3] is False and all(math.isnan(v) for v in est[:3])
+            continue
+        assert est[3] is True
+        for what, a, b in zip(("gns", "noise", "signal"), est[:3], ref[:3]):
+            assert _rel(a, b) <= tol, f"step {k} {what}: hook {a} vs gk.estimate {b}"
+    assert n_measured >= 2
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
+def test_gradients_equal_plain_ddp(request, world, name):
+    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    res = _results(request, world)
+    bf16 = cfg.get("dtype") == "bfloat16"
+    for rank_records in (r[name]["records"] for r in res):
+        for rec in rank_records:
+            if cfg.get("nan_at") == rec["step"]:
+                assert math.isnan(rec["grad_vs_mean"])
+                continue
+            scale = rec["grad_scale"]
+            # bf16: plain DDP sums bf16 values, the hook rounds a float32 mean once
+            tol = scale * (2.0 ** -7 if bf16 else 1e-6)
+            assert rec["grad_vs_plain"] <= tol, (rec["step"], rec["grad_vs_plain"], scale)
+            assert rec["grad_vs_mean"] <= scale * (2.0 ** -7 if bf16 else 1e-6)
+
+
+def _expected_payload(cfg, bucket):
+    """Expected all-reduce size of a measurement step's bucket (from its parameter shapes)."""
+    shapes = bucket["shapes"]
+    numel = bucket["numel"]
+    sizes = [math.prod(s) for s in shapes]
+    if cfg["geometry"] == "nuclear":
+        grams = [min(s) ** 2 for s in shapes if len(s) == 2]
+        if not grams:
+            return numel, bucket["dtype"]
+        return numel + sum(grams), "torch.float32"
+    measured = [not cfg.get("subset") or len(s) == 2 for s in shapes]
+    if not any(measured):
+        return numel, bucket["dtype"]
+    return sum(2 * n if m else n for n, m in zip(sizes, measured)), "torch.float32"
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
+def test_collectives_one_allreduce_per_bucket(request, world, name):
+    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    res = _results(request, world)
+    several = False
+    for rank_records in (r[name]["records"] for r in res):
+        for rec in rank_records:
+            buckets, payloads = rec["buckets"], rec["payloads"]
+            several |= len(buckets) > 1
+            # nothing else: every collective of the step (DDP's own included) is counted
+            assert rec["hooked_seq"] == rec["plain_seq"], rec
+            assert len(payloads) == len(buckets), (payloads, buckets)
+            for b, (numel, dtype) in zip(buckets, payloads):
+                if rec["measuring"]:
+                    assert (numel, dtype) == _expected_payload(cfg, b), (b, numel, dtype)
+                else:
+                    assert (numel, dtype) == (b["numel"], b["dtype"])
+    if cfg.get("bucket_cap_mb", 0.001) < 1:
+        assert several, "small bucket_cap_mb should give several buckets"
