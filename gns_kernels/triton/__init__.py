@@ -21,8 +21,6 @@ single-pass bandwidth-bound kernels with nothing to fuse into).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 __all__ = ["available", "register_cuda_kernels", "OPS"]
@@ -35,8 +33,13 @@ _REGISTERED: list[str] = []
 
 
 def available() -> bool:
-    """True when the triton package can be imported."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the triton package imports (and has the runtime pieces fused.py uses)."""
+    try:
+        import triton  # noqa: F401
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _op_defined(name: str) -> bool:
