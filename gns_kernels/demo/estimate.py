@@ -199,9 +199,9 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        for kind in args.models:
-            rows.extend(measure(kind, list(args.ranks), args.batch_size, args.draws, args.examples,
-                                args.seed))
+        ranks = list(dict.fromkeys(args.ranks))   # unique, in the given order
+        for kind in dict.fromkeys(args.models):
+            rows.extend(measure(kind, ranks, args.batch_size, args.draws, args.examples, args.seed))
     finally:
         torch.set_num_threads(threads)
     print(f"GNS from simulated ranks vs exact per-example values: global batch B = {args.batch_size}, "
