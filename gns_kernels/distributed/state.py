@@ -91,13 +91,14 @@ class GNSHookState:
         if batch_size is None:
             raise ValueError("batch_size: expected the global batch size (a positive number), got None")
         self._batch_size = _check_batch_size(batch_size)
-        if not (shift is None or shift == "last" or isinstance(shift, Mapping) or callable(shift)):
+        if isinstance(shift, str):
+            if shift != "last":
+                raise ValueError(f"shift: the only string accepted is 'last', got {shift!r}")
+        elif not (shift is None or isinstance(shift, Mapping) or callable(shift)):
             raise TypeError(
                 "shift: expected None, 'last', a mapping {parameter: tensor} or a callable "
                 f"parameter -> tensor, got {type(shift).__name__}"
             )
-        if isinstance(shift, str) and shift != "last":
-            raise ValueError(f"shift: the only string accepted is 'last', got {shift!r}")
         self.shift = shift
         if params is not None:
             if isinstance(params, Tensor):
@@ -157,7 +158,7 @@ class GNSHookState:
         spec = self.shift
         if spec is None:
             return None
-        if spec == "last":
+        if isinstance(spec, str):  # "last"
             return self._last_mean.get(id(param))
         s = spec.get(param) if isinstance(spec, Mapping) else spec(param)
         if s is None:
@@ -173,7 +174,7 @@ class GNSHookState:
 
     def keep_mean(self, param: Tensor, mean_grad: Tensor) -> None:
         """Store the measured mean gradient as the next shift (only when shift == 'last')."""
-        if self.shift != "last":
+        if not isinstance(self.shift, str):  # only shift == "last" keeps the mean
             return
         held = self._last_mean.get(id(param))
         if held is None or held.shape != param.shape:

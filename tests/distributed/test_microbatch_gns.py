@@ -1,0 +1,173 @@
+"""MicroBatchGNS on one process (no process group) and GNSHookState's own checks.
+
+Expected values: gk.estimate over the micro-batch gradients, each computed separately
+from a fresh backward of that micro-batch (not by differencing, as MicroBatchGNS does).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gns_kernels as gk
+from gns_kernels.distributed import GNSHookState, MicroBatchGNS
+
+TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
+
+
+def _net(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(11, 19), torch.nn.Tanh(), torch.nn.Linear(19, 7),
+                               torch.nn.Linear(7, 3, bias=False)).to(dtype)
+
+
+def _micro_batches(step, A, b, nan_in=None):
+    g = torch.Generator().manual_seed(500 + step)
+    xs = torch.randn(A, b, 11, generator=g)
+    ys = torch.randn(A, b, 3, generator=g)
+    if nan_in is not None:
+        xs[nan_in, 0, 0] = float("nan")
+    return xs, ys
+
+
+def _sample_grads(model, xs, ys):
+    """Mean gradient of each micro-batch (its own backward, no accumulation)."""
+    out = []
+    for x, y in zip(xs, ys):
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        out.append([p.grad.detach().clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+@pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("A", [2, 5])
+def test_one_process_matches_estimate_over_micro_batches(geometry, bias_correction, A):
+    b = 3
+    model = _net(1)
+    ref_model = _net(1)
+    mb = MicroBatchGNS(model.parameters(), geometry=geometry, every=2, batch_size=A * b,
+                       micro_batches=A, bias_correction=bias_correction)
+    for step in range(4):
+        xs, ys = _micro_batches(step, A, b)
+        samples = _sample_grads(ref_model, xs, ys)
+        model.zero_grad(set_to_none=True)
+        for a in range(A):
+            (F.mse_loss(model(xs[a]), ys[a]) / A).backward()  # loss divided by A
+            mb.micro_step()
+        assert mb.step == step + 1
+        # the accumulated .grad is the mean gradient of the whole batch
+        for p, *gs in zip(model.parameters(), *samples):
+            mean = torch.stack([g.double() for g in gs]).mean(0)
+            assert torch.allclose(p.grad.double(), mean, rtol=1e-5, atol=1e-7)
+        if step % 2:
+            assert mb.estimate_step == step - 1
+            assert not mb.prev and not mb.sq  # nothing held on non-measurement steps
+            continue
+        ref = gk.estimate(samples, batch_size=A * b, geometry=geometry, bias_correction=bias_correction)
+        est = mb.estimate
+        assert mb.estimate_step == step and est.valid and ref.valid
+        assert est.num_samples == A and est.batch_size == A * b
+        for what in ("gns", "noise", "signal"):
+            assert _rel(getattr(est, what), getattr(ref, what)) <= TOL[geometry], what
+
+
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+def test_one_process_nan_micro_batch_invalid_then_valid(geometry):
+    A, b = 3, 2
+    model = _net(2)
+    mb = MicroBatchGNS(model.parameters(), geometry=geometry, every=1, batch_size=A * b, micro_batches=A)
+    valid = []
+    for step in range(2):
+        xs, ys = _micro_batches(step, A, b, nan_in=1 if step == 0 else None)
+        model.zero_grad(set_to_none=True)
+        for a in range(A):
+            (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+            mb.micro_step()
+        valid.append(mb.estimate.valid)
+        if step == 0:
+            assert math.isnan(mb.estimate.gns) and math.isnan(mb.estimate.noise)
+    assert valid == [False, True]
+
+
+def test_microbatch_bad_input():
+    model = _net()
+    with pytest.raises(ValueError, match="micro_batches"):
+        MicroBatchGNS(model.parameters(), batch_size=8)
+    with pytest.raises(ValueError, match="micro_batches"):
+        MicroBatchGNS(model.parameters(), batch_size=8, micro_batches=0)
+    with pytest.raises(ValueError, match="params"):
+        MicroBatchGNS([p for p in model.parameters() if p.dim() == 1], geometry="nuclear",
+                      batch_size=8, micro_batches=2)
+    with pytest.raises(TypeError, match="params"):
+        MicroBatchGNS(next(model.parameters()), batch_size=8, micro_batches=2)
+    one = MicroBatchGNS(model.parameters(), batch_size=4, micro_batches=1)
+    F.mse_loss(model(torch.randn(4, 11)), torch.randn(4, 3)).backward()
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        one.micro_step()
+    bf = _net(dtype=torch.bfloat16)
+    mbf = MicroBatchGNS(bf.parameters(), batch_size=4, micro_batches=2)
+    F.mse_loss(bf(torch.randn(2, 11, dtype=torch.bfloat16)).float(), torch.randn(2, 3)).backward()
+    with pytest.raises(TypeError, match="float32 .grad"):
+        mbf.micro_step()
+
+
+def test_state_schedule_and_resume():
+    st = GNSHookState("l1", every=3, batch_size=16)
+    assert st.estimate is None and st.step == 0
+    assert [st.is_measurement_step(k) for k in range(7)] == [True, False, False, True, False, False, True]
+    st.step = 5
+    assert not st.is_measurement_step() and st.is_measurement_step(6)
+    st.batch_size = 32
+    sd = st.state_dict()
+    st2 = GNSHookState("l1", every=1, batch_size=4)
+    st2.load_state_dict(sd)
+    assert (st2.step, st2.every, st2.batch_size) == (5, 3, 32)
+    with pytest.raises(ValueError, match="geometry"):
+        GNSHookState("l2", batch_size=4).load_state_dict(sd)
+
+
+def test_state_bad_input():
+    with pytest.raises(ValueError, match="geometry"):
+        GNSHookState("linf", batch_size=4)
+    with pytest.raises(ValueError, match="every"):
+        GNSHookState("l1", every=0, batch_size=4)
+    with pytest.raises(TypeError, match="every"):
+        GNSHookState("l1", every=1.5, batch_size=4)
+    with pytest.raises(ValueError, match="batch_size"):
+        GNSHookState("l1")
+    with pytest.raises(ValueError, match="batch_size"):
+        GNSHookState("l1", batch_size=0)
+    st = GNSHookState("l1", batch_size=4)
+    with pytest.raises(ValueError, match="batch_size"):
+        st.batch_size = -2
+    with pytest.raises(ValueError, match="step"):
+        st.step = -1
+    with pytest.raises(ValueError, match="shift"):
+        GNSHookState("l1", batch_size=4, shift="momentum")
+    with pytest.raises(TypeError, match="shift"):
+        GNSHookState("l1", batch_size=4, shift=3)
+    with pytest.raises(ValueError, match="params"):
+        GNSHookState("l1", batch_size=4, params=[])
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    bad = GNSHookState("l1", batch_size=4, shift={p: torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match="shape"):
+        bad.shift_for(p)
+
+
+def test_state_measured_subset_and_nuclear_matrices():
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    v = torch.nn.Parameter(torch.zeros(3))
+    u = torch.nn.Parameter(torch.zeros(4, 4))
+    st = GNSHookState("nuclear", batch_size=4, params=[w, v])
+    assert st.measures(w) and not st.measures(v) and not st.measures(u)
+    st = GNSHookState("l1", batch_size=4)
+    assert st.measures(w) and st.measures(v)
