@@ -82,6 +82,7 @@ class Row:
     gns_corr: _Stat = field(default_factory=_Stat)
     gns_debiased: _Stat = field(default_factory=_Stat)   # l2 only: noise / signal_unbiased
     invalid: int = 0
+    debiased_nonpositive: int = 0                        # l2 draws with signal_unbiased <= 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,8 +160,11 @@ def measure(model_kind: str, ranks: list[int], batch_size: int, draws: int, exam
                     row.signal.add(cor.signal / row.exact_signal)
                     row.gns_raw.add(raw.gns)
                     row.gns_corr.add(cor.gns)
-                    if cor.signal_unbiased is not None and cor.signal_unbiased > 0:
-                        row.gns_debiased.add(cor.noise / cor.signal_unbiased)
+                    if cor.signal_unbiased is not None:
+                        if cor.signal_unbiased > 0:
+                            row.gns_debiased.add(cor.noise / cor.signal_unbiased)
+                        else:
+                            row.debiased_nonpositive += 1
             done += n
         rows.extend(by_geo.values())
     return rows
@@ -219,5 +223,9 @@ def run(args: argparse.Namespace) -> int:
     bad = sum(r.invalid for r in rows)
     if bad:
         print(f"warning: {bad} invalid estimates (non-finite or signal <= 0) left out of the averages")
+    nonpos = sum(r.debiased_nonpositive for r in rows)
+    if nonpos:
+        print(f"note: {nonpos} draws had signal - noise/B <= 0 and are left out of the l2-debiased "
+              "column (batch too small for the GNS)")
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
