@@ -14,3 +14,4 @@ from .controller import AdaptiveBatchSize  # noqa: F401
 from .ops import variance_norms, square_pack, accumulate_sq, variance_norms_multi, accumulate_sq_multi  # noqa: F401
 from .optim import SignSGD, Signum, SpecSGD, geometry_for  # noqa: F401
 from .estimators import GNSEstimate, estimate, estimate_from_stats, critical_batch_size  # noqa: F401
+from .distributed import GNSHookState, ddp_gns_hook, MicroBatchGNS  # noqa: F401
