@@ -372,3 +372,42 @@ def test_with_real_gns_estimates():
     before = c.state_dict()
     c.update(3, gk.estimate(bad, batch_size=B, geometry="l1"))
     assert c.num_skipped == 1 and c.noise_ema == before["noise_ema"]
+
+
+def _algorithm1(stream, B0, theta, bN, bM, F, I, cap, mult):
+    """Algorithm 1 transcribed from the paper + DESIGN.md (valid-only EMAs, rounding, cap)."""
+    B, omega, N, M, out = B0, 1.0, None, None, []
+    for k, e in enumerate(stream):
+        if k % F == 0 and e is not None and e.valid and math.isfinite(e.noise) \
+                and math.isfinite(e.signal) and e.signal > 0 and e.noise >= 0:
+            N = e.noise if N is None else bN * N + (1 - bN) * e.noise
+            M = e.signal if M is None else bM * M + (1 - bM) * e.signal
+            if k >= I:
+                Bn = max(math.ceil(N / (theta ** 2 * M)), B)
+                Bn = ((Bn + mult - 1) // mult) * mult
+                if cap is not None:
+                    Bn = max(min(Bn, cap), B)
+                omega *= math.sqrt(Bn / B)
+                B = Bn
+        out.append((B, omega))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_trajectories_match_transcribed_algorithm(seed):
+    rng = random.Random(seed)
+    mult = rng.choice([1, 2, 8])
+    B0 = mult * rng.randint(1, 4)
+    cap = rng.choice([None, B0 * rng.randint(4, 40)])
+    kw = dict(initial_batch_size=B0, theta=rng.choice([0.3, 0.5, 0.6, 1.7]),
+              beta_noise=rng.uniform(0, 0.95), beta_signal=rng.uniform(0, 0.95),
+              every=rng.randint(1, 5), warmup_steps=rng.randint(0, 20), max_batch_size=cap,
+              multiple_of=mult)
+    stream = _random_stream(100 + seed, 150)
+    expected = _algorithm1(stream, B0, kw["theta"], kw["beta_noise"], kw["beta_signal"],
+                           kw["every"], kw["warmup_steps"], cap, mult)
+    c = AdaptiveBatchSize(**kw)
+    got = [(c.update(k, e), c.lr_multiplier) for k, e in enumerate(stream)]
+    assert [b for b, _ in got] == [b for b, _ in expected]
+    for (_, w), (_, w_ref) in zip(got, expected):
+        assert w == pytest.approx(w_ref, rel=1e-12)
