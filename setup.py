@@ -32,6 +32,9 @@ def _ext_modules():
     # csrc/cpu/cpu_common.h) bit-identical: no FMA contraction; -fopenmp makes
     # at::parallel_for (ATen's OpenMP backend, inlined from its headers) parallel.
     extra_cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+    cuda_ext = _cuda_extension(cpu_sources, extra_cxx)
+    if cuda_ext is not None:
+        return [cuda_ext]
     return [
         CppExtension(
             name="gns_kernels._C",
@@ -41,6 +44,42 @@ def _ext_modules():
             extra_link_args=["-fopenmp"],
         )
     ]
+
+
+# ---- CUDA branch (owned by the cuda helper; see docs/cuda.md) ---------------------------
+# When torch is a CUDA build and nvcc is found (torch's CUDA_HOME), gns_kernels._C is built
+# as a CUDAExtension from the CPU sources plus csrc/cuda (plain CUDA C++ kernels and the
+# TORCH_LIBRARY_IMPL(CUDA) binding), else CPU-only as above. GNS_KERNELS_CUDA=0 forces the
+# CPU-only build. Without a visible GPU and without TORCH_CUDA_ARCH_LIST, it builds for
+# sm_80 and sm_90 (+ PTX for newer GPUs).
+def _cuda_extension(cpu_sources, extra_cxx):
+    if os.environ.get("GNS_KERNELS_CUDA", "auto") == "0":
+        return None
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return None
+    if not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return None
+    cuda_sources = _sources("cuda/*.cu", "cuda/*.cpp")
+    if not cuda_sources:
+        return None
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+    # No -std flag: torch adds the standard its headers need (C++20 from torch 2.14 on).
+    # --fmad=false: no FMA contraction, like the CPU build's -ffp-contract=off, so each
+    # element's terms round exactly as on the CPU (only the summation order differs).
+    cxx = [f for f in extra_cxx if not f.startswith("-std=")]
+    extra_nvcc = ["-O3", "--fmad=false"]
+    return CUDAExtension(
+        name="gns_kernels._C",
+        sources=cpu_sources + cuda_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": cxx, "nvcc": extra_nvcc},
+        extra_link_args=["-fopenmp"],
+    )
+# ---- end of the CUDA branch -------------------------------------------------------------
 
 
 def _cmdclass():
