@@ -1,14 +1,37 @@
 """Nuclear (S1) statistics: batched Grams, tr(A^{1/2}), per-layer noise and signal.
 
-First version: simple and exact (float64 eigvalsh). Faster paths follow behind the same
-signatures.
+Notation (DESIGN.md "The math"): per layer a gradient matrix G (m x n), samples
+j = 1..R (ranks, or ranks x micro-batches), each the mean gradient over B/R examples.
 
-Notation (DESIGN.md): per layer a gradient matrix G (m x n); samples j = 1..R; the row
-covariance C = scale * (mean_j G^j G^jT - G G^T), scale = B/(R-1); noise tr(C^{1/2}),
-signal ||G||_S1 = tr((G G^T)^{1/2}).
+    Gram           G G^T ('row', m x m) or G^T G ('col', n x n); 'auto' = the smaller side
+    covariance     C = scale * (mean_j G^j G^jT - D D^T),  scale = B/(R-1),  D = mean_j G^j
+                   (with a shift S identical on all samples: G^j - S and D = G - S)
+    noise          tr(C^{1/2})           (units: gradient units x sqrt(examples))
+    signal         ||G||_S1 = tr((G G^T)^{1/2})   (gradient units)
+
+tr(C_row^{1/2}) == tr(C_col^{1/2}) and ||G||_S1 is the same on both sides, so any side is
+exact; the smaller one is cheapest.
+
+Public functions (re-exported as gns_kernels.gram / sqrt_trace / nuclear_stats):
+
+- ``gram(tensors, side="auto") -> list[Tensor]``: float32 Grams, one batched matmul per
+  group of equal shapes (upper-triangle blocks only, mirrored), any float input dtype.
+- ``sqrt_trace(A, method="auto") -> Tensor[...]``: tr(A^{1/2}) for symmetric PSD A,
+  by "eigh" (float32 eigvalsh with a per-matrix float64 fallback chosen by an a-posteriori
+  error bound) or "newton" (coupled Newton-Schulz in float32 with a relative shift, a
+  spectral correction of the shift and a divergence guard; no host synchronization).
+- ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])``.
+
+The heavy parts are torch.library custom ops with fake kernels (torch.compile keeps each
+as one opaque node): ``torch.ops.gns_kernels.gram_batched``, ``.psd_eigvalsh``,
+``.newton_sqrt_trace``. See docs/spectral.md for accuracy, cost and the method choice.
 """
 from __future__ import annotations
 
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -17,38 +40,429 @@ from .reference import gram_side
 
 Tensor = torch.Tensor
 
-__all__ = ["gram", "sqrt_trace", "nuclear_stats"]
+__all__ = [
+    "gram",
+    "sqrt_trace",
+    "nuclear_stats",
+    "psd_eigvalsh",
+    "newton_min_iters",
+    "NEWTON_EPS",
+    "NEWTON_MAX_ITERS",
+    "EIGH_TOL",
+]
+
+# ----------------------------------------------------------------------------- constants
+U32 = 2.0**-24  # float32 unit roundoff
+EIGH_TOL = 2e-4  # eigh: float64 fallback when the float32 error bound exceeds this (relative)
+NEWTON_EPS = 1e-7  # newton: default relative shift (of A / ||A||_F)
+NEWTON_EPS_RANGE = (1e-7, 1e-2)
+NEWTON_MAX_ITERS = 200
+_FREEZE_SLACK = 1e-3  # newton guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
+
+_DEBUG_ENV = "GNS_KERNELS_VALIDATE"
 
 
-def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
-    """Per 2-D tensor G (m x n): G G^T ('row', m x m) or G^T G ('col', n x n), float32.
+def _validate_requested(validate: bool) -> bool:
+    return bool(validate) or os.environ.get(_DEBUG_ENV, "") not in ("", "0")
 
-    'auto' takes the smaller side (row when m <= n). Returns a list in input order.
+
+# ----------------------------------------------------------------------------- threading
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_POOL_SIZE = 0
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE != n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=True)
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gns_spectral")
+            _POOL_SIZE = n
+        return _POOL
+
+
+def _map_cpu(fn, items: list) -> list:
+    """fn over items, one item per task on torch.get_num_threads() worker threads.
+
+    LAPACK's eigvalsh at m <= ~1000 scales poorly with threads (measured 32 ms on one
+    thread, 22 ms on two at m = 768), so independent matrices on single-threaded workers
+    beat one multi-threaded call. The intra-op thread count is set to 1 for the duration
+    and restored afterwards (a process-wide setting: do not call concurrently with other
+    torch work that relies on it). Results are bitwise the same as a serial loop under
+    torch.set_num_threads(1).
     """
-    out = []
-    for i, g in enumerate(tensors):
-        if g.dim() != 2:
-            raise ValueError(f"tensors[{i}]: expected a 2-D tensor, got shape {tuple(g.shape)}")
-        s = gram_side(g.shape, side)
-        x = g.detach().float()
-        out.append(x @ x.mT if s == "row" else x.mT @ x)
+    n = torch.get_num_threads()
+    if n <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    old = n
+    torch.set_num_threads(1)
+    try:
+        return list(_pool(min(n, len(items))).map(fn, items))
+    finally:
+        torch.set_num_threads(old)
+
+
+# ============================================================================== Gram
+_GRAM_BLOCK = 256  # CPU: row block of the upper-triangle blocked Gram
+
+
+def _gram_blocked(x: Tensor) -> Tensor:
+    """x (L, k, n) float32 -> x x^T (L, k, k), computing only upper-triangle blocks."""
+    L, k, n = x.shape
+    nb = max(1, -(-k // _GRAM_BLOCK))
+    if nb == 1:
+        return torch.bmm(x, x.mT)
+    edges = [i * k // nb for i in range(nb + 1)]
+    out = x.new_empty(L, k, k)
+    for i in range(nb):
+        xi = x[:, edges[i]:edges[i + 1]]
+        for j in range(i, nb):
+            blk = torch.bmm(xi, x[:, edges[j]:edges[j + 1]].mT)
+            out[:, edges[i]:edges[i + 1], edges[j]:edges[j + 1]] = blk
+            if j != i:
+                out[:, edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = blk.mT
     return out
 
 
-def sqrt_trace(A: Tensor, method: str = "auto") -> Tensor:
-    """tr(A^{1/2}) = sum_i sqrt(max(lambda_i, 0)) for symmetric PSD A (..., m, m).
+@torch.library.custom_op("gns_kernels::gram_batched", mutates_args=())
+def gram_batched(x: Tensor, col: bool) -> Tensor:
+    """Batched Gram in float32: x (L, m, n) -> x x^T (L, m, m), or x^T x (L, n, n) if col.
 
-    Returns a float32 tensor of shape (...). Negative eigenvalues (rounding) count as 0.
+    Any floating input dtype; products are accumulated in float32 (bf16/fp16 inputs are
+    exact in float32, so this is the float32 Gram of the given values).
     """
+    xf = x if x.dtype == torch.float32 else x.float()
+    if col:
+        xf = xf.mT
+    if xf.device.type == "cpu":
+        return _gram_blocked(xf)
+    if x.device.type == "cuda" and x.dtype != torch.float64:
+        tg = _triton_gram()
+        if tg is not None:  # upper-triangle tiles only, bf16/fp16 read natively
+            return tg(x, col)
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        xt = x.mT if col else x
+        return torch.bmm(xt, xt.mT, out_dtype=torch.float32)
+    return torch.bmm(xf, xf.mT)
+
+
+@gram_batched.register_fake
+def _(x: Tensor, col: bool) -> Tensor:
+    k = x.shape[-1] if col else x.shape[-2]
+    return x.new_empty((x.shape[0], k, k), dtype=torch.float32)
+
+
+_TRITON_GRAM: list = []
+
+
+def _triton_gram():
+    """gns_kernels.triton.gram.gram_upper, or None without triton (imported on first CUDA use)."""
+    if not _TRITON_GRAM:
+        try:
+            from .triton.gram import gram_upper
+        except ImportError:
+            gram_upper = None
+        _TRITON_GRAM.append(gram_upper)
+    return _TRITON_GRAM[0]
+
+
+def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
+    """Per 2-D tensor G (m x n): its Gram G G^T ('row', m x m) or G^T G ('col', n x n).
+
+    side: 'auto' (the smaller side: row when m <= n), 'row' or 'col'.
+    Any floating dtype (bf16/fp16/fp32/fp64 gradients); the result is float32, accumulated
+    in float32 (float64 inputs are rounded to float32 first). Tensors of equal shape, dtype
+    and device are stacked and computed with one batched op (torch.ops.gns_kernels.
+    gram_batched); on CPU only the upper-triangle blocks are multiplied and mirrored, on
+    CUDA a Triton kernel computes only upper-triangle tiles. Returns a list in input order.
+    """
+    tensors = list(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(tensors):
+        if not isinstance(g, Tensor):
+            raise ValueError(f"tensors[{i}]: expected a torch.Tensor, got {type(g).__name__}")
+        if g.dim() != 2:
+            raise ValueError(f"tensors[{i}]: expected a 2-D tensor (m, n), got shape {tuple(g.shape)}")
+        if not g.is_floating_point():
+            raise ValueError(f"tensors[{i}]: expected a floating dtype, got {g.dtype}")
+        s = gram_side(g.shape, side)
+        groups.setdefault((tuple(g.shape), g.dtype, g.device, s), []).append(i)
+    out: list[Tensor | None] = [None] * len(tensors)
+    for (_, _, _, s), idx in groups.items():
+        if len(idx) == 1:
+            x = tensors[idx[0]].detach().unsqueeze(0)
+        else:
+            x = torch.stack([tensors[i].detach() for i in idx])
+        res = torch.ops.gns_kernels.gram_batched(x, s == "col")
+        for i, r in zip(idx, res.unbind(0)):
+            out[i] = r
+    return out  # type: ignore[return-value]
+
+
+# ============================================================================== eigh
+def _eig_error_bound(lam: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """A-posteriori bound of |sum sqrt(lam+) - sum sqrt(true+)| for float32 eigenvalues.
+
+    lam: (..., m) float32 eigenvalues of a symmetric matrix. Every computed eigenvalue is
+    within delta = c(m) u lam_max of a true one (backward stability; c(m) = max(8, m/4)
+    covers 3x the largest error measured here, ~0.08 m). Per eigenvalue the sqrt error is
+    at most sqrt(2 delta) when lam_i <= delta, else delta / sqrt(lam_i). Returns
+    (bound, trace) in units of sqrt(lam_max), float64, shape (...).
+    """
+    lam = lam.double()
+    lmax = lam.abs().amax(-1, keepdim=True)
+    safe = torch.where(lmax > 0, lmax, torch.ones_like(lmax))
+    r = lam / safe
+    delta = max(8.0, m / 4.0) * U32
+    small = r <= delta
+    err = torch.where(small, torch.full_like(r, math.sqrt(2 * delta)), delta / r.clamp_min(delta).sqrt())
+    err = torch.where(lmax > 0, err, torch.zeros_like(err))
+    return err.sum(-1), r.clamp_min(0).sqrt().sum(-1)
+
+
+def _eig_one(args) -> Tensor:
+    """One matrix: float32 eigvalsh, float64 when the error bound exceeds tol. -> float64 (m,)."""
+    a, tol = args
+    m = a.shape[-1]
+    if not bool(torch.isfinite(a).all()):
+        return torch.full((m,), math.nan, dtype=torch.float64)
+    a64 = a.double()
+    a64 = 0.5 * (a64 + a64.mT)
+    amax = float(a64.abs().max())
+    if amax == 0.0:
+        return torch.zeros(m, dtype=torch.float64)
+    a32 = (a64 / amax).float()  # scaled: no under/overflow in LAPACK or the bound
+    lam = torch.linalg.eigvalsh(a32)
+    bound, tr = _eig_error_bound(lam, m)
+    if float(bound) > tol * float(tr):
+        return torch.linalg.eigvalsh(a64)
+    return lam.double() * amax
+
+
+def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
+    m = A.shape[-1]
+    batch = A.shape[:-2]
+    flat = A.detach().reshape(-1, m, m)
+    if flat.device.type == "cpu":
+        res = _map_cpu(_eig_one, [(a, tol) for a in flat.unbind(0)])
+        out = torch.stack(res) if res else flat.new_empty((0, m), dtype=torch.float64)
+        return out.reshape(*batch, m)
+    # CUDA (and other devices): batched float32, then float64 for the flagged subset.
+    # One host synchronization (the subset's size); cuSOLVER's eigh syncs on its info anyway.
+    x = flat.double()
+    x = 0.5 * (x + x.mT)
+    finite = torch.isfinite(x).all((-2, -1))
+    x = torch.where(finite[:, None, None], x, torch.zeros_like(x))
+    amax = x.abs().amax((-2, -1))
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    xs = x / amax[:, None, None]
+    lam = torch.linalg.eigvalsh(xs.float())
+    bound, tr = _eig_error_bound(lam, m)
+    need = bound > tol * tr
+    lam = lam.double()
+    idx = need.nonzero().squeeze(-1)
+    if idx.numel():
+        lam[idx] = torch.linalg.eigvalsh(xs[idx])
+    lam = lam * amax[:, None]
+    lam = torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
+    return lam.reshape(*batch, m)
+
+
+@torch.library.custom_op("gns_kernels::psd_eigvalsh", mutates_args=())
+def _psd_eigvalsh_op(A: Tensor, tol: float) -> Tensor:
+    return _psd_eigvalsh_impl(A, tol)
+
+
+@_psd_eigvalsh_op.register_fake
+def _(A: Tensor, tol: float) -> Tensor:
+    return A.new_empty(A.shape[:-1], dtype=torch.float64)
+
+
+def psd_eigvalsh(A: Tensor, tol: float = EIGH_TOL) -> Tensor:
+    """Eigenvalues (float64, ascending, shape (..., m)) of symmetric A (..., m, m), accurate
+    enough that sum_i sqrt(max(lambda_i, 0)) is within ``tol`` (relative) of the float64
+    value: float32 eigvalsh of A / max|A_ij|, and float64 eigvalsh for the matrices whose
+    a-posteriori error bound (see _eig_error_bound) exceeds tol. Non-finite matrices give
+    NaN eigenvalues. A is symmetrized as (A + A^T)/2.
+    """
+    _check_square(A, "A")
+    return torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
+
+
+# ============================================================================== newton
+def newton_min_iters(eps: float = NEWTON_EPS) -> int:
+    """Smallest iteration count allowed for relative shift ``eps``: the coupled
+    Newton-Schulz product p = y z of an eigenvalue eps/2 (eps halved by rounding noise)
+    reaches 1 - 1e-7 (scalar recursion p <- p (3 - p)^2 / 4). 25 at eps = 1e-7."""
+    p, k = eps / 2.0, 0
+    while 1.0 - p > 1e-7 and k < NEWTON_MAX_ITERS:
+        p = p * (3.0 - p) ** 2 / 4.0
+        k += 1
+    return k
+
+
+def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None) -> Tensor:
+    """tr(A^{1/2}) by the coupled Newton-Schulz iteration, float32, fixed iteration count.
+
+    1. Scale-safe normalization without squaring the raw entries: a = max|A_ij|,
+       f = ||A/a||_F, M = A/(a f) + eps I  (||A/(a f)||_F = 1, so spec(M) in [eps-noise, 1+eps]).
+       eps >> float32 rounding noise of A (~1e-8 relative), so M is positive definite even
+       when A is PSD only up to rounding, and its condition is at most ~1/eps.
+    2. Coupled Newton-Schulz (Higham, Functions of Matrices, eq. 6.35):
+       Y0 = M, Z0 = I, T = (3I - Z Y)/2, Y <- Y T, Z <- T Z;  Y -> M^{1/2}, Z -> M^{-1/2}
+       for spec(M) in (0, 3). Guard: per matrix, the iterate is frozen (torch.where, no
+       sync) once r = ||Z Y - I||_F exceeds (1 + 1e-3) min(previous r) or is non-finite.
+       In exact arithmetic r decreases monotonically for PSD M, so the guard only acts past
+       convergence (rounding-level wobble; freezing there is harmless) or on inputs with
+       negative eigenvalues below -eps (then it keeps the result finite).
+    3. Undo the shift exactly at the two ends of the spectrum: with W = eps Z^2
+       (eigenvalues w = eps/(lambda + eps) in (0, 1]), sqrt(lambda) = sqrt(lambda+eps)
+       sqrt(1 - w) ~ y q(w), q(w) = 1 - w/2 - w^2/8 - 3 w^3/8 (Taylor to w^2, q(1) = 0).
+       Eigenvalues >> eps are exact to 0.31 w^3, zero eigenvalues (and rounding noise
+       +-delta around them) give ~1.9 delta/sqrt(eps) instead of sqrt(delta): the shift acts
+       as a soft threshold at ~eps ||A||_F.
+    ref_norm (shape (...), optional): a Frobenius norm the rounding noise of A is relative
+    to (e.g. the operands of the subtraction that formed A); the shift becomes
+    eps * max(ref_norm, ||A||_F), i.e. the relative shift eps * ref_norm / ||A||_F clamped
+    to [eps, 1].
+    Returns sqrt(a f) tr(Y q(W)), float32, shape (...).
+    """
+    m = A.shape[-1]
+    batch = A.shape[:-2]
+    x = A.detach().reshape(-1, m, m).float()
+    x = 0.5 * (x + x.mT)
+    amax = x.abs().amax((-2, -1), keepdim=True)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    x = x / amax
+    f = torch.linalg.matrix_norm(x, keepdim=True)
+    f = torch.where(f > 0, f, torch.ones_like(f))
+    x = x / f
+    e = torch.full_like(f, eps)
+    if ref_norm is not None:
+        rel = ref_norm.detach().reshape(-1, 1, 1).to(device=x.device, dtype=torch.float64) / (
+            amax.double() * f.double())
+        e = (eps * rel).clamp(eps, 1.0).float()
+        e = torch.where(torch.isfinite(e), e, torch.full_like(e, eps))
+    eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(x)
+    Y = x + e * eye
+    Z = eye.clone()
+    rmin = torch.full_like(f, float("inf"))
+    active = torch.ones_like(f, dtype=torch.bool)
+    for _ in range(iters):
+        P = torch.bmm(Z, Y)
+        r = torch.linalg.matrix_norm(P - eye, keepdim=True)
+        active = active & torch.isfinite(r) & (r <= rmin * (1.0 + _FREEZE_SLACK))
+        rmin = torch.where(active, torch.minimum(rmin, r), rmin)
+        T = 1.5 * eye - 0.5 * P
+        Y = torch.where(active, torch.bmm(Y, T), Y)
+        Z = torch.where(active, torch.bmm(T, Z), Z)
+    W = e * torch.bmm(Z, Z)
+    Q = eye + torch.bmm(W, -0.5 * eye + torch.bmm(W, -0.125 * eye - 0.375 * W))
+    t = (Y * Q.mT).sum((-2, -1))
+    t = t * (amax * f).reshape(-1).sqrt()
+    return t.reshape(batch)
+
+
+@torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
+def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None) -> Tensor:
+    return _newton_impl(A, iters, eps, ref_norm)
+
+
+@_newton_op.register_fake
+def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None) -> Tensor:
+    return A.new_empty(A.shape[:-2], dtype=torch.float32)
+
+
+# ============================================================================== sqrt_trace
+def _check_square(A, name: str) -> None:
+    if not isinstance(A, Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(A).__name__}")
+    if A.dim() < 2 or A.shape[-1] != A.shape[-2]:
+        raise ValueError(f"{name}: expected square matrices (..., m, m), got shape {tuple(A.shape)}")
+    if not A.is_floating_point():
+        raise ValueError(f"{name}: expected a floating dtype, got {A.dtype}")
+
+
+def _resolve_method(method: str, device: torch.device) -> str:
     if method not in ("auto", "eigh", "newton"):
         raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
-    if A.dim() < 2 or A.shape[-1] != A.shape[-2]:
-        raise ValueError(f"A: expected square matrices (..., m, m), got shape {tuple(A.shape)}")
+    if method != "auto":
+        return method
+    # CPU: eigh (measured 20-60x faster than newton at m = 64..768, bench/RESULTS.md).
+    # CUDA: newton (pure batched matmuls, no host sync, CUDA-graph safe; cuSOLVER's
+    # per-matrix syevd is latency bound and syncs): see docs/spectral.md.
+    return "eigh" if device.type == "cpu" else "newton"
+
+
+def _check_newton_args(iters: int | None, eps: float | None) -> tuple[int, float]:
+    eps = NEWTON_EPS if eps is None else float(eps)
+    if not (NEWTON_EPS_RANGE[0] <= eps <= NEWTON_EPS_RANGE[1]):
+        raise ValueError(f"eps: expected a relative shift in [{NEWTON_EPS_RANGE[0]:g}, "
+                         f"{NEWTON_EPS_RANGE[1]:g}], got {eps!r}")
+    kmin = newton_min_iters(eps)
+    if iters is None:
+        iters = kmin + 3
+    if isinstance(iters, bool) or int(iters) != iters or not (kmin <= iters <= NEWTON_MAX_ITERS):
+        raise ValueError(f"iters: expected an integer in [{kmin}, {NEWTON_MAX_ITERS}] for eps={eps:g}, "
+                         f"got {iters!r}")
+    return int(iters), eps
+
+
+def sqrt_trace(
+    A: Tensor,
+    method: str = "auto",
+    *,
+    iters: int | None = None,
+    eps: float | None = None,
+    tol: float = EIGH_TOL,
+    validate: bool = False,
+) -> Tensor:
+    """tr(A^{1/2}) = sum_i sqrt(max(lambda_i, 0)) for symmetric PSD A of shape (..., m, m).
+
+    A is symmetrized as (A + A^T)/2; eigenvalues below 0 (rounding) count as 0.
+    method:
+      'eigh'   float32 eigvalsh of A / max|A_ij|, recomputed in float64 for each matrix whose
+               a-posteriori error bound exceeds ``tol`` (relative). Within 1e-3 of float64
+               eigvalsh of the same input.
+      'newton' coupled Newton-Schulz in float32, ``iters`` fixed iterations (default
+               newton_min_iters(eps) + 3 = 28; allowed [newton_min_iters(eps), 200]) on
+               A/||A||_F + eps I, shift undone spectrally; no host sync (see _newton_impl).
+               Eigenvalues below ~eps ||A||_F (float32 rounding noise included) are
+               suppressed: on a float32 input that is rank-deficient only up to rounding
+               this is closer to the exact value than float64 eigvalsh of the rounded input.
+      'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
+    Returns float64 for float64 input, else float32; shape (...). Non-finite matrices give
+    NaN. validate=True (or env GNS_KERNELS_VALIDATE=1) checks finiteness and symmetry
+    first (host sync).
+    """
+    _check_square(A, "A")
+    meth = _resolve_method(method, A.device)
+    if _validate_requested(validate):
+        _validate_symmetric(A, "A")
+    out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
+    if A.numel() == 0:
+        return A.new_zeros(A.shape[:-2], dtype=out_dtype)
+    if meth == "eigh":
+        lam = torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
+        return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
+    it, ep = _check_newton_args(iters, eps)
+    return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep).to(out_dtype)
+
+
+def _validate_symmetric(A: Tensor, name: str) -> None:
+    if not bool(torch.isfinite(A).all()):
+        raise ValueError(f"{name}: contains non-finite values")
     x = A.detach().double()
-    x = 0.5 * (x + x.mT)
-    return torch.linalg.eigvalsh(x).clamp_min(0).sqrt().sum(-1).float()
+    asym = (x - x.mT).abs().amax()
+    size = x.abs().amax()
+    if float(asym) > 1e-3 * float(size):
+        raise ValueError(f"{name}: expected symmetric matrices, max |A - A^T| = {float(asym):.3g} "
+                         f"vs max |A| = {float(size):.3g}")
 
 
+# ============================================================================== nuclear_stats
 def nuclear_stats(
     mean_grams: Sequence[Tensor],
     mean_grads: Sequence[Tensor] | None = None,
@@ -59,40 +473,181 @@ def nuclear_stats(
     bias_correction: bool = False,
     num_samples: int | None = None,
     batch_size: float | None = None,
+    *,
     signal_grams: Sequence[Tensor] | None = None,
+    other_dims: Sequence[int | None] | None = None,
+    dof_model: str = "columns",
+    method: str = "auto",
     validate: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Per layer (noise tr(C_l^{1/2}), signal ||G_l||_S1), each a float32 Tensor[L].
+    """Per layer l: (noise tr(C_l^{1/2}), signal ||G_l||_S1); two float32 Tensor[L].
 
-    C_l = scale * (mean_grams[l] - D_l D_l^T) on the Gram side of mean_grams[l];
-    D_l = mean_grads[l] (the mean over samples of the shifted gradients G^j - S_l),
-    G_l = D_l + shifts[l] (D_l when no shift). Instead of mean_grads, the Gram of D_l may be
-    given as mean_grad_grams (FSDP2); the signal then uses signal_grams (the Gram of G_l)
-    or, without it, mean_grad_grams (valid only when no shift was applied).
+    C_l = scale * (mean_grams[l] - D_l D_l^T) on the Gram side of mean_grams[l] (k x k):
+      mean_grams[l]  mean over samples of the (shifted) local Grams, k x k, e.g. the
+                     all-reduced output of gram() divided by R;
+      mean_grads[l]  D_l = mean over samples of G^j - S_l, 2-D (m x n). The side is that
+                     of mean_grams[l] (k == m: row, k == n: col; ``side`` only breaks the
+                     tie of a square matrix whose Grams were taken on the column side);
+      shifts[l]      S_l or None: the signal is ||D_l + S_l||_S1;
+      mean_grad_grams[l]  instead of mean_grads (FSDP2: only shards of D exist): the Gram
+                     D_l D_l^T on the same side. The signal then uses signal_grams[l]
+                     (the Gram of G_l = D_l + S_l) when given, else mean_grad_grams[l]
+                     (correct when no shift was used).
+    scale = B/(R-1) (global batch over samples minus one).
+    bias_correction: False (default: the paper's raw tr(C^{1/2})) or True: the noise is
+      gns_kernels.bias.nuclear_sqrt_trace_corrected(eigenvalues of C, num_samples,
+      batch_size, other_dim=other_dims[l] (default: the other side of mean_grads[l]),
+      dof_model=dof_model); needs num_samples (R) and uses eigenvalues (method 'eigh').
+    method: sqrt-trace method for noise and signal ('auto' | 'eigh' | 'newton'), see
+      sqrt_trace. With 'newton' the shift of C is relative to ||scale * mean_grams||_F
+      (the subtraction's rounding level), not to ||C||_F.
+    C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
+    Layers are batched by Gram size (one stacked op per size). No host synchronization
+    unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
+    finiteness and symmetry. Non-finite inputs give NaN for that layer.
     """
+    mean_grams = list(mean_grams)
     L = len(mean_grams)
-    noise, signal = [], []
-    for l in range(L):
-        A = mean_grams[l].detach().double()
-        k = A.shape[-1]
-        if mean_grad_grams is not None:
-            DD = mean_grad_grams[l].detach().double()
-            GG = (signal_grams[l] if signal_grams is not None else mean_grad_grams[l]).detach().double()
-        else:
-            D = mean_grads[l].detach().double()
-            s = "row" if D.shape[0] == k else "col"
-            if side != "auto":
-                s = side
-            DD = D @ D.mT if s == "row" else D.mT @ D
-            G = D if shifts is None or shifts[l] is None else D + shifts[l].detach().double()
-            GG = G @ G.mT if s == "row" else G.mT @ G
-        C = scale * (A - DD)
-        if bias_correction:
-            from .bias import nuclear_sqrt_trace_corrected
+    if (mean_grads is None) == (mean_grad_grams is None):
+        raise ValueError("mean_grads / mean_grad_grams: give exactly one of them")
+    if mean_grads is not None:
+        mean_grads = list(mean_grads)
+        if len(mean_grads) != L:
+            raise ValueError(f"mean_grads: expected {L} tensors (one per mean_grams entry), got {len(mean_grads)}")
+    if mean_grad_grams is not None:
+        mean_grad_grams = list(mean_grad_grams)
+        if len(mean_grad_grams) != L:
+            raise ValueError(f"mean_grad_grams: expected {L} tensors, got {len(mean_grad_grams)}")
+        if shifts is not None and any(s is not None for s in shifts):
+            raise ValueError("shifts: not used with mean_grad_grams; pass signal_grams (Gram of D + S) instead")
+    if signal_grams is not None:
+        if mean_grad_grams is None:
+            raise ValueError("signal_grams: only with mean_grad_grams")
+        signal_grams = list(signal_grams)
+        if len(signal_grams) != L:
+            raise ValueError(f"signal_grams: expected {L} tensors, got {len(signal_grams)}")
+    if shifts is not None:
+        shifts = list(shifts)
+        if len(shifts) != L:
+            raise ValueError(f"shifts: expected {L} entries (tensor or None), got {len(shifts)}")
+    if side not in ("auto", "row", "col"):
+        raise ValueError(f"side: expected 'auto', 'row' or 'col', got {side!r}")
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
+    if bias_correction and num_samples is None:
+        raise ValueError("num_samples: bias_correction=True needs the number of samples R")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite number (B/(R-1)), got {scale!r}")
+    if L == 0:
+        z = torch.zeros(0, dtype=torch.float32)
+        return z, z.clone()
+    meth = _resolve_method(method, mean_grams[0].device)
+    if bias_correction:
+        meth = "eigh"
+    check = _validate_requested(validate)
 
-            ev = torch.linalg.eigvalsh(0.5 * (C + C.mT))
-            noise.append(nuclear_sqrt_trace_corrected(ev, num_samples, batch_size).float())
+    # ---- per layer: side, k, other dim
+    sides: list[str] = []
+    others: list[int | None] = []
+    for l, A in enumerate(mean_grams):
+        _check_square(A, f"mean_grams[{l}]")
+        if A.dim() != 2:
+            raise ValueError(f"mean_grams[{l}]: expected a 2-D k x k matrix, got shape {tuple(A.shape)}")
+        k = A.shape[-1]
+        if mean_grads is not None:
+            D = mean_grads[l]
+            if not isinstance(D, Tensor) or D.dim() != 2:
+                raise ValueError(f"mean_grads[{l}]: expected a 2-D tensor, got "
+                                 f"{tuple(D.shape) if isinstance(D, Tensor) else type(D).__name__}")
+            m, n = D.shape
+            if m == n == k:
+                s = "col" if side == "col" else "row"
+            elif m == k:
+                s = "row"
+            elif n == k:
+                s = "col"
+            else:
+                raise ValueError(f"mean_grams[{l}]: {k}x{k} does not match either side of mean_grads[{l}] "
+                                 f"of shape {(m, n)}")
+            sides.append(s)
+            others.append(n if s == "row" else m)
+            if shifts is not None and shifts[l] is not None and tuple(shifts[l].shape) != (m, n):
+                raise ValueError(f"shifts[{l}]: expected shape {(m, n)} like mean_grads[{l}], got "
+                                 f"{tuple(shifts[l].shape)}")
         else:
-            noise.append(sqrt_trace(C))
-        signal.append(sqrt_trace(GG))
-    return torch.stack(noise), torch.stack(signal)
+            for name, lst in (("mean_grad_grams", mean_grad_grams), ("signal_grams", signal_grams)):
+                if lst is not None and tuple(lst[l].shape) != (k, k):
+                    raise ValueError(f"{name}[{l}]: expected shape {(k, k)} like mean_grams[{l}], got "
+                                     f"{tuple(lst[l].shape)}")
+            sides.append("row")
+            others.append(None)
+    if other_dims is not None:
+        other_dims = list(other_dims)
+        if len(other_dims) != L:
+            raise ValueError(f"other_dims: expected {L} entries, got {len(other_dims)}")
+        others = [o if o is not None else d for o, d in zip(other_dims, others)]
+
+    if check:
+        for l in range(L):
+            _validate_symmetric(mean_grams[l], f"mean_grams[{l}]")
+            if mean_grads is not None and not bool(torch.isfinite(mean_grads[l]).all()):
+                raise ValueError(f"mean_grads[{l}]: contains non-finite values")
+            if mean_grad_grams is not None:
+                _validate_symmetric(mean_grad_grams[l], f"mean_grad_grams[{l}]")
+            if signal_grams is not None:
+                _validate_symmetric(signal_grams[l], f"signal_grams[{l}]")
+
+    # ---- D D^T and G G^T, batched by shape (gram() groups equal shapes)
+    if mean_grads is not None:
+        dd = gram([mean_grads[l] for l in range(L)], side="auto") if side == "auto" else None
+        if dd is None or any(dd[l].shape[-1] != mean_grams[l].shape[-1] for l in range(L)):
+            dd = [gram([mean_grads[l]], side=sides[l])[0] for l in range(L)]
+        shifted = [l for l in range(L) if shifts is not None and shifts[l] is not None]
+        gg = list(dd)
+        if shifted:
+            gs = gram([mean_grads[l].float() + shifts[l].float() for l in shifted], side="auto")
+            for l, G in zip(shifted, gs):
+                if G.shape[-1] != mean_grams[l].shape[-1]:
+                    G = gram([mean_grads[l].float() + shifts[l].float()], side=sides[l])[0]
+                gg[l] = G
+    else:
+        dd = [g for g in mean_grad_grams]
+        gg = list(signal_grams) if signal_grams is not None else list(dd)
+
+    # ---- C per layer; group noise and signal matrices by size, one sqrt-trace call each
+    cdt = torch.float64 if any(A.dtype == torch.float64 for A in mean_grams) else torch.float32
+    covs = []
+    for l in range(L):
+        A = mean_grams[l].detach().to(cdt)
+        covs.append(scale * (A - dd[l].detach().to(cdt)))
+    noise = [None] * L
+    signal = [None] * L
+    by_k: dict[int, list[tuple[str, int]]] = {}
+    for l in range(L):
+        by_k.setdefault(covs[l].shape[-1], []).extend([("n", l), ("s", l)])
+    for k, items in by_k.items():
+        mats = torch.stack([covs[l] if w == "n" else gg[l].detach().to(cdt) for w, l in items])
+        if meth == "eigh":
+            lam = torch.ops.gns_kernels.psd_eigvalsh(mats, float(EIGH_TOL))
+            res = lam.clamp_min(0).sqrt().sum(-1)
+            for i, (w, l) in enumerate(items):
+                if w == "n" and bias_correction:
+                    from .bias import nuclear_sqrt_trace_corrected
+
+                    noise[l] = nuclear_sqrt_trace_corrected(
+                        lam[i], int(num_samples), batch_size, other_dim=others[l], dof_model=dof_model)
+                elif w == "n":
+                    noise[l] = res[i]
+                else:
+                    signal[l] = res[i]
+        else:
+            it, ep = _check_newton_args(None, None)
+            # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F
+            # (its rounding level); signal Grams: relative to their own norm.
+            ref = torch.stack([
+                scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
+                else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
+            res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref)
+            for i, (w, l) in enumerate(items):
+                (noise if w == "n" else signal)[l] = res[i]
+    return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal])

@@ -1,0 +1,185 @@
+"""Triton Gram kernel: X X^T (or X^T X) of a batch of matrices, upper-triangle tiles only.
+
+For x of shape (L, m, n) the Gram side has K rows (K = m for 'row', n for 'col'; the
+column side is read through strides, no transpose copy) and the reduction runs over the
+other N. The K x K output is cut into T = ceil(K / BLOCK) tile rows; only the
+T (T + 1) / 2 tiles (i, j) with i <= j are computed (program id 0 enumerates them
+row-major, id 1 is the matrix index), each one accumulated in float32 by tl.dot over
+BLOCK_N-wide slabs of N, stored at (i, j) and, transposed, at (j, i). That is
+(T + 1) / (2 T) of the full product's FLOPs (0.58 at K = 768, BLOCK = 64) and no atomics:
+every output element is written by exactly one program, so results are deterministic.
+
+Inputs: float32, bfloat16 or float16, converted to float32 in registers after the load;
+tl.dot with input_precision="ieee" (no TF32 rounding), so the result is the float32 Gram
+of the given values (bf16/fp16 products are exact in float32). Half-precision inputs
+therefore do not use tensor cores: Triton's interpreter cannot run tl.dot on bfloat16
+(numpy has no bfloat16; it multiplies the raw bits), and one code path that the
+interpreter tests is worth more here than the bf16 speed (the S1 Grams of a 160M model
+take ~7 ms at 60 TFLOP/s fp32 on an H100, once every F steps).
+Output: float32 (L, K, K), contiguous.
+
+The kernel is a gns_kernels.triton._runtime.DualKernel: CUDA tensors run the compiled
+kernel, CPU tensors Triton's interpreter (tests, tests/triton/test_gram.py). It calls only
+Triton builtins (no tl.zeros / tl.cdiv, which are standard-library JIT functions), the
+restriction DualKernel documents. Ahead-of-time compilation for sm_80 / sm_90:
+``python -m gns_kernels.triton.gram`` (registers and spills, see bench/RESULTS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton.language as tl
+
+from ._runtime import dual_kernel
+
+__all__ = ["gram_upper", "BLOCK", "BLOCK_N", "NUM_WARPS", "compile_aot", "aot_isolated"]
+
+BLOCK = 64  # output tile edge
+BLOCK_N = 32  # reduction slab width
+NUM_WARPS = 4
+
+_TL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dual_kernel
+def _gram_upper_kernel(
+    x_ptr, out_ptr, K, N, T,
+    stride_xl, stride_xk, stride_xn, stride_ol, stride_oi,
+    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    p = tl.program_id(0)
+    lidx = tl.program_id(1).to(tl.int64)
+    # tile pair (ti, tj), ti <= tj, from p = start(ti) + (tj - ti),
+    # start(i) = i (2T - i + 1) / 2; float estimate then integer correction.
+    b = 2 * T + 1
+    disc = (b * b - 8 * p).to(tl.float32)
+    ti = ((b.to(tl.float32) - tl.sqrt(disc)) * 0.5).to(tl.int32)
+    ti = tl.where(ti < 0, 0, ti)
+    ti = tl.where((ti + 1) * (2 * T - ti) // 2 <= p, ti + 1, ti)
+    ti = tl.where(ti * (2 * T - ti + 1) // 2 > p, ti - 1, ti)
+    tj = p - ti * (2 * T - ti + 1) // 2 + ti
+
+    rk = tl.arange(0, BLOCK)
+    rn = tl.arange(0, BLOCK_N)
+    ri = ti * BLOCK + rk
+    rj = tj * BLOCK + rk
+    base = x_ptr + lidx * stride_xl
+    pa = base + ri[:, None].to(tl.int64) * stride_xk
+    pb = base + rj[:, None].to(tl.int64) * stride_xk
+    mi = ri[:, None] < K
+    mj = rj[:, None] < K
+    acc = tl.full((BLOCK, BLOCK), 0.0, tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + rn
+        mc = cols[None, :] < N
+        off = cols[None, :].to(tl.int64) * stride_xn
+        a = tl.load(pa + off, mask=mi & mc, other=0.0).to(tl.float32)
+        bt = tl.load(pb + off, mask=mj & mc, other=0.0).to(tl.float32)
+        acc += tl.dot(a, tl.trans(bt), input_precision="ieee")
+    obase = out_ptr + lidx * stride_ol
+    m_out = (ri[:, None] < K) & (rj[None, :] < K)
+    tl.store(obase + ri[:, None].to(tl.int64) * stride_oi + rj[None, :], acc, mask=m_out)
+    # mirror: tile (tj, ti) = acc^T; skipped (masked off) on diagonal tiles
+    m_mir = (rj[:, None] < K) & (ri[None, :] < K) & (rk[None, :] < BLOCK * (tj - ti))
+    tl.store(obase + rj[:, None].to(tl.int64) * stride_oi + ri[None, :], tl.trans(acc), mask=m_mir)
+
+
+def gram_upper(x: torch.Tensor, col: bool = False, block: int = BLOCK, block_n: int = BLOCK_N) -> torch.Tensor:
+    """Batched Gram of x (L, m, n): x x^T (L, m, m), or x^T x (L, n, n) when col; float32.
+
+    x: float32, bfloat16 or float16 (float64 is rounded to float32 first), CUDA (compiled)
+    or CPU (Triton interpreter). Any strides. block, block_n: tile sizes (powers of two >= 16).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x: expected a 3-D tensor (L, m, n), got shape {tuple(x.shape)}")
+    if x.dtype not in _TL_DTYPES:
+        if not x.is_floating_point():
+            raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
+        x = x.float()
+    L, m, n = x.shape
+    if col:
+        K, N, sk, sn = n, m, x.stride(2), x.stride(1)
+    else:
+        K, N, sk, sn = m, n, x.stride(1), x.stride(2)
+    out = torch.empty((L, K, K), dtype=torch.float32, device=x.device)
+    if L == 0 or K == 0:
+        return out
+    if N == 0:
+        return out.zero_()
+    T = -(-K // block)
+    grid = (T * (T + 1) // 2, L)
+    _gram_upper_kernel.launch(
+        x.device, grid, x, out, K, N, T, x.stride(0), sk, sn, out.stride(0), out.stride(1),
+        num_warps=NUM_WARPS, BLOCK=block, BLOCK_N=block_n,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- AOT
+def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
+    """triton.compile the kernel for each (arch, dtype) without a GPU; registers/spills/PTX stats.
+
+    Must run in a process whose triton was imported without TRITON_INTERPRET=1 (use
+    aot_isolated() from test processes).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._aot import _res_usage, _spills, ptx_stats
+
+    kern = _gram_upper_kernel.jit
+    align = [["tt.divisibility", 16]]
+    attrs = {(kern.arg_names.index("x_ptr"),): align, (kern.arg_names.index("out_ptr"),): align}
+    results = []
+    for dt in dtypes:
+        sig = {"x_ptr": f"*{dt}", "out_ptr": "*fp32", "K": "i32", "N": "i32", "T": "i32",
+               "stride_xl": "i32", "stride_xk": "i32", "stride_xn": "i32", "stride_ol": "i32",
+               "stride_oi": "i32", "BLOCK": "constexpr", "BLOCK_N": "constexpr"}
+        consts = {"BLOCK": BLOCK, "BLOCK_N": BLOCK_N}
+        for cap in archs:
+            src = ASTSource(kern, sig, constexprs=consts, attrs=attrs)
+            ck = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": NUM_WARPS, "enable_fp_fusion": True})
+            ptx = ck.asm["ptx"]
+            st = ptx_stats(ptx)
+            res = {"kernel": "gram_upper", "variant": dt, "arch": f"sm_{cap}",
+                   "num_warps": ck.metadata.num_warps, "shared_bytes_meta": ck.metadata.shared,
+                   "ptx_bytes": len(ptx), "cubin_bytes": len(ck.asm["cubin"]),
+                   "mma": ptx.count("mma.sync") + ptx.count("wgmma"),
+                   "fma_f32": ptx.count("fma.rn.f32"), **st}
+            res.update(_res_usage(ck.asm["cubin"]))
+            res.update(_spills(ptx, st["target"] or f"sm_{cap}"))
+            results.append(res)
+    return results
+
+
+def aot_isolated(timeout: float = 600) -> list[dict]:
+    """compile_aot() in a fresh interpreter without TRITON_INTERPRET; returns its results."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "gns_kernels.triton.gram", "--json"],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"gram AOT compilation failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="AOT-compile the Triton Gram kernel for sm_80/sm_90")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    res = compile_aot()
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for r in res:
+            print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
