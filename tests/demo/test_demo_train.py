@@ -1,0 +1,205 @@
+"""`gns-kernels demo`: bad input, a short 2-rank run (CSV, batch growth per Algorithm 1,
+plot.png), resume continuing the same trajectory, the --compare table."""
+import csv
+import math
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+from gns_kernels.cli import main
+from gns_kernels.demo import train
+from gns_kernels.demo.train import METRIC_COLUMNS, compare_table
+
+REQUIRED = ["step", "samples", "lr", "batch_size", "gns_raw", "gns_ema", "train_loss", "val_loss"]
+
+TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--mlp", "64", "--context", "32",
+        "--val-windows", "16", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A copy of a few stdlib modules (the real corpus, just smaller, so the test is quick)."""
+    root = tmp_path_factory.mktemp("corpus")
+    std = sysconfig.get_paths()["stdlib"]
+    names = ["argparse.py", "csv.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
+             "textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "random.py",
+             "shutil.py", "dataclasses.py", "enum.py", "functools.py", "pathlib.py"]
+    for n in names:
+        os.makedirs(os.path.dirname(root / n), exist_ok=True)
+        shutil.copy(os.path.join(std, n), root / n)
+    return str(root)
+
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("gns-kernels demo: error:")
+    return err[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--optimizer", "lamb"], "unknown --optimizer 'lamb'"),
+    (["--geometry", "l3"], "unknown --geometry 'l3'"),
+    (["--ranks", "0"], "--ranks must be >= 1"),
+    (["--ranks", "-2"], "--ranks must be >= 1"),
+    (["--ranks", "2", "--initial-batch-size", "7"], "does not split across 2 ranks"),
+    (["--ranks", "2", "--initial-batch-size", "8", "--max-local-batch", "2",
+      "--micro-batches", "5"], "does not split across 2 ranks"),
+    (["--theta", "0"], "--theta must be > 0"),
+    (["--theta", "-0.5"], "--theta must be > 0"),
+    (["--every", "0"], "--every must be >= 1"),
+])
+def test_bad_input_one_line_nonzero(argv, needle, capsys, tmp_path):
+    rc = main(["demo", *argv, "--out", str(tmp_path / "o")])
+    assert rc != 0
+    assert needle in _error_line(capsys)
+
+
+def test_bad_out_and_corpus(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["demo", "--out", str(blocker / "sub")])       # a file where a folder must go
+    assert rc != 0
+    line = _error_line(capsys)
+    assert "--out" in line and "not a writable folder" in line
+    rc = main(["demo", "--corpus", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    assert rc != 0
+    assert "corpus folder not found" in _error_line(capsys)
+    rc = main(["demo", "--resume", str(tmp_path / "nothing")])
+    assert rc != 0
+    assert "--resume" in _error_line(capsys)
+
+
+def test_geometry_defaults_match_geometry_for():
+    import torch
+    import gns_kernels as gk
+    from gns_kernels.demo.model import ByteTransformer
+    m = ByteTransformer(dim=16, n_layers=1, n_heads=2, mlp_hidden=16, context=8)
+    for name in train.OPTIMIZERS:
+        cfg = train.DemoConfig(optimizer=name)
+        opts, measured = train._build_optimizers(cfg, m)
+        assert cfg.resolved_geometry() == gk.geometry_for(opts)
+        assert cfg.resolved_theta() == (0.3 if cfg.resolved_geometry() == "l2" else 0.6)
+        if name in ("muon", "specsgd"):
+            assert isinstance(opts[0], (torch.optim.Muon, gk.SpecSGD))
+            assert {id(p) for p in measured} == {id(p) for p in m.hidden_matrices()}
+
+
+def _rows(folder):
+    with open(os.path.join(folder, "metrics.csv"), newline="") as fh:
+        reader = csv.DictReader(fh)
+        return reader.fieldnames, list(reader)
+
+
+RUN = ["--ranks", "2", "--samples", "480", "--initial-batch-size", "8", "--every", "2",
+       "--warmup", "3", "--theta", "0.15", "--max-batch-size", "64", "--eval-every", "3",
+       "--checkpoint-every", "100", "--seed", "3", *TINY]
+
+
+@pytest.fixture(scope="module")
+def full_run(small_corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("run") / "full")
+    rc = main(["demo", *RUN, "--corpus", small_corpus, "--out", out])
+    assert rc == 0
+    return out
+
+
+@pytest.mark.distributed
+def test_short_two_rank_run(full_run):
+    fields, rows = _rows(full_run)
+    assert fields[:len(REQUIRED)] == REQUIRED and fields == METRIC_COLUMNS
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(len(rows))) and len(rows) >= 6
+    B = [int(r["batch_size"]) for r in rows]
+    samples = [int(r["samples"]) for r in rows]
+    assert samples == [sum(B[:i + 1]) for i in range(len(B))] and samples[-1] <= 480
+    theta, F, warm, mult, cap = 0.15, 2, 3, 16, 64       # multiple_of = 2 ranks x 8
+    grew = False
+    for k in range(len(rows) - 1):
+        r = rows[k]
+        measured = k % F == 0 and r["gns_raw"] != ""
+        if measured:
+            assert r["gns_ema"] != ""
+        if measured and k >= warm:
+            target = float(r["gns_ema"]) / theta ** 2     # N / (theta^2 M)
+            if abs(target - round(target)) < 1e-4 * target:
+                continue                                   # ceil at a CSV-rounding boundary
+            want = max(B[k], int(math.ceil(math.ceil(target) / mult) * mult))
+            want = min(want, cap) if want > B[k] else B[k]
+            assert B[k + 1] == want, (k, target, B[k], B[k + 1])
+            grew |= B[k + 1] > B[k]
+        else:
+            assert B[k + 1] == B[k], k                     # no measurement or warm-up: frozen
+    assert grew and B[-1] > B[0]
+    for k in range(warm + 1):
+        assert B[k] == 8
+    # LR multiplier sqrt(B/B0) recorded after each step
+    assert float(rows[-1]["lr_multiplier"]) == pytest.approx(math.sqrt(B[-1] / 8), rel=1e-5)
+    # the micro-batch split obeys the cap: 2 ranks x A x b == B, b <= 32
+    for r in rows:
+        assert 2 * int(r["accum_steps"]) * int(r["micro_batch"]) == int(r["batch_size"])
+        assert int(r["micro_batch"]) <= 32
+    vals = [float(r["val_loss"]) for r in rows if r["val_loss"] != ""]
+    assert len(vals) >= 3 and all(math.isfinite(v) for v in vals)
+
+
+@pytest.mark.distributed
+def test_plot_is_a_png(full_run):
+    path = os.path.join(full_run, "plot.png")
+    with open(path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] >= 200 and img.shape[1] >= 600
+    assert img[..., :3].std() > 0.01                      # not a blank canvas
+
+
+@pytest.mark.distributed
+def test_resume_continues_same_trajectory(full_run, small_corpus, tmp_path):
+    out = str(tmp_path / "interrupted")
+    assert main(["demo", *RUN, "--corpus", small_corpus, "--out", out, "--stop-at-step", "5"]) == 0
+    _, part = _rows(out)
+    assert len(part) == 5 and os.path.exists(os.path.join(out, "checkpoint.pt"))
+    assert not os.path.exists(os.path.join(out, "summary.json"))
+    assert main(["demo", "--resume", out]) == 0
+    _, resumed = _rows(out)
+    _, full = _rows(full_run)
+    assert len(resumed) == len(full)
+    for a, b in zip(resumed, full):
+        for key in ("step", "samples", "batch_size", "lr", "gns_raw", "gns_ema", "train_loss", "val_loss"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def _metrics(vals, step_every=1):
+    return {"step": [float(i * step_every) for i in range(len(vals))], "val_loss": vals}
+
+
+def test_compare_table_layout():
+    results = {
+        "small": dict(label="B=8", final_val_loss=2.0, best_val_loss=1.9, steps=10, samples=80, final_batch_size=8),
+        "large": dict(label="B=32", final_val_loss=2.4, best_val_loss=2.3, steps=3, samples=96, final_batch_size=32),
+        "euclidean": dict(label="Euclidean GNS (l2)", final_val_loss=1.95, best_val_loss=1.95, steps=6,
+                          samples=80, final_batch_size=16),
+        "adaptive": dict(label="Non-Euclidean GNS (nuclear)", final_val_loss=1.85, best_val_loss=1.85,
+                         steps=5, samples=80, final_batch_size=24),
+    }
+    nan = float("nan")
+    metrics = {
+        "small": _metrics([3.0, nan, 2.5, nan, 2.2, 2.0, nan, 1.9, nan, 2.0]),   # best 1.9 at step 7
+        "large": _metrics([3.0, 2.5, 2.3]),                                       # never <= 1.9
+        "euclidean": _metrics([3.0, 2.4, 2.0, 1.96, 1.95, 1.95]),                 # never
+        "adaptive": _metrics([3.0, 2.5, 2.0, 1.88, 1.85]),                        # step 3 -> 4 steps
+    }
+    table = compare_table(results, metrics, "muon")
+    lines = table.splitlines()
+    assert lines[0].split()[0] == "Optimizer" and "Steps reduction(%)" in lines[0]
+    # reduction vs the baseline's 8 steps (index 7 -> 8 steps taken): (8 - 4) / 8 = 50%
+    assert lines[1].split() == ["muon", "2.0000", "2.4000", "1.9500", "1.8500", "50.00"]
+    body = {l.split("  ")[0].strip(): l for l in lines[4:]}
+    assert "not reached" in body["B=32"] and "not reached" in body["Euclidean GNS (l2)"]
+    assert body["B=8"].split()[-2:] == ["8", "0.00"]
+    assert body["Non-Euclidean GNS (nuclear)"].split()[-2:] == ["4", "50.00"]
+    metrics["adaptive"] = _metrics([3.0, 2.5, 2.0])
+    assert compare_table(results, metrics, "muon").splitlines()[1].split()[-1] == "-"
