@@ -18,15 +18,19 @@ kernels) or on the CPU (Triton's interpreter, for tests). Validation is shared w
 gns_kernels.ops (same error messages).
 
 Work split (no float atomics anywhere; results bit-identical run to run on one device):
-- Elements are cut in tiles of BLOCK = 1024; program p handles the contiguous tiles
-  [p*T, (p+1)*T) with T = clamp(ceil(tiles / 1024), 1, 64), so there are at most 1024
-  programs up to 64M elements (one resident wave on A100/H100 at 4 warps) and each
-  float32 lane sums at most 64 values before the tree reduction. Full tiles are loaded
-  without masks (128-bit vector loads when the pointer is 16-byte aligned); only the one
-  partial tile at the end of a tensor is masked.
+- Elements are cut in tiles of BLOCK = 1024 (4 warps x 32 lanes x 8 elements: two 128-bit
+  loads per float32 input, one per bf16/fp16 input); program p handles the contiguous
+  tiles [p*T, (p+1)*T) with T = clamp(ceil(tiles / 4096), 1, 256). So a launch has
+  min(tiles, 4096) programs up to 2^30 elements (above 4M elements that is more than
+  four waves of resident blocks on A100/H100, so the partial last wave costs little) and
+  each float32 lane sums at most T <= 256 values sequentially before the tree reduction
+  (T = 16 at 2^26 elements). The partition depends only on the sizes, not on the GPU.
+  Full tiles are loaded without masks (128-bit vector loads when the pointer is 16-byte
+  aligned); only the one partial tile at the end of a tensor is masked.
 - Reductions: each program writes its 4 partial sums to its own slot of a [4, programs]
   float32 buffer; a second kernel (4 programs, one per statistic) sums the slots in a
-  fixed order. The only temporaries are O(programs).
+  fixed order, 4096 slots per step (one step up to 2^32 elements). The only temporaries
+  are O(programs): at most 64 KB of partial slots.
 - Lists (_multi): ONE launch per distinct dtype combination (usually one) over a
   device-side int64 table, one row per non-empty tensor:
   [ptr_a, ptr_b, ptr_c, numel, first_tile]; the global tile sequence of all tensors is
@@ -64,9 +68,9 @@ __all__ = [
 
 BLOCK = 1024  # elements per tile (4 warps x 32 lanes x 8 elements)
 NUM_WARPS = 4
-REDUCE_BLOCK = 1024  # partial slots summed per step by the final reduction
-MAX_PROGRAMS = 1024  # programs per launch up to MAX_PROGRAMS * MAX_TILES_PER_PROGRAM tiles
-MAX_TILES_PER_PROGRAM = 64  # bounds the sequential float32 sum per lane
+REDUCE_BLOCK = 4096  # partial slots summed per step by the final reduction
+MAX_PROGRAMS = 4096  # programs per launch up to MAX_PROGRAMS * MAX_TILES_PER_PROGRAM tiles
+MAX_TILES_PER_PROGRAM = 256  # bounds the sequential float32 sum per lane
 
 _sum_combine = SUM_COMBINE  # global name the kernels reference
 
