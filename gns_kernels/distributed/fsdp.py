@@ -1,0 +1,498 @@
+"""FSDP2 (``fully_shard``) gradient-noise-scale measurement inside the reduce-scatter.
+
+Attach with ``handle = gk.attach_fsdp_gns(model, state)`` (state: a ``GNSHookState``,
+the same object and semantics as ``ddp_gns_hook``). Every FSDP2 param group of ``model``
+(every module ``fully_shard`` was applied to) gets its own ``GNSReduceScatter`` through
+the public hook ``FSDPModule.set_custom_reduce_scatter``; ``handle.remove()`` puts the
+previous reduce-scatter objects back.
+
+What FSDP2 hands the reduce-scatter (torch 2.13, ``foreach_reduce``): ``input`` is this
+rank's whole unsharded local gradient of the param group, in the reduce dtype, viewed as
+R chunks of equal size; chunk r holds, back to back, the r-th shard of every parameter
+that has a gradient: its dim-0 block padded to ceil(m/R) rows (``Shard(0)``, the
+default), or its dim-d block (``Shard(d)``, d > 0, even sharding) made contiguous.
+``output`` receives chunk r of the reduction on rank r. Rank j's local gradient g^j is
+``input * a`` with a = FSDP's pre-divide factor (1 unless the reduce dtype is fp16).
+
+Other steps (k % F != 0): the reduce-scatter object that was installed before (FSDP's
+default) is called unchanged: no extra kernel, collective or memory. One Python
+callback per synchronized backward is queued to count optimizer steps.
+
+Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 1):
+
+- l1 / l2 -- ONE reduce-scatter per param group, of a float32 buffer whose chunk r is
+  [x_r, x_r^2] (``ops.square_pack`` per chunk, x = the input): each rank receives its
+  shard of sum_j x^j and of sum_j (x^j)^2, with the op FSDP asked for (AVG, SUM or
+  PREMUL_SUM), so the gradient half is reduced exactly as FSDP would reduce it (same
+  values, same op, same owner of every element) and copied into ``output``.
+  ``ops.variance_norms_multi`` on the shard (measured parameters only; padding is zero
+  in both halves and contributes nothing) gives the shard's partial
+  [||s||_1, ||g||_1, sum s2, ||g||_2^2]; these are sums over coordinates, so once every
+  group of the backward is reduced ONE all-reduce of 4 float64 numbers per step turns
+  the per-rank partials into the totals (paper Algorithm 2 all-reduces two scalars).
+- nuclear -- for each measured 2-D parameter G (m x n) the Gram side is the one
+  ``gk.estimate`` and ``ddp_gns_hook`` use: the smaller side (row G G^T when m <= n,
+  else column G^T G). The two sides are NOT interchangeable for the noise term:
+  mean_j G^j G^jT - D D^T and mean_j G^jT G^j - D^T D have different spectra in general
+  (R > 2), so the side is fixed by the estimator and the transport adapts to it:
+  * A sharded dimension whose blocks partition the Gram's summation index is
+    "natural": for the column Gram, row blocks (Shard(0)): G^T G = sum_r G_r^T G_r; for
+    the row Gram, column blocks (Shard(1)): G G^T = sum_r G_r G_r^T. Then rank j forms
+    its local Gram G^jT G^j (or G^j G^jT) from its own input chunks (a batched Gram of
+    its R blocks, summed), and the mean gradient's Gram from the shard it receives:
+    D_r^T D_r, summed over ranks by the all-reduce below. No all-gather of D.
+  * Otherwise (the common case of a wide or square weight under the default Shard(0):
+    the row Gram D D^T needs products of rows held by different ranks) the blocks along
+    the other dimension ride in the SAME reduce-scatter: chunk r also carries column
+    block r of G^j (m x ceil(n/R), zero-padded), so rank r receives column block r of
+    D and D D^T = sum_r D_{:,r} D_{:,r}^T again sums over ranks. This costs P_l extra
+    elements in the reduce-scatter -- the same bytes as the paper's all-gather of the
+    mean gradient, but inside the collective that runs anyway (no extra collective,
+    no extra latency) and never a full copy of D on any rank. With
+    ``shard_placement_fn=gk.fsdp_gns_shard_placement`` wide matrices are sharded on
+    dim 1 instead and every measured matrix is natural (no extra payload).
+  Once every group of the backward is reduced, ONE all-reduce (per step) of all local
+  Grams and mean-gradient Gram partials (k x k each, k = min(m, n)) finishes the
+  statistics, and ``spectral.nuclear_stats(mean_grams, mean_grad_grams=...)`` gives
+  tr(C^{1/2}) and ||G||_S1 per matrix, identical on every rank. Bias correction uses
+  other_dims = the dimension not on the Gram side, as ``ddp_gns_hook`` does.
+
+When the statistics are final: the first reduce-scatter of a synchronized backward
+queues an autograd-engine final callback (``Variable._execution_engine.queue_callback``).
+FSDP2's root queued its own post-backward callback at the start of backward (that one
+runs the reduce-scatters of groups whose hook did not fire and waits for all of them),
+so ours runs after every group of the backward has been reduced; it does the step's one
+small all-reduce, sets ``state.estimate`` and advances ``state.step``. So, as with DDP,
+``state.estimate`` is final when ``backward()`` returns and identical on every rank.
+
+Gradient accumulation: ``model.set_requires_gradient_sync(False)`` on micro-steps means
+no reduce-scatter (nothing is measured or counted); the synchronized step reduces the
+accumulated local gradient, which is what is measured (loss divided by the number of
+micro-steps, as with DDP no_sync()).
+
+Non-finite gradients on any rank reach every rank through the reduce-scatter and the
+final all-reduce: that measurement is invalid (valid=False) everywhere; the sharded
+gradients are the NaN/inf ones plain FSDP2 would produce; the next measurement starts
+afresh.
+
+Dtypes: the packed buffer is float32 whatever the reduce dtype. With reduce_dtype float32
+the sharded gradients are bitwise those of plain FSDP2; with a bf16 reduce dtype the
+gradient half is reduced in float32 and rounded once to bf16 (plain FSDP2 reduces in
+bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
+
+Memory of a measurement step: the packed input (2x the group's padded unsharded gradient
+for l1/l2; 1x plus the other-dimension copies of non-natural matrices for nuclear, in
+float32) and its shard-sized output, alive only during that group's reduce-scatter; for
+nuclear, two k x k float32 Grams per measured matrix until the end of the backward.
+
+Not supported (clear errors): ``state.shift`` (the squares are formed before the
+reduce-scatter from the full local gradient, so a shift would have to be the full
+unsharded tensor on every rank, while FSDP2 optimizer states are sharded), HSDP /
+replicate meshes, ``MicroBatchGNS``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .. import spectral
+from ..reference import gram_side
+from .state import GNSHookState
+
+Tensor = torch.Tensor
+
+__all__ = ["attach_fsdp_gns", "GNSReduceScatter", "FSDPGNSHandle", "fsdp_gns_shard_placement"]
+
+
+def _fsdp_api():
+    """The torch FSDP2 pieces used here (imported lazily: torch.distributed may be absent)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    return FSDPModule, ReduceScatter
+
+
+def _reduce_scatter_base():
+    return _fsdp_api()[1]
+
+
+# --------------------------------------------------------------------------- layout
+class _Seg:
+    """One parameter's block inside every chunk of the reduce-scatter input."""
+
+    __slots__ = ("fsdp_param", "param", "offset", "numel", "block", "shape", "dim",
+                 "measured", "side", "natural", "extra_offset", "extra_block")
+
+    def __init__(self, fsdp_param, offset: int, numel: int, block: torch.Size, dim: int):
+        self.fsdp_param = fsdp_param
+        self.param = fsdp_param.sharded_param
+        self.offset = offset
+        self.numel = numel
+        self.block = block  # shape of this parameter's block in one chunk
+        self.shape = torch.Size(fsdp_param._orig_size)
+        self.dim = dim  # sharded dimension
+        self.measured = False
+        self.side = None  # nuclear: Gram side ('row' | 'col')
+        self.natural = False  # nuclear: blocks along the sharded dim partition the Gram's sum
+        self.extra_offset = 0  # nuclear, non-natural: offset of the other-dim block in a chunk
+        self.extra_block = None  # its shape
+
+
+def _layout(fsdp_params, world: int, state: GNSHookState):
+    """Segments of the chunk for ``fsdp_params`` (the params with a gradient, in order),
+    the chunk numel of FSDP's part and the extra per-chunk numel (nuclear, non-natural)."""
+    segs = []
+    off = 0
+    for fp in fsdp_params:
+        block = torch.Size(fp.padded_sharded_param_size)
+        n = block.numel()
+        seg = _Seg(fp, off, n, block, fp.fsdp_placement.dim)
+        seg.measured = state.measures(seg.param)
+        segs.append(seg)
+        off += n
+    chunk = off
+    extra = 0
+    if state.geometry == "nuclear":
+        for seg in segs:
+            if not seg.measured:
+                continue
+            m, n = seg.shape
+            seg.side = gram_side((m, n), "auto")
+            # col Gram sums over rows: row blocks (dim 0) are natural; row Gram: column blocks
+            want = 0 if seg.side == "col" else 1
+            seg.natural = seg.dim == want
+            if not seg.natural:
+                if want == 1:
+                    seg.extra_block = torch.Size((m, -(-n // world)))
+                else:
+                    seg.extra_block = torch.Size((-(-m // world), n))
+                seg.extra_offset = chunk + extra
+                extra += seg.extra_block.numel()
+    return segs, chunk, extra
+
+
+def _divide_factors(param_group, group, reduce_dtype: torch.dtype, device: torch.device):
+    """(pre_factor or None, op_kind, premul) as FSDP2's foreach_reduce chooses them."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    pre, _post, rs_op, _ar = _get_gradient_divide_factors(
+        group, None, reduce_dtype, device.type, param_group.gradient_divide_factor,
+        param_group.force_sum_reduction_for_comms)
+    return pre, rs_op
+
+
+# --------------------------------------------------------------------------- measurement
+class _Measurement:
+    """Statistics of one measured synchronized backward (all param groups)."""
+
+    def __init__(self, state: GNSHookState, world: int):
+        self.state = state
+        self.world = world
+        self.scale = float(state.batch_size) / (world - 1)
+        self.step = state.step
+        self.l_terms = torch.zeros(4, dtype=torch.float64)
+        self.grams: list[tuple[Tensor, Tensor, int]] = []  # (sum-to-be local Gram, mean-Gram partial, other dim)
+
+    def finish(self, group) -> None:
+        st = self.state
+        if st.geometry != "nuclear":
+            terms = self.l_terms.clone()
+            dist.all_reduce(terms, group=group)
+            st._finish(self.world, terms, None, None, self.step)
+            return
+        if not self.grams:
+            st._finish(self.world, None, 0.0, 0.0, self.step)
+            return
+        sizes = [A.numel() for A, _, _ in self.grams]
+        flat = torch.cat([t.reshape(-1) for A, P, _ in self.grams for t in (A, P)])
+        dist.all_reduce(flat, group=group)
+        mean_grams, dd, others = [], [], []
+        q = 0
+        for (A, _, other), k2 in zip(self.grams, sizes):
+            k = A.shape[-1]
+            mean_grams.append(flat[q:q + k2].view(k, k) / self.world)
+            dd.append(flat[q + k2:q + 2 * k2].view(k, k))
+            others.append(other)
+            q += 2 * k2
+        if bool(torch.isfinite(flat).all()):
+            noise, signal = spectral.nuclear_stats(
+                mean_grams, mean_grad_grams=dd, scale=self.scale, bias_correction=st.bias_correction,
+                num_samples=self.world, batch_size=float(st.batch_size), other_dims=others)
+            noise_sum = float(noise.double().sum())
+            signal_sum = float(signal.double().sum())
+        else:  # non-finite gradients on some rank: invalid on every rank
+            noise_sum = signal_sum = float("nan")
+        st._finish(self.world, None, noise_sum, signal_sum, self.step)
+
+
+class GNSReduceScatter(_reduce_scatter_base()):
+    """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
+
+    One per FSDP2 param group (made by ``attach_fsdp_gns``). ``allocate`` and the
+    reduce-scatter of other steps are those of ``inner`` (the object installed before,
+    FSDP's default). See the module docstring for the measurement.
+    """
+
+    def __init__(self, handle: "FSDPGNSHandle", param_group, inner):
+        super().__init__()
+        self._handle = handle
+        self._param_group = param_group
+        self.inner = inner
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    # FSDP2 calls this once per param group per synchronized backward
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
+        ctx = self._handle._begin(group)
+        if ctx is None:
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+        return self._measure(ctx, output_tensor, input_tensor, group, op)
+
+    # ------------------------------------------------------------------ internals
+    def _fsdp_params(self, input_numel: int, world: int):
+        """The FSDPParams this input holds: the whole group when the sizes add up (every
+        parameter got a gradient), else the caller's list (foreach_reduce's
+        ``fsdp_params``: only the parameters with a gradient)."""
+        fps = self._param_group.fsdp_params
+        if sum(torch.Size(fp.padded_sharded_param_size).numel() for fp in fps) * world == input_numel:
+            return fps
+        frame = sys._getframe(2)
+        while frame is not None:
+            cand = frame.f_locals.get("fsdp_params")
+            if isinstance(cand, list) and all(c in fps for c in cand) and sum(
+                    torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
+                return cand
+            frame = frame.f_back
+        raise RuntimeError(
+            "attach_fsdp_gns: could not match the reduce-scatter input "
+            f"({input_numel} elements) to the parameters of FSDP param group "
+            f"{self._param_group._module_fqn!r}")
+
+    def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
+        st = ctx.state
+        R = ctx.world
+        pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
+        a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
+        if op == dist.ReduceOp.SUM:
+            op_mult = 1.0
+        elif op == dist.ReduceOp.AVG:
+            op_mult = 1.0 / R
+        elif op == dist.ReduceOp.PREMUL_SUM:
+            factor = self._param_group.gradient_divide_factor
+            if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
+                raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
+                                   "divide factor on the param group; cannot recover the mean")
+            op_mult = 1.0 / float(factor)
+        else:
+            raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
+                               "(expected SUM, AVG or PREMUL_SUM)")
+        mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
+
+        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
+        if chunk * R != inp.numel() or output.numel() != chunk:
+            raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
+                               f"do not match the param group's layout ({chunk} per rank)")
+        x = inp.view(R, chunk)
+        if st.geometry == "nuclear":
+            return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
+
+        # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
+        pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
+        for r in range(R):
+            ops.square_pack(x[r], pack[r])
+        out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
+        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        del pack
+        output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
+        out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
+        ds, qs = [], []
+        for seg in segs:
+            if seg.measured:
+                ds.append(out[seg.offset:seg.offset + seg.numel])
+                qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
+        if ds:
+            terms = ops.variance_norms_multi(ds, qs, ctx.scale).double()
+            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
+                terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64)
+            ctx.l_terms += terms.cpu()
+        return work
+
+    def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
+        R = ctx.world
+        dev = x.device
+        mats = [s for s in segs if s.measured]
+        pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
+        pack[:, :chunk].copy_(x)
+        local = []
+        for seg in mats:
+            blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
+            m, n = seg.shape
+            if seg.natural:
+                # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
+                G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
+            else:
+                # this rank's full local gradient (float32 copy, transient), then the blocks
+                # along the other dimension go into the extra part of every chunk
+                if seg.dim == 0:
+                    full = blocks.reshape(R * seg.block[0], n)[:m]
+                else:
+                    full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
+                G = spectral.gram([full], side=seg.side)[0]
+                eb = seg.extra_block
+                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
+                dst.zero_()
+                want = 1 if seg.side == "row" else 0
+                step = eb[want]
+                for r in range(R):
+                    lo = min(r * step, full.shape[want])
+                    hi = min(lo + step, full.shape[want])
+                    if hi > lo:
+                        dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
+                del full
+            local.append(G * (a * a))
+        out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
+        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        del pack
+        output.copy_(out[:chunk].view_as(output))
+        f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
+        for seg, G in zip(mats, local):
+            if seg.natural:
+                Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
+            else:
+                Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
+            P = spectral.gram([Dr], side=seg.side)[0] * (f * f)
+            m, n = seg.shape
+            ctx.grams.append((G, P, n if seg.side == "row" else m))
+        return work
+
+
+# --------------------------------------------------------------------------- attach
+class FSDPGNSHandle:
+    """Returned by ``attach_fsdp_gns``: the installed ReduceScatter objects; ``remove()``."""
+
+    def __init__(self, state: GNSHookState, modules):
+        self.state = state
+        self.modules = modules
+        self.reduce_scatters: list[GNSReduceScatter] = []
+        self._pending = False  # a final callback is queued for the current backward
+        self._ctx: Optional[_Measurement] = None
+        self._group = None
+
+    def _begin(self, group) -> Optional[_Measurement]:
+        """Called by every GNSReduceScatter; on the first call of a backward queue the
+        finishing callback and, on a measurement step, open the measurement."""
+        if not self._pending:
+            st = self.state
+            self._ctx = None
+            self._group = group
+            if st.is_measurement_step():
+                world = group.size()
+                if world < 2:
+                    raise ValueError(
+                        "GNSHookState: measuring needs at least 2 samples, got a process group of 1 rank")
+                self._ctx = _Measurement(st, world)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+            self._pending = True
+        elif self._group is not group and self._ctx is not None and group.size() != self._ctx.world:
+            raise RuntimeError("attach_fsdp_gns: param groups reduce over different process groups")
+        return self._ctx
+
+    def _end(self) -> None:
+        ctx, group = self._ctx, self._group
+        self._pending = False
+        self._ctx = None
+        st = self.state
+        st._step += 1
+        if ctx is not None:
+            ctx.finish(group)
+
+    def remove(self) -> None:
+        """Restore the reduce-scatter objects that were installed before attaching."""
+        for rs in self.reduce_scatters:
+            rs._param_group._reduce_scatter_comm = rs.inner
+        self.reduce_scatters = []
+        self.state._fsdp_handle = None
+
+
+def _param_groups(module):
+    state = module._get_fsdp_state()
+    return list(state._fsdp_param_groups)
+
+
+def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState) -> FSDPGNSHandle:
+    """Measure the GNS of an FSDP2 model inside its reduce-scatters.
+
+    model: a module tree to which ``torch.distributed.fsdp.fully_shard`` was applied
+        (the root and/or submodules). Every FSDPModule in ``model.modules()`` gets a
+        ``GNSReduceScatter`` through ``set_custom_reduce_scatter``; call this after all
+        ``fully_shard`` calls and after any other ``set_custom_reduce_scatter``.
+    state: GNSHookState (geometry, every=F, batch_size=B global, params, bias_correction,
+        process_group is ignored: FSDP's reduce-scatter group is used). After the
+        backward of an optimizer step k with k % F == 0, ``state.estimate`` is the
+        GNSEstimate (same semantics as gk.estimate / ddp_gns_hook) on every rank.
+    Returns an FSDPGNSHandle (``.remove()`` detaches).
+    """
+    FSDPModule, _ = _fsdp_api()
+    from .microbatch import MicroBatchGNS
+
+    if not isinstance(state, GNSHookState):
+        raise TypeError(f"state: expected a GNSHookState, got {type(state).__name__}")
+    if isinstance(state, MicroBatchGNS):
+        raise TypeError("state: MicroBatchGNS is not supported with FSDP2 (use a GNSHookState; "
+                        "accumulate with set_requires_gradient_sync(False))")
+    if state.shift is not None:
+        raise ValueError("state.shift: not supported with FSDP2 (the squares are formed from the full "
+                         "local gradient before the reduce-scatter, so the shift would have to be the "
+                         "full unsharded tensor on every rank); use shift=None")
+    if getattr(state, "_fsdp_handle", None) is not None:
+        raise ValueError("state: already attached to an FSDP2 model; call handle.remove() first")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("model: no FSDP2 module found (apply torch.distributed.fsdp.fully_shard first)")
+    handle = FSDPGNSHandle(state, modules)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo
+
+    for mod in modules:
+        for pg in _param_groups(mod):
+            if isinstance(pg.mesh_info, DDPMeshInfo) or not isinstance(pg.mesh_info, FSDPMeshInfo):
+                raise ValueError("model: HSDP / replicate meshes are not supported (1-D FSDP meshes only)")
+            if isinstance(pg._reduce_scatter_comm, GNSReduceScatter):
+                raise ValueError("model: a GNSReduceScatter is already installed; remove() it first")
+    for mod in modules:
+        groups = _param_groups(mod)
+        if len(groups) == 1:
+            rs = GNSReduceScatter(handle, groups[0], groups[0]._reduce_scatter_comm)
+            mod.set_custom_reduce_scatter(rs)
+            handle.reduce_scatters.append(rs)
+        else:  # several groups (per-param meshes): set_custom_reduce_scatter refuses; one each
+            for pg in groups:
+                rs = GNSReduceScatter(handle, pg, pg._reduce_scatter_comm)
+                pg._reduce_scatter_comm = rs
+                handle.reduce_scatters.append(rs)
+    state._fsdp_handle = handle
+    return handle
+
+
+def fsdp_gns_shard_placement(param: torch.nn.Parameter, world_size: Optional[int] = None):
+    """``shard_placement_fn`` for ``fully_shard`` that makes every 2-D weight natural for
+    the nuclear GNS: Shard(1) for wide/square matrices (m <= n, row Gram) whose n divides
+    by the world size, else Shard(0) (the default). Returns a ``Shard`` placement.
+
+    world_size: the data-parallel size (default: ``dist.get_world_size()``).
+    """
+    from torch.distributed.tensor import Shard
+
+    if world_size is None:
+        world_size = dist.get_world_size()
+    if param.dim() == 2:
+        m, n = param.shape
+        if m <= n and n % world_size == 0:
+            return Shard(1)
+    return Shard(0)

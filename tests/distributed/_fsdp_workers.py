@@ -1,0 +1,237 @@
+"""Rank-side code of the FSDP2 GNS tests (runs inside the spawned gloo processes).
+
+Each scenario runs a few steps of a small MLP (weights 24x13 tall, 17x24 and 5x17 wide:
+uneven dim-0 shards, padding, an empty shard at 4 ranks) as three FSDP2 models
+(``fully_shard`` on two layers and the root: three param groups) and records per step:
+  - the hooked model's estimate (gk.attach_fsdp_gns), gk.estimate on the all-gathered
+    local gradients of an unwrapped copy (the expected value, computed by the estimator,
+    not by the hook), and, in float32 scenarios, the DDP hook's estimate on the same
+    model, data and seed (gk.ddp_gns_hook);
+  - the hooked model's sharded gradients against plain FSDP2's (no hook), bitwise;
+  - collectives: the process group's sequence-number advance over the hooked and the
+    plain step, and the reduce-scatter / all-reduce calls issued (dist wrapped).
+The test module asserts on these records.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gns_kernels as gk
+from gns_kernels.distributed import GNSHookState, ddp_gns_hook
+from gns_kernels.distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
+
+LOCAL_BATCH = 4
+IN, HID, MID, OUT = 13, 24, 17, 5
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(IN, HID)
+        self.b = torch.nn.Linear(HID, MID)
+        self.c = torch.nn.Linear(MID, OUT, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _model():
+    torch.manual_seed(1234)  # identical on every rank
+    return _Net()
+
+
+def _batch(rank: int, step: int, micro: int, nan: bool = False):
+    g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * micro + rank)
+    x = torch.randn(LOCAL_BATCH, IN, generator=g)
+    y = torch.randn(LOCAL_BATCH, OUT, generator=g)
+    if nan:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _loss(model, x, y, scale: float = 1.0):
+    return F.mse_loss(model(x).float(), y.float()) * scale
+
+
+def _shard(model, *, mp, reshard, placement, world):
+    kw = {"reshard_after_forward": reshard}
+    if mp == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mp == "bf16_reduce_bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if placement == "gns":
+        kw["shard_placement_fn"] = lambda p: fsdp_gns_shard_placement(p, world)
+    for sub in (model.a, model.b):
+        fully_shard(sub, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+class _Counter:
+    """Wraps dist.reduce_scatter_single and dist.all_reduce: (kind, numel, dtype) per call."""
+
+    def __init__(self):
+        self.calls = []
+        self._rs = dist.reduce_scatter_single
+        self._ar = dist.all_reduce
+
+    def __enter__(self):
+        rec = self
+
+        def rs(output, input, *args, **kwargs):
+            rec.calls.append(("reduce_scatter", input.numel(), str(input.dtype)))
+            return rec._rs(output, input, *args, **kwargs)
+
+        def ar(tensor, *args, **kwargs):
+            rec.calls.append(("all_reduce", tensor.numel(), str(tensor.dtype)))
+            return rec._ar(tensor, *args, **kwargs)
+
+        dist.reduce_scatter_single = rs
+        dist.all_reduce = ar
+        return self
+
+    def __exit__(self, *exc):
+        dist.reduce_scatter_single = self._rs
+        dist.all_reduce = self._ar
+
+
+def _seq():
+    return dist.group.WORLD._get_sequence_number_for_group()
+
+
+def _gather(tensors):
+    world = dist.get_world_size()
+    out = [[None] * len(tensors) for _ in range(world)]
+    for p, t in enumerate(tensors):
+        buf = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(buf, t.contiguous())
+        for j in range(world):
+            out[j][p] = buf[j]
+    return out
+
+
+def _est(e):
+    return None if e is None else (e.gns, e.noise, e.signal, e.valid)
+
+
+def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
+             placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
+             force_sum=False, ddp=True):
+    base = _model()
+    local = copy.deepcopy(base)
+    if mp != "none":
+        local = local.to(torch.bfloat16)  # computes what FSDP2's bf16 unsharded params compute
+    hooked = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)
+    plain = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)
+    if force_sum:
+        for m in (hooked, plain):
+            for sub in m.modules():
+                if hasattr(sub, "set_force_sum_reduction_for_comms"):
+                    sub.set_force_sum_reduction_for_comms(True)
+    names = [n for n, _ in hooked.named_parameters()]
+    hp = list(hooked.parameters())
+    measured = [p for p in hp if p.dim() == 2] if subset else None
+    B = LOCAL_BATCH * world * accumulate
+    state = GNSHookState(geometry, every=every, batch_size=B, params=measured,
+                         bias_correction=bias_correction)
+    handle = attach_fsdp_gns(hooked, state)
+    ddp_model = ddp_state = None
+    if ddp:
+        ddp_model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001)
+        dmeasured = [p for p in ddp_model.parameters() if p.dim() == 2] if subset else None
+        ddp_state = GNSHookState(geometry, every=every, batch_size=B, params=dmeasured,
+                                 bias_correction=bias_correction)
+        ddp_model.register_comm_hook(ddp_state, ddp_gns_hook)
+    groups = len(handle.reduce_scatters)
+    records = []
+    for k in range(steps):
+        nan = nan_at is not None and k == nan_at and rank == world - 1
+        for m in (hooked, plain, local):
+            for p in m.parameters():
+                p.grad = None
+        # local copy: each rank's local (accumulated) mean gradient, for the expectation
+        acc = None
+        for a in range(accumulate):
+            for p in local.parameters():
+                p.grad = None
+            x, y = _batch(rank, k, a, nan)
+            _loss(local, x, y, 1.0 / accumulate).backward()
+            gs = [p.grad.detach().clone() for p in local.parameters()]
+            acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
+        # plain FSDP2
+        s0 = _seq()
+        with _Counter() as plain_calls:
+            for a in range(accumulate):
+                plain.set_requires_gradient_sync(a == accumulate - 1)
+                x, y = _batch(rank, k, a, nan)
+                _loss(plain, x, y, 1.0 / accumulate).backward()
+        plain_seq = _seq() - s0
+        # hooked FSDP2
+        measuring = state.is_measurement_step()
+        s0 = _seq()
+        with _Counter() as hooked_calls:
+            for a in range(accumulate):
+                hooked.set_requires_gradient_sync(a == accumulate - 1)
+                x, y = _batch(rank, k, a, nan)
+                _loss(hooked, x, y, 1.0 / accumulate).backward()
+        hooked_seq = _seq() - s0
+        est = _est(state.estimate) if measuring else None
+        # DDP hook on the same data (float32 only)
+        ddp_est = None
+        if ddp_model is not None:
+            for p in ddp_model.parameters():
+                p.grad = None
+            for a in range(accumulate):
+                x, y = _batch(rank, k, a, nan)
+                if a < accumulate - 1:
+                    with ddp_model.no_sync():
+                        _loss(ddp_model, x, y, 1.0 / accumulate).backward()
+                else:
+                    _loss(ddp_model, x, y, 1.0 / accumulate).backward()
+            ddp_est = _est(ddp_state.estimate) if measuring else None
+        # expectation from the gathered local gradients
+        rank_grads = _gather(acc)
+        idx = [i for i, p in enumerate(hp) if not subset or p.dim() == 2]
+        ref = None
+        if measuring:
+            sel = [[rg[i] for i in idx] for rg in rank_grads]
+            ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction))
+        mean64 = [torch.stack([rg[i].double() for rg in rank_grads]).mean(0) for i in range(len(hp))]
+        full = [p.grad.full_tensor().double() for p in hp]
+        records.append({
+            "step": k,
+            "measuring": measuring,
+            "state_step": state.step,
+            "estimate_step": state.estimate_step,
+            "est": est,
+            "ref": ref,
+            "ddp": ddp_est,
+            "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
+                                    for p, q in zip(hp, plain.parameters())),
+            "grad_vs_plain": max(float((p.grad.to_local().double() - q.grad.to_local().double()).abs().max())
+                                 if p.grad.to_local().numel() else 0.0
+                                 for p, q in zip(hp, plain.parameters())),
+            "grad_vs_mean": max(float((f - m).abs().max()) for f, m in zip(full, mean64)),
+            "grad_scale": max(float(m.abs().max()) for m in mean64),
+            "plain_seq": plain_seq,
+            "hooked_seq": hooked_seq,
+            "plain_calls": plain_calls.calls,
+            "hooked_calls": hooked_calls.calls,
+        })
+    handle.remove()
+    return {"records": records, "groups": groups, "names": names,
+            "placements": [str(p.placements[0]) for p in hp]}
+
+
+def run_many(rank, world, *, scenarios):
+    out = {}
+    for name, kwargs in scenarios.items():
+        out[name] = run_fsdp(rank, world, **kwargs)
+        dist.barrier()
+    return out
