@@ -2,79 +2,92 @@
 
 Run on a machine with a CUDA GPU (from the repository root, package installed):
 
-    python bench/bench_triton_gpu.py                    # float32, 2^25 elements
-    python bench/bench_triton_gpu.py --dtype bfloat16 --n 67108864
-    python bench/bench_triton_gpu.py --paper            # bytes and times at 3 TB/s, no GPU needed
+    python bench/bench_triton_gpu.py                      # float32, 2^25 elements
+    python bench/bench_triton_gpu.py --dtype bfloat16     # bf16 gradients (sq/out stay float32)
+    python bench/bench_triton_gpu.py --paper              # bytes and times at 3 TB/s only, no GPU
 
-For each op it times (triton.testing.do_bench, median over repetitions, after warm-up):
-  eager    the composite torch formula (gns_kernels.ops backend="eager"),
-  compile  the same float32 formula under torch.compile (after warm-up),
-  triton   gns_kernels.triton.fused,
-  floor    variance_norms: summing its inputs once each (one .sum() per input);
-           square_pack / accumulate_sq: Tensor.copy_ moving the same bytes (read + write),
-and prints median ms, effective GB/s (bytes the op must move / time) and the ratio to
-the floor, in the layout of the CPU benchmark table. Ratios, not absolute times, are the
-result: they are measured in one process on one device.
+Candidates (the same as bench/bench_fused_cpu.py, with the Triton kernels in place of the
+C++ ones, so the tables line up):
+  floor     variance_norms: reading its inputs once (one .sum() per input);
+            square_pack / accumulate_sq: Tensor.copy_ moving the same bytes (read + write);
+  triton.*  gns_kernels.triton.fused (called directly, no dispatch);
+  eager     the composite torch formula; torch.compile(formula) after warm-up;
+  multi     variance_norms_multi over the paper's 160M Llama matrices (84 tensors, 84.9M
+            elements) vs one .sum() per input tensor and vs the formula per tensor.
+Each candidate is timed by triton.testing.do_bench (CUDA events, L2 flushed between
+calls; return_mode="all"), which gives the median and minimum in the tables. Ratios of
+medians are the result; speed is never asserted anywhere.
 
 ``--device cpu`` runs the same code on CPU tensors through Triton's interpreter with a
-wall-clock median (a smoke test of this script, not a benchmark).
+wall-clock timer (a smoke test of this script, not a benchmark).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# The paper's models (parameters) for the "on paper" table.
 PAPER_MODELS = {"160M": 160e6, "1B": 1e9}
-BANDWIDTH = 3e12  # bytes/s (H100 SXM is about 3.35 TB/s)
+BANDWIDTH = 3e12  # bytes/s (H100 SXM: about 3.35 TB/s)
+
+# The paper's 160M Llama without embeddings (issue 6): 12 layers x (q, k, v, o: 768x768;
+# gate, up: 2048x768; down: 768x2048).
+LLAMA_160M_SHAPES = ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12
 
 
-def op_bytes(op: str, n: int, itemsize: int, shift: bool) -> int:
-    """Bytes an op must move for n elements of an input dtype of ``itemsize`` bytes."""
+def op_bytes(op: str, n: int, itemsize: int, shift: bool = False) -> int:
+    """Bytes an op must move for n elements of a gradient dtype of ``itemsize`` bytes."""
     if op == "variance_norms":  # read mean_grad, mean_sq (+ shift)
         return n * itemsize * (3 if shift else 2)
     if op == "square_pack":  # read grad (+ shift), write 2n float32
         return n * itemsize * (2 if shift else 1) + 8 * n
-    if op == "accumulate_sq":  # read grad, prev, sq(f32); write sq(f32), prev
-        return n * (3 * itemsize + 8)
+    if op == "accumulate_sq":  # read grad, prev, sq (float32); write sq, prev
+        return n * (3 * itemsize + 8) if itemsize == 4 else n * (2 * itemsize + 4 + 4 + itemsize)
     raise ValueError(f"op: unknown {op!r}")
 
 
 def paper_table() -> str:
-    rows = ["| op | dtype | shift | bytes/param | 160M at 3 TB/s | 1B at 3 TB/s |", "|---|---|---|---|---|---|"]
-    for op in ("variance_norms", "square_pack", "accumulate_sq"):
+    rows = ["| op | gradient dtype | bytes / param | 160M @ 3 TB/s | 1B @ 3 TB/s |",
+            "|---|---|---:|---:|---:|"]
+    for name, op, shift in [("variance_norms", "variance_norms", False),
+                            ("variance_norms + shift", "variance_norms", True),
+                            ("square_pack", "square_pack", False),
+                            ("square_pack + shift", "square_pack", True),
+                            ("accumulate_sq", "accumulate_sq", False)]:
         for dt, size in (("float32", 4), ("bfloat16", 2)):
-            for shift in ((False, True) if op != "accumulate_sq" else (False,)):
-                b = op_bytes(op, 1, size, shift)
-                t = [op_bytes(op, int(p), size, shift) / BANDWIDTH * 1e3 for p in PAPER_MODELS.values()]
-                rows.append(f"| {op} | {dt} | {'yes' if shift else 'no'} | {b} | {t[0]:.3f} ms | {t[1]:.3f} ms |")
+            b = op_bytes(op, 1, size, shift)
+            t = [op_bytes(op, int(p), size, shift) / BANDWIDTH * 1e3 for p in PAPER_MODELS.values()]
+            rows.append(f"| {name} | {dt} | {b} | {t[0]:.3f} ms | {t[1]:.3f} ms |")
     return "\n".join(rows)
 
 
-def _timer(device: str, reps: int):
+def _timer(device: str, rep_ms: int):
+    """fn -> list of times in seconds."""
     if device == "cuda":
         import triton.testing
 
         def bench(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=max(100, reps), return_mode="median")
+            ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="all")
+            return [t * 1e-3 for t in ms]
     else:
         def bench(fn):
             fn()
             ts = []
-            for _ in range(max(3, reps // 50)):
+            for _ in range(3):
                 t0 = time.perf_counter()
                 fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts)
+                ts.append(time.perf_counter() - t0)
+            return ts
     return bench
 
 
-def _vn_formula(d, q, scale: float):
+def eager_formula(d, q, scale: float):
+    """The composite torch formula of variance_norms (float32, NaN-preserving clamp)."""
     d = d.float()
     q = q.float()
     s2 = scale * (q - d * d)
@@ -82,116 +95,111 @@ def _vn_formula(d, q, scale: float):
     return torch.stack([s2.sqrt().sum(), d.abs().sum(), s2.sum(), (d * d).sum()])
 
 
-def _vn_multi_formula(ds, qs, scale: float):
-    return sum(_vn_formula(d, q, scale) for d, q in zip(ds, qs))
-
-
-# The paper's 160M Llama without embeddings (issue 6): 12 layers x (q, k, v, o: 768x768;
-# gate, up: 2048x768; down: 768x2048) = 84.9M parameters in 84 tensors.
-LLAMA_160M_SHAPES = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
-LLAMA_160M_SHAPES = LLAMA_160M_SHAPES * 12
-
-
-def _sp_formula(g, out):
-    n = g.numel()
-    x = g.float()
-    out[:n].copy_(x)
-    out[n:].copy_(x * x)
-    return out
-
-
-def _acc_formula(g, prev, sq):
-    d = g.float() - prev.float()
-    sq.add_(d * d)
-    prev.copy_(g)
+def eager_multi(ds, qs, scale: float):
+    return sum(eager_formula(d, q, scale) for d, q in zip(ds, qs))
 
 
 def run(args) -> str:
-    from gns_kernels import ops
     from gns_kernels.triton import fused
 
     dev, dt, n = args.device, DTYPES[args.dtype], args.n
-    bench = _timer(dev, args.reps)
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    bench = _timer(dev, args.rep)
+    gen = torch.Generator().manual_seed(0)
     d = torch.randn(n, generator=gen).to(dev, dt)
     q = (d.float() ** 2 + 1).to(dt)
-    g = torch.randn(n, generator=gen).to(dev, dt)
+    s = torch.randn(n, generator=gen).to(dev, dt)
     prev = torch.randn(n, generator=gen).to(dev, dt)
     sq = torch.zeros(n, device=dev)
     out = torch.empty(2 * n, device=dev)
     isz = d.element_size()
-    rows = []
+    scale = 3.0
+    shapes = LLAMA_160M_SHAPES if dev == "cuda" else [(7, 5), (33, 64), (0, 3)]
+    ds = [torch.randn(*sh, generator=gen).to(dev, dt) for sh in shapes]
+    qs = [(x.float() ** 2 + 1).to(dt) for x in ds]
+    nm = sum(x.numel() for x in ds)
 
-    def copy_floor(nbytes):
-        m = max(1, nbytes // 8)  # float32 copy: 4 bytes read + 4 written per element
-        src = torch.empty(m, device=dev)
-        dst = torch.empty(m, device=dev)
+    def copy_of(nbytes):
+        m = max(1, nbytes // 8)  # float32 copy_: 4 bytes read + 4 written per element
+        src, dst = torch.empty(m, device=dev), torch.empty(m, device=dev)
         return lambda: dst.copy_(src)
 
-    cases = {
-        "variance_norms": dict(
-            eager=lambda: ops.variance_norms(d, q, 2.0, backend="eager"),
-            compile=torch.compile(_vn_formula) if args.compile else None,
-            compile_args=(d, q, 2.0),
-            triton=lambda: fused.variance_norms(d, q, 2.0),
-            floor=lambda: (d.sum(), q.sum()),
-            bytes=op_bytes("variance_norms", n, isz, False)),
-        "square_pack": dict(
-            eager=lambda: ops.square_pack(g, out, backend="eager"),
-            compile=torch.compile(_sp_formula) if args.compile else None,
-            compile_args=(g, out),
-            triton=lambda: fused.square_pack(g, out),
-            floor=copy_floor(op_bytes("square_pack", n, isz, False)),
-            bytes=op_bytes("square_pack", n, isz, False)),
-        "accumulate_sq": dict(
-            eager=lambda: ops.accumulate_sq(g, prev, sq, backend="eager"),
-            compile=torch.compile(_acc_formula) if args.compile else None,
-            compile_args=(g, prev, sq),
-            triton=lambda: fused.accumulate_sq(g, prev, sq),
-            floor=copy_floor(op_bytes("accumulate_sq", n, isz, False)),
-            bytes=op_bytes("accumulate_sq", n, isz, False)),
+    cands = {
+        "floor: d.sum() + q.sum()": lambda: (d.sum(), q.sum()),
+        "triton.variance_norms": lambda: fused.variance_norms(d, q, scale),
+        "floor (3 inputs): d,q,s .sum()": lambda: (d.sum(), q.sum(), s.sum()),
+        "triton.variance_norms (shift)": lambda: fused.variance_norms(d, q, scale, s),
+        "eager formula": lambda: eager_formula(d, q, scale),
+        f"copy_ ({op_bytes('square_pack', 1, isz)}n bytes)": copy_of(op_bytes("square_pack", n, isz)),
+        "triton.square_pack": lambda: fused.square_pack(d, out),
+        f"copy_ ({op_bytes('square_pack', 1, isz, True)}n bytes)": copy_of(op_bytes("square_pack", n, isz, True)),
+        "triton.square_pack (shift)": lambda: fused.square_pack(d, out, s),
+        f"copy_ ({op_bytes('accumulate_sq', 1, isz)}n bytes)": copy_of(op_bytes("accumulate_sq", n, isz)),
+        "triton.accumulate_sq": lambda: fused.accumulate_sq(d, prev, sq),
+        "multi floor: .sum() per input": lambda: [(x.sum(), y.sum()) for x, y in zip(ds, qs)],
+        "triton.variance_norms_multi": lambda: fused.variance_norms_multi(ds, qs, scale),
+        "multi eager formula": lambda: eager_multi(ds, qs, scale),
     }
-    if args.multi:
-        shapes = LLAMA_160M_SHAPES if dev == "cuda" else [(7, 5), (33, 64), (0, 3)]
-        ds = [torch.randn(*sh, generator=gen).to(dev, dt) for sh in shapes]
-        qs = [(x.float() ** 2 + 1).to(dt) for x in ds]
-        nm = sum(x.numel() for x in ds)
-        cases["variance_norms_multi"] = dict(
-            eager=lambda: ops.variance_norms_multi(ds, qs, 2.0, backend="eager"),
-            compile=torch.compile(_vn_multi_formula) if args.compile else None,
-            compile_args=(ds, qs, 2.0),
-            triton=lambda: fused.variance_norms_multi(ds, qs, 2.0),
-            floor=lambda: [(x.sum(), y.sum()) for x, y in zip(ds, qs)],
-            bytes=op_bytes("variance_norms", nm, isz, False), n=nm)
-    header = "| op | impl | n | dtype | median ms | GB/s | x floor |"
-    rows = [header, "|---|---|---|---|---|---|---|"]
-    for op, c in cases.items():
-        timings = {"floor": bench(c["floor"]), "eager": bench(c["eager"])}
-        if c["compile"] is not None:
-            fn, a = c["compile"], c["compile_args"]
-            for _ in range(3):
-                fn(*a)  # warm-up: compile outside the timing
-            timings["compile"] = bench(lambda: fn(*a))
-        timings["triton"] = bench(c["triton"])
-        for impl in ("eager", "compile", "triton", "floor"):
-            if impl not in timings:
-                continue
-            ms = timings[impl]
-            gbs = c["bytes"] / (ms * 1e-3) / 1e9
-            rows.append(f"| {op} | {impl} | {c.get('n', n)} | {args.dtype} | {ms:.4f} | {gbs:.0f} | "
-                        f"{ms / timings['floor']:.2f} |")
-    return "\n".join(rows)
+    if args.compile:
+        comp = torch.compile(eager_formula)
+        comp_multi = torch.compile(eager_multi)
+        for _ in range(3):  # compile + warm-up outside the timing
+            comp(d, q, scale)
+            comp_multi(ds, qs, scale)
+        cands["torch.compile(formula)"] = lambda: comp(d, q, scale)
+        cands["multi torch.compile(formula)"] = lambda: comp_multi(ds, qs, scale)
+
+    times = {k: bench(fn) for k, fn in cands.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mn = {k: min(v) for k, v in times.items()}
+    lines = [f"# device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (Triton interpreter)'}, "
+             f"host {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
+             f"# n = {n} {args.dtype} elements per tensor; multi: {len(ds)} tensors, {nm} elements",
+             "", "| candidate | median ms | min ms | rounds |", "|---|---:|---:|---:|"]
+    for k, v in times.items():
+        lines.append(f"| {k} | {med[k] * 1e3:.3f} | {mn[k] * 1e3:.3f} | {len(v)} |")
+
+    def ratio(a, b):
+        return f"{med[a] / med[b]:.2f} (min: {mn[a] / mn[b]:.2f})"
+
+    c_sp, c_sp2, c_acc = (f"copy_ ({op_bytes('square_pack', 1, isz)}n bytes)",
+                          f"copy_ ({op_bytes('square_pack', 1, isz, True)}n bytes)",
+                          f"copy_ ({op_bytes('accumulate_sq', 1, isz)}n bytes)")
+    lines += ["", "| ratio (medians; minima in brackets) | value | target |", "|---|---:|---|",
+              f"| variance_norms / floor | {ratio('triton.variance_norms', 'floor: d.sum() + q.sum()')} | <= 1.25 |",
+              f"| variance_norms (shift) / 3-input floor | "
+              f"{ratio('triton.variance_norms (shift)', 'floor (3 inputs): d,q,s .sum()')} | <= 1.25 |",
+              f"| eager formula / variance_norms | {ratio('eager formula', 'triton.variance_norms')} | >= 20 (CPU target) |"]
+    if args.compile:
+        lines += [f"| torch.compile(formula) / variance_norms | "
+                  f"{ratio('torch.compile(formula)', 'triton.variance_norms')} | >= 1 |",
+                  f"| torch.compile(formula) / floor | {ratio('torch.compile(formula)', 'floor: d.sum() + q.sum()')} | (peer) |"]
+    lines += [f"| square_pack / copy_ same bytes | {ratio('triton.square_pack', c_sp)} | <= 1.5 |",
+              f"| square_pack (shift) / copy_ same bytes | {ratio('triton.square_pack (shift)', c_sp2)} | <= 1.5 |",
+              f"| accumulate_sq / copy_ same bytes | {ratio('triton.accumulate_sq', c_acc)} | <= 1.5 |",
+              f"| variance_norms_multi / multi floor | "
+              f"{ratio('triton.variance_norms_multi', 'multi floor: .sum() per input')} | (one launch vs 168) |",
+              f"| multi eager / variance_norms_multi | {ratio('multi eager formula', 'triton.variance_norms_multi')} | |"]
+    if args.compile:
+        lines.append(f"| multi torch.compile / variance_norms_multi | "
+                     f"{ratio('multi torch.compile(formula)', 'triton.variance_norms_multi')} | >= 1 |")
+    lines += ["", "| effective bandwidth (median) | GB/s |", "|---|---:|"]
+    for k, b in [("triton.variance_norms", op_bytes("variance_norms", n, isz)),
+                 ("triton.square_pack", op_bytes("square_pack", n, isz)),
+                 ("triton.accumulate_sq", op_bytes("accumulate_sq", n, isz)),
+                 ("floor: d.sum() + q.sum()", op_bytes("variance_norms", n, isz)),
+                 ("triton.variance_norms_multi", op_bytes("variance_norms", nm, isz))]:
+        lines.append(f"| {k} | {b / med[k] / 1e9:.1f} |")
+    lines += ["", paper_table()]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Triton fused-op kernels vs eager, torch.compile and the floor")
     p.add_argument("--n", type=int, default=2**25, help="elements per tensor (default 2^25)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--reps", type=int, default=500, help="do_bench rep time in ms (CUDA)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="gradient dtype")
+    p.add_argument("--rep", type=int, default=500, help="do_bench time budget per candidate, ms (CUDA)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: Triton interpreter smoke run (not a benchmark)")
-    p.add_argument("--no-multi", dest="multi", action="store_false",
-                   help="skip variance_norms_multi over the 160M Llama shapes (84 tensors, 84.9M)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     p.add_argument("--paper", action="store_true", help="print bytes and 3 TB/s times only (no GPU)")
     a = p.parse_args(argv)
@@ -200,8 +208,6 @@ def main(argv=None) -> int:
         return 0
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or use --paper / --device cpu")
-    print(f"device: {torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu (interpreter)'}; "
-          f"torch {torch.__version__}")
     print(run(a))
     return 0
 
