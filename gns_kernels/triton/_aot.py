@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 ARCHS = (80, 90)
 

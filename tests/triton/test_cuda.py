@@ -105,3 +105,20 @@ def test_torch_ops_and_compile(gen):
 
     compiled = torch.compile(f, fullgraph=True)  # fullgraph: a graph break raises
     _close(compiled(d, q, s), want.double())
+
+
+@pytest.mark.skipif(not ops.cpp_available(), reason="the torch ops need the C++ extension gns_kernels._C")
+def test_opcheck_cuda(gen):
+    """torch.library.opcheck (schema, fake kernel, autograd registration) on CUDA tensors."""
+    register_cuda_kernels()
+    d, q, s = _inputs(3000, torch.float32, True, gen)
+    out = torch.empty(6000, device="cuda")
+    prev, sq = q.clone(), torch.zeros(3000, device="cuda")
+    for op, args in [
+        (torch.ops.gns_kernels.variance_norms.default, (d, q, 2.0, s)),
+        (torch.ops.gns_kernels.variance_norms_multi.default, ([d, q], [q, d], 2.0, [s, None])),
+        (torch.ops.gns_kernels.square_pack.default, (d, out, s)),
+        (torch.ops.gns_kernels.accumulate_sq.default, (d, prev, sq)),
+        (torch.ops.gns_kernels.accumulate_sq_multi.default, ([d], [prev], [sq])),
+    ]:
+        torch.library.opcheck(op, args)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gns_kernels import ops
-from gns_kernels.triton import OPS, register_cuda_kernels
+from gns_kernels.triton import register_cuda_kernels
 
 pytestmark = pytest.mark.triton
 
