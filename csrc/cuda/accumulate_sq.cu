@@ -74,6 +74,7 @@ cudaError_t launch_group(const std::vector<int>& idx, const int64_t* numels,
   return for_each_launch<3, kMaxTensorsPerLaunch>(
       idx, numels, lists, 0, [&](const Table3& tb, int grid, int64_t /*slot_base*/) {
         accumulate_sq_kernel<T, TP><<<grid, kBlockThreads, 0, stream>>>(tb);
+        return cudaGetLastError();
       });
 }
 

@@ -38,9 +38,10 @@ struct BlockWork {
   int64_t length;  // elements in the chunk (kChunk except for a tensor's last chunk)
 };
 
+// The chunk of block b of a launch: binary search for the last tensor whose first block is
+// <= b. Host and device, so the host-side test (tests/cuda/planner_check.cu) runs it too.
 template <int Depth, int MaxT>
-__device__ __forceinline__ BlockWork locate_block(const TensorTable<Depth, MaxT>& tb) {
-  const int b = static_cast<int>(blockIdx.x);
+__host__ __device__ __forceinline__ BlockWork locate(const TensorTable<Depth, MaxT>& tb, int b) {
   int lo = 0;
   int hi = tb.count - 1;
   while (lo < hi) {
@@ -59,14 +60,19 @@ __device__ __forceinline__ BlockWork locate_block(const TensorTable<Depth, MaxT>
   return w;
 }
 
+template <int Depth, int MaxT>
+__device__ __forceinline__ BlockWork locate_block(const TensorTable<Depth, MaxT>& tb) {
+  return locate(tb, static_cast<int>(blockIdx.x));
+}
+
 inline int64_t chunks_of(int64_t n) { return n <= 0 ? 0 : (n + kChunk - 1) / kChunk; }
 
-// Calls launch(table, grid_blocks, slot_base) once per batch of at most MaxT non-empty
+// Calls launch(table, grid_blocks, slot_base) -> cudaError_t once per batch of at most MaxT non-empty
 // tensors, taking the tensors idx[0], idx[1], ... in that order. lists[d][t] is the d-th
 // pointer of tensor t; lists[d] (or an entry of it) may be nullptr for an absent operand
 // (e.g. no shift), and the table then holds nullptr. Empty tensors are skipped. Block slots
-// are numbered from `slot_base` on. Returns the first launch error (cudaGetLastError after
-// each launch).
+// are numbered from `slot_base` on. Returns the first error `launch` returns (the kernels'
+// launch lambdas return cudaGetLastError()).
 template <int Depth, int MaxT, typename Launch>
 cudaError_t for_each_launch(const std::vector<int>& idx, const int64_t* numels,
                             const void* const* const (&lists)[Depth], int64_t slot_base,
@@ -80,8 +86,7 @@ cudaError_t for_each_launch(const std::vector<int>& idx, const int64_t* numels,
     if (c > INT_MAX / 2) return cudaErrorInvalidValue;
     if (tb.count == MaxT || static_cast<int64_t>(blocks) + c > INT_MAX / 2) {
       tb.block_start[tb.count] = blocks;
-      launch(tb, blocks, slot_base);
-      const cudaError_t err = cudaGetLastError();
+      const cudaError_t err = launch(tb, blocks, slot_base);
       if (err != cudaSuccess) return err;
       slot_base += blocks;
       tb.count = 0;
@@ -95,8 +100,7 @@ cudaError_t for_each_launch(const std::vector<int>& idx, const int64_t* numels,
   }
   if (tb.count > 0) {
     tb.block_start[tb.count] = blocks;
-    launch(tb, blocks, slot_base);
-    return cudaGetLastError();
+    return launch(tb, blocks, slot_base);
   }
   return cudaSuccess;
 }

@@ -78,6 +78,7 @@ cudaError_t launch_typed(int64_t n, const void* const* const (&lists)[3], cudaSt
   return for_each_launch<3, kMaxTensorsPerLaunch>(
       std::vector<int>{0}, &n, lists, 0, [&](const Table3& tb, int grid, int64_t /*slot_base*/) {
         square_pack_kernel<T, TS, HasShift><<<grid, kBlockThreads, 0, stream>>>(tb);
+        return cudaGetLastError();
       });
 }
 

@@ -121,6 +121,7 @@ cudaError_t launch_group(const Args& a, const std::vector<int>& idx, int64_t* sl
       idx, a.numels, a.lists, *slot_base, [&](const Table3& tb, int grid, int64_t base) {
         variance_norms_kernel<T, TS, HasShift>
             <<<grid, kBlockThreads, 0, a.stream>>>(tb, a.scale, a.slots, base, a.num_slots);
+        return cudaGetLastError();
       });
   for (const int t : idx) *slot_base += chunks_of(a.numels[t]);
   return err;
