@@ -64,7 +64,7 @@ class DemoConfig:
     optimizer: str = "muon"
     geometry: str | None = None          # None: geometry_for(optimizer)
     theta: float | None = None           # None: 0.6 (l1/nuclear) or 0.3 (l2)
-    every: int = 10
+    every: int = 5
     warmup: int | None = None            # steps; None: the LR warm-up length at B_0
     initial_batch_size: int = 16
     max_batch_size: int | None = 512
@@ -72,7 +72,7 @@ class DemoConfig:
     micro_batches: int = 1               # minimum micro-batches per rank (>= 2 for 1 rank)
     multiple_of: int | None = None       # None: R*micro_batches*8 when B_0 allows, else R*micro_batches
     adaptive: bool = True
-    samples: int = 12000                 # sample (sequence) budget
+    samples: int = 8000                  # sample (sequence) budget
     steps: int | None = None             # optional cap on optimizer steps
     lr: float | None = None
     adam_lr: float = 3e-3
@@ -86,7 +86,7 @@ class DemoConfig:
     mlp: int = 384
     context: int = 64
     corpus: str | None = None
-    eval_every: int = 50
+    eval_every: int = 25
     val_windows: int = 192
     checkpoint_every: int = 200
     out: str = ""
@@ -259,7 +259,7 @@ def _check_out_dir(path: str) -> str:
     path = os.path.abspath(path)
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write_test")
+        probe = os.path.join(path, f".write_test.{os.getpid()}")
         with open(probe, "w") as fh:
             fh.write("ok")
         os.remove(probe)
