@@ -180,13 +180,44 @@ def compile_all(full: bool = False, archs=ARCHS) -> list[dict]:
     return results
 
 
-def run_isolated(full: bool = False, timeout: float = 600) -> list[dict]:
+def compile_int_forms(cap: int = 90) -> list[dict]:
+    """Compile each kernel (first variant) with the other integer forms the JIT can pass:
+    every i32 argument as i64 (values >= 2^31) and as the constant 1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import fused
+
+    results, seen = [], set()
+    for v in variants(False):
+        if v.kernel in seen:
+            continue
+        seen.add(v.kernel)
+        kern = fused.KERNELS[v.kernel].jit
+        ints = [a for a, t in v.signature.items() if t == "i32"]
+        forms = {
+            "i64": ({a: ("i64" if a in ints else t) for a, t in v.signature.items()}, dict(v.constexprs)),
+            "ones": ({a: ("constexpr" if a in ints else t) for a, t in v.signature.items()},
+                     {**v.constexprs, **{a: 1 for a in ints}}),
+        }
+        for form, (sig, cex) in forms.items():
+            ck = triton.compile(ASTSource(kern, sig, constexprs=cex), target=GPUTarget("cuda", cap, 32),
+                                options={"num_warps": fused.NUM_WARPS, "enable_fp_fusion": True})
+            results.append({"kernel": v.kernel, "form": form, "arch": f"sm_{cap}",
+                            "cubin_bytes": len(ck.asm["cubin"])})
+    return results
+
+
+def run_isolated(full: bool = False, timeout: float = 600, int_forms: bool = False) -> list[dict]:
     """compile_all in a fresh Python without TRITON_INTERPRET (safe from any test process)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
     cmd = [sys.executable, "-m", "gns_kernels.triton._aot", "--json", "--inprocess"]
     if full:
         cmd.append("--full")
+    if int_forms:
+        cmd.append("--int-forms")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"ahead-of-time compilation failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
@@ -206,15 +237,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON list on the last line")
     p.add_argument("--full", action="store_true", help="also fp16 and no-shift variants")
+    p.add_argument("--int-forms", action="store_true",
+                   help="instead: compile each kernel with i64 sizes and with sizes == 1 (sm_90)")
     p.add_argument("--inprocess", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     from ._runtime import interpreter_mode_at_import
 
     if not a.inprocess and interpreter_mode_at_import():
-        res = run_isolated(a.full)
+        res = run_isolated(a.full, int_forms=a.int_forms)
+    elif a.int_forms:
+        res = compile_int_forms()
     else:
         res = compile_all(a.full)
-    print(json.dumps(res) if a.json else format_table(res))
+    if a.json:
+        print(json.dumps(res))
+    elif a.int_forms:
+        print("\n".join(f"{r['kernel']} {r['form']} {r['arch']}: ok" for r in res))
+    else:
+        print(format_table(res))
     return 0
 
 

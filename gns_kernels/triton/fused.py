@@ -140,7 +140,7 @@ def _variance_norms_multi_kernel(table_ptr, part_ptr, part_stride, n_tensors, to
     t0 = pid.to(tl.int64) * tiles_per_prog
     t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
     # Binary search: the last table row whose first tile is <= t0.
-    lo = pid * 0
+    lo = pid.to(tl.int64) * 0  # int64 whatever integer width the sizes were given in
     hi = lo + (n_tensors - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -279,7 +279,7 @@ def _accumulate_sq_multi_kernel(table_ptr, n_tensors, total_tiles, tiles_per_pro
     pid = tl.program_id(0)
     t0 = pid.to(tl.int64) * tiles_per_prog
     t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
-    lo = pid * 0
+    lo = pid.to(tl.int64) * 0  # int64 whatever integer width the sizes were given in
     hi = lo + (n_tensors - 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2

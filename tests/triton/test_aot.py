@@ -59,6 +59,14 @@ def test_vector_width_matches_dtype(compiled):
         assert by[("accumulate_sq_multi", "fp32", arch)]["st_global_v4"] == 4
 
 
+def test_integer_specializations_compile():
+    """The JIT passes sizes as i64 when >= 2^31 and may specialize a size equal to 1 as a
+    constant: both forms must compile for every kernel."""
+    res = _aot.run_isolated(int_forms=True)
+    assert {(r["kernel"], r["form"]) for r in res} == {(k, f) for k in fused.KERNELS for f in ("i64", "ones")}
+    assert all(r["cubin_bytes"] > 0 for r in res)
+
+
 @pytest.mark.slow
 def test_full_matrix_compiles():
     """fp16 and no-shift variants too (about 2x the default compile time)."""
