@@ -29,13 +29,22 @@ nuclear (second order in 1/nu, exact for m = 1)
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["c4", "l1_noise_factor", "c4_tensor", "nuclear_dof", "nuclear_sqrt_trace_corrected"]
+__all__ = [
+    "c4",
+    "l1_noise_factor",
+    "c4_tensor",
+    "nuclear_dof",
+    "nuclear_dof_from_samples",
+    "nuclear_frobenius_variance",
+    "nuclear_sqrt_trace_corrected",
+]
 
 
 def c4(R: int | float) -> float:
@@ -78,12 +87,13 @@ def nuclear_dof(
     gram_dim: int,
     other_dim: int | None = None,
     batch_size: float | None = None,
-    dof_per_sample: float | None = None,
+    dof_per_sample: float | Tensor | None = None,
     dof_model: str = "columns",
-) -> float:
+) -> float | Tensor:
     """Degrees of freedom nu = (R-1) * d of the covariance estimate C (m x m, m = gram_dim).
 
-    d = dof_per_sample when given; else by ``dof_model``:
+    d = dof_per_sample when given (a float, math.inf for no correction, or a tensor of
+    per-matrix values, e.g. nuclear_dof_from_samples(x) / (R-1)); else by ``dof_model``:
       'columns'  d = other_dim (each sample's m x n gradient noise has n independent
                  Gaussian columns; other_dim defaults to gram_dim, a lower bound of n
                  when the smaller Gram side is used). The default: mildest assumption.
@@ -95,6 +105,8 @@ def nuclear_dof(
     if int(num_samples) != num_samples or num_samples < 2:
         raise ValueError(f"num_samples: expected an integer >= 2, got {num_samples}")
     n = float(other_dim) if other_dim is not None else float(gram_dim)
+    if isinstance(dof_per_sample, Tensor):
+        return (num_samples - 1) * dof_per_sample.detach().to(torch.float64)
     if dof_per_sample is not None:
         d = float(dof_per_sample)
     elif dof_model == "columns":
@@ -106,8 +118,8 @@ def nuclear_dof(
         d = n * b / (n + b)
     else:
         raise ValueError(f"dof_model: expected 'columns' or 'rank_one', got {dof_model!r}")
-    if not d > 0 or not math.isfinite(d):
-        raise ValueError(f"dof_per_sample: expected a positive finite number, got {d}")
+    if not d > 0:  # math.inf allowed: no correction
+        raise ValueError(f"dof_per_sample: expected a positive number (inf for none), got {d}")
     return (num_samples - 1) * d
 
 
@@ -117,7 +129,7 @@ def nuclear_sqrt_trace_corrected(
     batch_size: float | None = None,
     *,
     other_dim: int | None = None,
-    dof_per_sample: float | None = None,
+    dof_per_sample: float | Tensor | None = None,
     dof_model: str = "columns",
 ) -> Tensor:
     """Bias-corrected tr(C^{1/2}) from the eigenvalues of the raw covariance estimate C.
@@ -142,9 +154,94 @@ def nuclear_sqrt_trace_corrected(
     raw = s.sum(dim=-1)
     ssum = s[..., :, None] + s[..., None, :]
     pair = (s[..., :, None] * s[..., None, :]) / torch.where(ssum > 0, ssum, torch.ones_like(ssum))
-    beta = (pair.sum(dim=(-2, -1)) + 0.5 * raw) / (4.0 * nu)
-    safe_raw = torch.where(raw > 0, raw, torch.ones_like(raw))
-    k = 4.0 * nu * beta / safe_raw
-    nu_eff = (nu / k).clamp_min(1.0)
+    # k = 4 nu beta / raw (nu cancels): 1 for one eigen-direction, (m+1)/2 for m equal ones
+    k = (pair.sum(dim=(-2, -1)) + 0.5 * raw) / torch.where(raw > 0, raw, torch.ones_like(raw))
+    if isinstance(nu, Tensor):
+        nu = nu.to(device=raw.device)
+    nu_eff = (nu / torch.where(raw > 0, k, torch.ones_like(k))).clamp_min(1.0)  # inf: no correction
     corrected = torch.where(raw > 0, raw / c4_tensor(nu_eff + 1.0), raw)
     return corrected.to(eigvals.dtype if eigvals.is_floating_point() else torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _fourth_moment_system(R: int) -> tuple[Tensor, Tensor]:
+    """Expectations of the four centred quartic sums in terms of (mu4, P1, P2, P3).
+
+    With y_k iid (k < R), d_j = y_j - mean(y), Q(a, b, c, d) = tr(a b^T c d^T):
+      S1 = sum_j Q(d_j, d_j, d_j, d_j)      S2 = sum_jk Q(d_j, d_j, d_k, d_k)
+      S3 = sum_jk Q(d_j, d_k, d_j, d_k)     S4 = sum_jk Q(d_j, d_k, d_k, d_j)
+    and mu4 = E Q(y,y,y,y), P1 = E Q(y1,y1,y2,y2) = tr(C^2), P2 = E Q(y1,y2,y1,y2),
+    P3 = E Q(y1,y2,y2,y1) = tr(K^2) (K the column second moment). E[S] = A @ (mu4, P1, P2, P3).
+    Returns (A, w) with w the weights of Var_F = E||C_hat - C||_F^2 = (mu4 - P1)/R +
+    (P2 + P3)/(R (R-1)), C_hat = sum_j d_j d_j^T / (R-1).
+    """
+    c = torch.eye(R, dtype=torch.float64) - 1.0 / R
+
+    def coef(pattern: str) -> list[float]:
+        tot = [0.0, 0.0, 0.0, 0.0]
+        pairs = [(j, k) for j in range(R) for k in range(R)] if "k" in pattern else [(j, j) for j in range(R)]
+        for j, k in pairs:
+            a, b, cc, d = (c[j] if p == "j" else c[k] for p in pattern)
+            diag = float((a * b * cc * d).sum())
+            tot[0] += diag
+            tot[1] += float((a * b).sum() * (cc * d).sum()) - diag
+            tot[2] += float((a * cc).sum() * (b * d).sum()) - diag
+            tot[3] += float((a * d).sum() * (b * cc).sum()) - diag
+        return tot
+
+    A = torch.tensor([coef("jjjj"), coef("jjkk"), coef("jkjk"), coef("jkkj")], dtype=torch.float64)
+    w = torch.tensor([1.0 / R, -1.0 / R, 1.0 / (R * (R - 1)), 1.0 / (R * (R - 1))], dtype=torch.float64)
+    return A, w
+
+
+def nuclear_frobenius_variance(samples: Tensor) -> Tensor:
+    """Unbiased estimate of Var_F = E||C_hat - C||_F^2, C_hat = sum_j d_j d_j^T / (R-1).
+
+    samples: (..., R, m, n) sample gradients (a common shift cancels), R >= 4; d_j = x_j -
+    mean_j x_j. Var_F = (mu4 - P1)/R + (P2 + P3)/(R (R-1)) (see _fourth_moment_system) with
+    the four moments solved from the centred quartic sums S1..S4 (their expectations are
+    exact linear combinations for iid samples, any distribution). Returns (...) float64;
+    it can come out negative by chance. Cost O(R^2 m^2 n).
+    """
+    if samples.dim() < 3:
+        raise ValueError(f"samples: expected (..., R, m, n), got shape {tuple(samples.shape)}")
+    R = samples.shape[-3]
+    if R < 4:
+        raise ValueError(f"samples: a fourth-moment estimate needs R >= 4 samples, got {R}")
+    x = samples.detach().to(torch.float64)
+    d = x - x.mean(dim=-3, keepdim=True)
+    grams = d @ d.mT  # (..., R, m, m)
+    S1 = (grams * grams).sum(dim=(-3, -2, -1))
+    tot = grams.sum(dim=-3)
+    S2 = (tot * tot).sum(dim=(-2, -1))
+    S3 = torch.zeros_like(S1)
+    for j in range(R):
+        Mj = d[..., j : j + 1, :, :] @ d.mT  # (..., R, m, m): d_j d_k^T
+        S3 = S3 + (Mj * Mj.mT).sum(dim=(-3, -2, -1))
+    col = (d.mT @ d).sum(dim=-3)
+    S4 = (col * col).sum(dim=(-2, -1))
+    A, w = _fourth_moment_system(R)
+    coef = torch.linalg.solve(A, torch.eye(4, dtype=torch.float64)).mT @ w  # w^T A^{-1}
+    coef = coef.to(S1.device)
+    return coef[0] * S1 + coef[1] * S2 + coef[2] * S3 + coef[3] * S4
+
+
+def nuclear_dof_from_samples(samples: Tensor) -> Tensor:
+    """Data-driven degrees of freedom nu of C_hat = sum_j d_j d_j^T / (R-1) (row Gram side).
+
+    samples: (..., R, m, n), R >= 4. The Wishart model's nu is matched in Frobenius norm,
+    E||C_hat - C||_F^2 = ((tr C)^2 + tr(C^2)) / nu, with Var_F from
+    nuclear_frobenius_variance (unbiased) and the numerator (tr C_hat)^2 + ||C_hat||_F^2 -
+    Var_F. So nu reflects the data's own fourth moments (heavy tails, rank-one per-example
+    gradients, correlated columns) instead of a model. Returns (...) float64: inf where the
+    estimated Var_F <= 0 (no correction), nan for non-finite input. Pass nu / (R-1) as
+    dof_per_sample to nuclear_sqrt_trace_corrected.
+    """
+    var_f = nuclear_frobenius_variance(samples)
+    x = samples.detach().to(torch.float64)
+    d = x - x.mean(dim=-3, keepdim=True)
+    C = (d @ d.mT).sum(dim=-3) / (samples.shape[-3] - 1)
+    num = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) ** 2 + (C * C).sum(dim=(-2, -1)) - var_f
+    nu = num.clamp_min(0) / var_f
+    nu = torch.where(var_f <= 0, torch.full_like(nu, math.inf), nu)
+    return torch.where(torch.isfinite(var_f) & torch.isfinite(num), nu, torch.full_like(nu, math.nan))

@@ -233,7 +233,7 @@ def estimate(
     shift: Sequence[Tensor | None] | Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     *,
-    nuclear_dof_model: str = "columns",
+    nuclear_dof: str = "auto",
 ) -> GNSEstimate:
     """GNS of R sample gradients in the given geometry (see the module docstring).
 
@@ -243,8 +243,12 @@ def estimate(
     batch_size: global batch B, a multiple of R.
     geometry: 'l2', 'l1' or 'nuclear' (nuclear uses 2-D tensors only; others are ignored).
     bias_correction: correct the small-R bias of the noise (l1: 1/c4(R)^2; nuclear:
-      bias.nuclear_sqrt_trace_corrected with other_dim = the matrix's other side and
-      dof_model=nuclear_dof_model); False gives the paper's estimator.
+      bias.nuclear_sqrt_trace_corrected per matrix); False gives the paper's estimator.
+    nuclear_dof: degrees of freedom of each matrix's covariance estimate for the nuclear
+      correction. 'auto' (default): 'data' when R >= 4, else 'columns'. 'data': estimated
+      from the samples' fourth moments (bias.nuclear_dof_from_samples; needs R >= 4).
+      'columns': (R-1) * n, n the matrix's longer side (Gaussian independent columns; what
+      the spectral ops use from eigenvalues alone). 'rank_one': (R-1) * n b / (n + b).
     shift: None, or one tensor (or None) per parameter, identical for all samples (e.g. the
       momentum buffer); the variance is computed from g^j - S, exact in exact arithmetic and
       far more accurate in float32 when S is close to g.
@@ -288,6 +292,13 @@ def estimate(
             signal_sum = st if signal_sum is None else signal_sum + st
         return estimate_from_stats(geometry, noise_sum, signal_sum, R, B, bias_correction)
 
+    if nuclear_dof not in ("auto", "data", "columns", "rank_one"):
+        raise ValueError(f"nuclear_dof: expected 'auto', 'data', 'columns' or 'rank_one', got {nuclear_dof!r}")
+    if nuclear_dof == "data" and R < 4:
+        raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
+    use_data_dof = nuclear_dof == "data" or (nuclear_dof == "auto" and R >= 4)
+    if nuclear_dof == "auto" and not use_data_dof:
+        nuclear_dof = "columns"
     mats = [p for p in range(n_params) if samples[0][p].dim() == 2]
     if not mats:
         raise ValueError("rank_grads: geometry 'nuclear' needs at least one 2-D tensor per sample")
@@ -308,9 +319,11 @@ def estimate(
             ev = torch.linalg.eigvalsh(0.5 * (C + C.mT))
         raw = torch.where(ev < 0, torch.zeros_like(ev), ev).sqrt().sum()
         if bias_correction:
-            corr = _bias.nuclear_sqrt_trace_corrected(
-                ev, R, B, other_dim=n, dof_model=nuclear_dof_model
-            )
+            if use_data_dof:
+                nu = _bias.nuclear_dof_from_samples(x)  # nan for non-finite x: invalid estimate
+                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
+            else:
+                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n, dof_model=nuclear_dof)
         else:
             corr = raw
         g = d if S is None else d + S

@@ -132,6 +132,36 @@ def test_nuclear_correction_properties():
 # --------------------------------------------------------------------- statistical tests
 
 
+@pytest.mark.parametrize("name", ["gaussian", "least_squares"])
+def test_frobenius_variance_unbiased(name):
+    # nuclear_frobenius_variance is unbiased for E||C_hat - C||_F^2 for any iid samples:
+    # compare with the empirical mean of ||C_hat - C||_F^2 over the same draws (C known).
+    problem = PROBLEMS[name]()
+    R, b, draws = 5, 4, 4000
+    G = problem.draw(R, b, draws, torch.Generator().manual_seed(7))
+    dev = G - G.mean(dim=1, keepdim=True)
+    C_hat = (dev @ dev.mT).sum(dim=1) / (R - 1)
+    C = problem.C / b  # second moment of one sample's noise (a mean of b examples)
+    direct = ((C_hat - C) ** 2).sum(dim=(-2, -1))
+    est = bias.nuclear_frobenius_variance(G)
+    diff = est - direct
+    m, se = _mean_se(diff)
+    assert abs(m) <= 4 * se, (m, se, float(direct.mean()))
+    assert se < 0.1 * float(direct.mean())  # the test has power
+    if name == "gaussian":  # Wishart with (R-1) n dof: Var_F = ((tr C)^2 + tr C^2) / ((R-1) n)
+        exact = (float(torch.trace(C)) ** 2 + float((C * C).sum())) / ((R - 1) * problem.n)
+        me, see = _mean_se(est)
+        assert abs(me - exact) <= 4 * see
+    # shift invariance, batching and the R >= 4 requirement
+    assert torch.allclose(bias.nuclear_frobenius_variance(G[:3] + 5.0), est[:3], rtol=1e-9)
+    with pytest.raises(ValueError, match="R >= 4"):
+        bias.nuclear_dof_from_samples(G[:, :3])
+    nan = G[:2].clone()
+    nan[0, 1, 0, 0] = float("nan")
+    assert torch.isnan(bias.nuclear_dof_from_samples(nan)[0])
+    assert torch.isfinite(bias.nuclear_dof_from_samples(nan)[1])
+
+
 def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.Tensor]:
     """Per draw: ||s||_1 raw / corrected, tr(C^1/2) raw / corrected, sum s2.
 
@@ -147,11 +177,17 @@ def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.
     l1_raw = s2.sqrt().sum(dim=(-2, -1))
     C = B / (R * (R - 1)) * (dev @ dev.mT).sum(dim=1)
     ev = torch.linalg.eigvalsh(C)
+    columns = bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
+    if R >= 4:  # gk.estimate's default nuclear_dof='auto': the data's own fourth moments
+        nuc = bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1))
+    else:
+        nuc = columns
     return {
         "l1_raw": l1_raw,
         "l1": l1_raw * bias.l1_noise_factor(R),
         "nuc_raw": ev.clamp_min(0).sqrt().sum(-1),
-        "nuc": bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n),
+        "nuc": nuc,
+        "nuc_columns": columns,
         "l2": s2.sum(dim=(-2, -1)),
     }
 
@@ -159,7 +195,7 @@ def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.
 @pytest.mark.parametrize("name", ["gaussian", "least_squares"])
 def test_estimate_applies_corrections(name):
     problem = PROBLEMS[name]()
-    for R in (2, 5):
+    for R in (2, 3, 5):
         d = _measure(problem, R, 6, 3, seed=R)
         G = problem.draw(R, 6, 3, torch.Generator().manual_seed(R))
         for t in range(3):
@@ -170,6 +206,8 @@ def test_estimate_applies_corrections(name):
             assert math.sqrt(en.noise) == pytest.approx(float(d["nuc"][t]), rel=1e-9)
             assert math.sqrt(en.noise_raw) == pytest.approx(float(d["nuc_raw"][t]), rel=1e-9)
             assert e2.noise == pytest.approx(float(d["l2"][t]), rel=1e-12)
+            ec = gk.estimate(rg, 6 * R, "nuclear", nuclear_dof="columns")
+            assert math.sqrt(ec.noise) == pytest.approx(float(d["nuc_columns"][t]), rel=1e-9)
 
 
 def _mean_se(x: torch.Tensor) -> tuple[float, float]:
@@ -207,6 +245,9 @@ def test_corrected_noise_unbiased(name, R):
     mr, sr = _mean_se(d["nuc_raw"])
     mc, sc = _mean_se(d["nuc"])
     assert mr + 4 * sr < T, "raw nuclear noise is expected to be biased low"
+    # the 'columns' model alone (what eigenvalue-only callers use) also removes a third
+    dcm, dcs = _mean_se(d["nuc_columns"] - d["nuc_raw"])
+    assert dcm - 4 * dcs >= (T - mr + 4 * sr) / 3.0, (mr / T, float(d["nuc_columns"].mean()) / T)
     if R in (2, 4):
         # removed = E[corr - raw] (paired draws: small standard error) is at least a third
         # of the raw bias T - E[raw], and the correction does not overshoot T by more than

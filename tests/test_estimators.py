@@ -55,14 +55,24 @@ def test_corrections_relative_to_raw(R):
     assert cor["l1"].noise == pytest.approx(raw["l1"].noise / bias.c4(R) ** 2, rel=1e-12)
     assert cor["l1"].noise_raw == pytest.approx(raw["l1"].noise, rel=1e-12)
     assert cor["l1"].signal == raw["l1"].signal
-    # nuclear: per-matrix corrected sqrt-traces (other_dim = the other side), summed, squared
+    # nuclear: per-matrix corrected sqrt-traces, summed, squared. Default nuclear_dof='auto':
+    # 'columns' (other_dim = the longer side) for R < 4, the data's fourth moments for R >= 4
     mats = [p for p, s in enumerate(SHAPES) if len(s) == 2]
-    tot = 0.0
+    tot, tot_col = 0.0, 0.0
     for p in mats:
         cov = reference.row_covariance([r[p] for r in rg], B)
-        other = max(SHAPES[p])
-        tot += float(bias.nuclear_sqrt_trace_corrected(torch.linalg.eigvalsh(cov), R, B, other_dim=other))
+        ev = torch.linalg.eigvalsh(cov)
+        col = float(bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=max(SHAPES[p])))
+        tot_col += col
+        if R >= 4:
+            x = torch.stack([r[p] for r in rg])
+            x = x if SHAPES[p][0] <= SHAPES[p][1] else x.mT
+            nu = bias.nuclear_dof_from_samples(x)
+            tot += float(bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1)))
+        else:
+            tot += col
     assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
+    assert gk.estimate(rg, B, "nuclear", nuclear_dof="columns").noise == pytest.approx(tot_col**2, rel=1e-9)
     assert cor["nuclear"].noise > raw["nuclear"].noise
     assert cor["nuclear"].noise_raw == pytest.approx(raw["nuclear"].noise, rel=1e-12)
     assert cor["nuclear"].signal == raw["nuclear"].signal
@@ -212,6 +222,10 @@ def test_bad_input():
         gk.estimate(ok, 9, "l1", shift=[torch.zeros(5, 4), None])
     with pytest.raises(ValueError, match="nuclear"):
         gk.estimate([[torch.ones(3)], [torch.zeros(3)]], 4, "nuclear")
+    with pytest.raises(ValueError, match="nuclear_dof"):
+        gk.estimate(ok, 9, "nuclear", nuclear_dof="wishart")
+    with pytest.raises(ValueError, match="nuclear_dof: 'data' needs at least 4"):
+        gk.estimate(ok, 9, "nuclear", nuclear_dof="data")
     # a bare tensor per sample is a one-parameter list
     e = gk.estimate([torch.ones(3, 4), torch.zeros(3, 4)], 4, "nuclear")
     assert e.valid
