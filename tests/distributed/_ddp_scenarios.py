@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 
 import torch
@@ -26,6 +27,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
+
+# The hooks' nuclear bias correction takes its degrees of freedom from the eigenvalues
+# alone (the spectral ops' 'columns' model): per-sample fourth moments are not in the
+# reduced Grams. gk.estimate can also use a data-driven one; compare like with like.
+ESTIMATE_KW = ({"nuclear_dof": "columns"}
+               if "nuclear_dof" in inspect.signature(gk.estimate).parameters else {})
 
 LOCAL_BATCH = 4
 IN, HID, MID, OUT = 13, 24, 17, 5
@@ -202,7 +209,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
         if measuring:
             try:
                 ref = gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
-                                  shift=ref_shift)
+                                  shift=ref_shift, **ESTIMATE_KW)
             except Exception as exc:  # recorded, asserted in the parent
                 ref = repr(exc)
             if shift == "last":

@@ -15,6 +15,7 @@ The test module asserts on these records.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,12 @@ def _gather(tensors):
     return out
 
 
+# The hooks correct the nuclear bias from eigenvalues alone (dof model 'columns', as
+# ddp_gns_hook); gk.estimate can also estimate the dof from the samples (R >= 4).
+_NUCLEAR_DOF = ({"nuclear_dof": "columns"}
+                if "nuclear_dof" in inspect.signature(gk.estimate).parameters else {})
+
+
 def _est(e):
     return None if e is None else (e.gns, e.noise, e.signal, e.valid)
 
@@ -125,8 +132,10 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
              force_sum=False, ddp=True):
     base = _model()
     local = copy.deepcopy(base)
-    if mp != "none":
-        local = local.to(torch.bfloat16)  # computes what FSDP2's bf16 unsharded params compute
+    local_dtype = torch.float32
+    if mp != "none":  # computes what FSDP2's bf16 unsharded parameters compute
+        local_dtype = torch.bfloat16
+        local = local.to(local_dtype)
     hooked = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)
     plain = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)
     if force_sum:
@@ -161,7 +170,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             for p in local.parameters():
                 p.grad = None
             x, y = _batch(rank, k, a, nan)
-            _loss(local, x, y, 1.0 / accumulate).backward()
+            _loss(local, x.to(local_dtype), y, 1.0 / accumulate).backward()
             gs = [p.grad.detach().clone() for p in local.parameters()]
             acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
         # plain FSDP2
@@ -201,7 +210,8 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
         ref = None
         if measuring:
             sel = [[rg[i] for i in idx] for rg in rank_grads]
-            ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction))
+            ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
+                                   **_NUCLEAR_DOF))
         mean64 = [torch.stack([rg[i].double() for rg in rank_grads]).mean(0) for i in range(len(hp))]
         full = [p.grad.full_tensor().double() for p in hp]
         records.append({

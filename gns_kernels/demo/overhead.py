@@ -1,0 +1,333 @@
+"""`gns-kernels bench overhead`: step-time cost of the DDP GNS hook (the paper's Table 9).
+
+DDP on R CPU ranks (gloo, started by this command; one thread per rank), the Llama-style
+byte model of issue 7 (4 layers, width 256, 4 heads, MLP 1024, vocabulary 256, context
+128; gns_kernels.demo.model.bench_config), random byte tokens, AdamW. Three identical
+models train side by side in the same process group:
+
+    baseline  plain DDP (no comm hook: DDP's built-in C++ all-reduce)
+    + l1      DDP + gk.ddp_gns_hook, GNSHookState(geometry="l1")
+    + S1      DDP + gk.ddp_gns_hook, GNSHookState(geometry="nuclear") (all 2-D weights)
+
+Timing design (other processes may share the CPU): the configurations run in
+interleaved blocks, so slow drifts in machine load hit all of them alike.
+F = 100: blocks of F steps (the first step of each block measures), ``--rounds`` rounds:
+the MEAN step time over rounds*F >= 10*F steps per configuration (a median would hide the
+one-in-F measurement step). F = 1: blocks of ``--f1-block`` steps that all measure.
+Reported: mean s/step per configuration and F, the overhead in %, and the cost of one
+measurement step (F=1 minus baseline) and that cost / 100.
+
+``--breakdown`` times the pieces of one measurement step in isolation (rank 0, same
+buckets): packing (square_pack / Grams), the all-reduce of the larger payload vs the plain
+one, and the statistics (variance_norms_multi / nuclear_stats).
+``--memory`` measures the peak extra bytes of a measurement step (torch.profiler memory
+events of the CPU allocator, all threads, the peak of the live-bytes timeline of the
+backward pass, measurement step minus a plain step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (gloo processes), >= 2")
+    parser.add_argument("--local-batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--context", type=int, default=128, help="tokens per sequence (<= 128)")
+    parser.add_argument("--every", type=int, default=100, help="F of the amortized rows")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="interleaved rounds of F steps per configuration (mean over rounds*F steps)")
+    parser.add_argument("--f1-block", type=int, default=5, help="steps per F=1 block")
+    parser.add_argument("--f1-rounds", type=int, default=6, help="interleaved rounds of F=1 blocks")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the pieces of a measurement step")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the peak extra bytes of a measurement step")
+    parser.add_argument("--json", default=None, help="also write the raw results to this file")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+
+
+def _validate(args) -> None:
+    if args.ranks < 2:
+        raise ValueError(f"--ranks: expected >= 2 (a variance needs 2 ranks), got {args.ranks}")
+    for name in ("local_batch", "every", "rounds", "f1_block", "f1_rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if not 1 <= args.context <= 128:
+        raise ValueError(f"--context: expected 1..128 (the model's context), got {args.context}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
+    if args.bucket_cap_mb <= 0:
+        raise ValueError(f"--bucket-cap-mb: expected > 0, got {args.bucket_cap_mb}")
+
+
+# ----------------------------------------------------------------------------- rank side
+def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gns_kernels as gk
+    from gns_kernels.demo.model import ByteTransformer, bench_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        B = cfg["local_batch"] * world
+        models, ddps, opts, states = {}, {}, {}, {}
+        for name in ("base", "l1", "s1"):
+            torch.manual_seed(0)
+            m = ByteTransformer(**bench_config())
+            d = DDP(m, bucket_cap_mb=cfg["bucket_cap_mb"])
+            if name != "base":
+                st = gk.GNSHookState("l1" if name == "l1" else "nuclear", every=cfg["every"], batch_size=B)
+                d.register_comm_hook(st, gk.ddp_gns_hook)
+                states[name] = st
+            models[name], ddps[name] = m, d
+            opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        pool = [torch.randint(0, 256, (cfg["local_batch"], cfg["context"] + 1), generator=gen) for _ in range(8)]
+        counter = [0]
+
+        def step(name, around_backward=None):
+            tok = pool[counter[0] % len(pool)]
+            counter[0] += 1
+            t0 = time.perf_counter()
+            opts[name].zero_grad(set_to_none=True)
+            loss = ddps[name](tok[:, :-1], tok[:, 1:])
+            if around_backward is None:
+                loss.backward()
+            else:
+                with around_backward():
+                    loss.backward()
+            opts[name].step()
+            return time.perf_counter() - t0
+
+        for name in ("base", "l1", "s1"):
+            for st in states.values():
+                st.every = 1
+            for _ in range(cfg["warmup"]):
+                step(name)
+        times = {f"{n}_F{F}": [] for n in ("base", "l1", "s1") for F in (1, cfg["every"])}
+        est = {}
+        F = cfg["every"]
+        order = ["base", "l1", "s1"]
+        for r in range(cfg["rounds"]):
+            for name in order[r % 3:] + order[:r % 3]:
+                if name in states:
+                    states[name].every = F
+                    states[name].step = 0  # the block's first step measures
+                for _ in range(F):
+                    times[f"{name}_F{F}"].append(step(name))
+        for r in range(cfg["f1_rounds"]):
+            for name in order[r % 3:] + order[:r % 3]:
+                if name in states:
+                    states[name].every = 1
+                for _ in range(cfg["f1_block"]):
+                    times[f"{name}_F1"].append(step(name))
+                if name in states:
+                    e = states[name].estimate
+                    est[name] = None if e is None else [e.gns, e.valid]
+        out = {"times": times, "estimates": est, "params": sum(p.numel() for p in models["base"].parameters())}
+        if cfg["breakdown"]:
+            out["breakdown"] = _breakdown(ddps["base"], models["base"], B, world)
+        if cfg["memory"]:
+            out["memory"] = _memory(step, states)
+        if rank == 0:
+            torch.save(out, os.path.join(folder, "result.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _buckets(model, cap_mb):
+    """Parameter groups as DDP buckets them after the rebuild (reverse order, size cap);
+    the first bucket of DDP is capped at 1 MB. An approximation of DDP's own bucketing,
+    used only to size the pieces timed by the breakdown."""
+    import torch.distributed as dist
+
+    params = list(model.parameters())[::-1]
+    caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * 1024 * 1024)]
+    out, cur, size = [], [], 0
+    for p in params:
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size >= caps[min(len(out), 1)]:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _time(fn, reps=5):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _breakdown(ddp, model, B, world):
+    import torch.distributed as dist
+
+    from gns_kernels import ops, spectral
+
+    res = {"pack_l1": 0.0, "allreduce_plain": 0.0, "allreduce_l1": 0.0, "stats_l1": 0.0,
+           "pack_s1": 0.0, "allreduce_s1": 0.0, "stats_s1": 0.0}
+    scale = float(B) / (world - 1)
+    torch.manual_seed(5)
+    for ps in _buckets(model, 25.0):
+        n = sum(p.numel() for p in ps)
+        buf = torch.randn(n) * 1e-3
+        pack = torch.empty(2 * n)
+        res["pack_l1"] += _time(lambda: ops.square_pack(buf, pack))
+        res["allreduce_plain"] += _time(lambda: dist.all_reduce(buf.div_(world)))
+        res["allreduce_l1"] += _time(lambda: dist.all_reduce(pack.div_(world)))
+        ds, qs, off = [], [], 0
+        for p in ps:
+            ds.append(pack[off:off + p.numel()])
+            qs.append(pack[n + off:n + off + p.numel()].abs())
+            off += p.numel()
+        res["stats_l1"] += _time(lambda: ops.variance_norms_multi(ds, qs, scale))
+        mats = [torch.randn(p.shape) * 1e-3 for p in ps if p.dim() == 2]
+        if not mats:
+            continue
+        grams = spectral.gram(mats)
+        packs = torch.empty(n + sum(G.numel() for G in grams))
+        res["pack_s1"] += _time(lambda: (spectral.gram(mats), packs[:n].copy_(buf)))
+        res["allreduce_s1"] += _time(lambda: dist.all_reduce(packs.div_(world)))
+        meang = [G + 1e-3 * torch.eye(G.shape[0]) for G in grams]
+        res["stats_s1"] += _time(lambda: spectral.nuclear_stats(meang, mats, scale=scale, bias_correction=True,
+                                                                num_samples=world, batch_size=float(B)))
+    return res
+
+
+def _memory(step, states):
+    """Peak live CPU bytes allocated during the backward pass of a step, relative to its
+    start (profiler memory events of the CPU allocator; each allocation counted once, in
+    the innermost op that made it; the comm-hook callbacks run with the profiler's
+    thread-local state, so the gloo threads' allocations are included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def peak(name):
+        box = {}
+
+        class Ctx:
+            def __enter__(self):
+                box["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                box["prof"].__enter__()
+
+            def __exit__(self, *exc):
+                box["prof"].__exit__(*exc)
+
+        step(name, Ctx)
+        prof = box["prof"]
+        evs = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                     if e.self_cpu_memory_usage)
+        live = top = 0
+        for _, b in evs:
+            live += b
+            top = max(top, live)
+        return top
+
+    out = {}
+    for st in states.values():
+        st.every = 1
+    base = [peak("base") for _ in range(2)]
+    out["base"] = min(base)
+    for name in ("l1", "s1"):
+        out[name] = min(peak(name) for _ in range(2))
+    return out
+
+
+# ----------------------------------------------------------------------------- parent side
+def _launch(cfg: dict, world: int, timeout: float) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="gns_overhead_") as folder:
+        ctx = mp.start_processes(_rank_main, args=(world, folder, cfg), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=2.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"bench overhead: ranks did not finish in {timeout:.0f} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(10)
+        return torch.load(os.path.join(folder, "result.pt"), weights_only=False)
+
+
+def _fmt_table(res: dict, F: int) -> str:
+    t = res["times"]
+    mean = {k: statistics.fmean(v) for k, v in t.items()}
+    lines = ["| F | steps / config | baseline (s/step) | + l1 GNS (s/step) | overhead | + S1 GNS (s/step) | overhead |",
+             "|---|---|---|---|---|---|---|"]
+    for f in (1, F):
+        b, l1, s1 = mean[f"base_F{f}"], mean[f"l1_F{f}"], mean[f"s1_F{f}"]
+        lines.append(f"| {f} | {len(t[f'base_F{f}'])} | {b:.4f} | {l1:.4f} | {100 * (l1 / b - 1):+.1f}% | "
+                     f"{s1:.4f} | {100 * (s1 / b - 1):+.1f}% |")
+    b1 = mean["base_F1"]
+    for name, label in (("l1", "l1"), ("s1", "S1")):
+        cost = mean[f"{name}_F1"] - b1
+        lines.append(f"\nOne {label} measurement step costs {cost:+.4f} s over the F=1 baseline "
+                     f"({100 * cost / b1:+.1f}%); / 100 = {cost / 100:+.6f} s/step "
+                     f"({100 * cost / 100 / b1:+.2f}% at F=100, amortized).")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    try:
+        _validate(args)
+    except ValueError as exc:
+        print(f"gns-kernels bench overhead: {exc}", file=sys.stderr)
+        return 2
+    cfg = dict(local_batch=args.local_batch, context=args.context, every=args.every, rounds=args.rounds,
+               f1_block=args.f1_block, f1_rounds=args.f1_rounds, warmup=args.warmup,
+               bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown, memory=args.memory)
+    t0 = time.time()
+    res = _launch(cfg, args.ranks, args.timeout)
+    wall = time.time() - t0
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, {args.ranks} gloo ranks x 1 thread; model "
+          f"{res['params'] / 1e6:.2f}M params, local batch {args.local_batch} x {args.context} tokens")
+    print(_fmt_table(res, args.every))
+    if "breakdown" in res:
+        print("\nmeasurement-step pieces (rank 0, median of 5, seconds, summed over buckets):")
+        for k, v in res["breakdown"].items():
+            print(f"  {k:16s} {v:.5f}")
+    if "memory" in res:
+        m = res["memory"]
+        print(f"\npeak live CPU bytes in a step: baseline {m['base']:,}; +l1 {m['l1']:,} "
+              f"(extra {m['l1'] - m['base']:,}); +S1 {m['s1']:,} (extra {m['s1'] - m['base']:,})")
+    print(f"\nlast estimates (gns, valid): {res['estimates']}; wall time {wall:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in res.items()}, f, indent=1, default=str)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gns-kernels bench overhead", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
