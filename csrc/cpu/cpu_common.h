@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "gns_math.h"
@@ -36,6 +37,39 @@ constexpr int64_t kChunk = 512;
 constexpr int kLanes = 16;
 
 inline int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// Loads as float32, written so that GCC vectorizes them inside the SIMD clones (c10's own
+// Half conversion takes a scalar path in an extension built without CPU_CAPABILITY flags).
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::BFloat16 x) {  // bfloat16 = the upper 16 bits of a float32
+  uint16_t h;
+  std::memcpy(&h, &x, sizeof(h));
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// IEEE half -> float32 with integer ops and selects only (vectorizes; exact for every
+// input, subnormals included, NaN payloads kept; no subnormal float arithmetic involved).
+inline float to_f32(c10::Half x) {
+  uint16_t h;
+  std::memcpy(&h, &x, sizeof(h));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;                        // exponent and mantissa
+  const uint32_t normal = (em << 13) + ((127u - 15u) << 23);  // rebias the exponent
+  const uint32_t infnan = (em << 13) | 0x7f800000u;
+  const float sub = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;  // zero / subnormal: m * 2^-24
+  uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  // branch-free select (masks), so the loops stay free of control flow and vectorize
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(em < 0x0400u);
+  const uint32_t is_infnan = 0u - static_cast<uint32_t>(em >= 0x7c00u);
+  const uint32_t bits =
+      (sub_bits & is_sub) | (infnan & is_infnan) | (normal & ~(is_sub | is_infnan)) | sign;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // Calls f(tag) with a value of the C++ type of dtype t (float, c10::BFloat16, c10::Half).
 template <typename F>

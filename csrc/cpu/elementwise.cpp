@@ -3,6 +3,7 @@
 // is written by exactly one thread, so the results do not depend on the thread count).
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_common.h"
@@ -19,8 +20,8 @@ GNS_CPU_CLONES void square_pack_block(const void* gv, const void* sv, float* out
   float* __restrict__ x_out = out + off;
   float* __restrict__ sq_out = out + n + off;
   for (int64_t i = 0; i < len; ++i) {
-    const float x = kShift ? gns::shifted(static_cast<float>(g[i]), static_cast<float>(s[i]))
-                           : static_cast<float>(g[i]);
+    const float x = kShift ? gns::shifted(to_f32(g[i]), to_f32(s[i]))
+                           : to_f32(g[i]);
     x_out[i] = x;
     sq_out[i] = x * x;
   }
@@ -66,8 +67,12 @@ GNS_CPU_CLONES void accumulate_sq_block(const void* gv, void* pv, float* sqv, in
   float* __restrict__ sq = sqv + off;
   for (int64_t i = 0; i < len; ++i) {
     const G gi = g[i];
-    sq[i] = gns::accumulate_sq_value(static_cast<float>(gi), static_cast<float>(p[i]), sq[i]);
-    p[i] = static_cast<P>(gi);  // exact: P is G's type or float32
+    sq[i] = gns::accumulate_sq_value(to_f32(gi), to_f32(p[i]), sq[i]);
+    if constexpr (std::is_same<P, G>::value) {
+      p[i] = gi;  // bit copy
+    } else {
+      p[i] = to_f32(gi);  // P is float32: exact
+    }
   }
 }
 

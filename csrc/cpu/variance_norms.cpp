@@ -29,9 +29,9 @@ GNS_CPU_CLONES void vn_block(const void* dv, const void* qv, const void* sv, flo
       for (int j = 0; j < kLanes; ++j) {
         const int64_t i = i0 + c + j;
         const gns::VarianceTerms t =
-            kShift ? gns::variance_terms(static_cast<float>(d[i]), static_cast<float>(q[i]),
-                                         static_cast<float>(s[i]), scale)
-                   : gns::variance_terms_noshift(static_cast<float>(d[i]), static_cast<float>(q[i]), scale);
+            kShift ? gns::variance_terms(to_f32(d[i]), to_f32(q[i]),
+                                         to_f32(s[i]), scale)
+                   : gns::variance_terms_noshift(to_f32(d[i]), to_f32(q[i]), scale);
         a0[j] += t.s;
         a1[j] += t.g_abs;
         a2[j] += t.s2;
@@ -41,9 +41,9 @@ GNS_CPU_CLONES void vn_block(const void* dv, const void* qv, const void* sv, flo
     for (int j = 0; c + j < m; ++j) {  // tail of the block (< kLanes elements)
       const int64_t i = i0 + c + j;
       const gns::VarianceTerms t =
-          kShift ? gns::variance_terms(static_cast<float>(d[i]), static_cast<float>(q[i]),
-                                       static_cast<float>(s[i]), scale)
-                 : gns::variance_terms_noshift(static_cast<float>(d[i]), static_cast<float>(q[i]), scale);
+          kShift ? gns::variance_terms(to_f32(d[i]), to_f32(q[i]),
+                                       to_f32(s[i]), scale)
+                 : gns::variance_terms_noshift(to_f32(d[i]), to_f32(q[i]), scale);
       a0[j] += t.s;
       a1[j] += t.g_abs;
       a2[j] += t.s2;
