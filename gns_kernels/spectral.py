@@ -54,8 +54,8 @@ __all__ = [
 # ----------------------------------------------------------------------------- constants
 U32 = 2.0**-24  # float32 unit roundoff
 EIGH_TOL = 2e-4  # eigh: float64 fallback when the float32 error bound exceeds this (relative)
-NEWTON_EPS = 1e-7  # newton: default relative shift (of A / ||A||_F)
-NEWTON_EPS_RANGE = (1e-7, 1e-2)
+NEWTON_EPS = 1e-6  # newton: default relative shift (of A / ||A||_F); tuned, see docs/spectral.md
+NEWTON_EPS_RANGE = (1e-6, 1e-2)
 NEWTON_MAX_ITERS = 200
 _FREEZE_SLACK = 1e-3  # newton guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
 
@@ -295,7 +295,7 @@ def psd_eigvalsh(A: Tensor, tol: float = EIGH_TOL) -> Tensor:
 def newton_min_iters(eps: float = NEWTON_EPS) -> int:
     """Smallest iteration count allowed for relative shift ``eps``: the coupled
     Newton-Schulz product p = y z of an eigenvalue eps/2 (eps halved by rounding noise)
-    reaches 1 - 1e-7 (scalar recursion p <- p (3 - p)^2 / 4). 25 at eps = 1e-7."""
+    reaches 1 - 1e-7 (scalar recursion p <- p (3 - p)^2 / 4). 22 at eps = 1e-6."""
     p, k = eps / 2.0, 0
     while 1.0 - p > 1e-7 and k < NEWTON_MAX_ITERS:
         p = p * (3.0 - p) ** 2 / 4.0
@@ -303,7 +303,22 @@ def newton_min_iters(eps: float = NEWTON_EPS) -> int:
     return k
 
 
-def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None) -> Tensor:
+# q(w) ~ sqrt(1 - w): Taylor coefficients to w^5, the w^6 coefficient makes q(1) = 0.
+_Q_COEFFS = (1.0, -1 / 2, -1 / 8, -1 / 16, -5 / 128, -7 / 256)
+_Q_COEFFS = _Q_COEFFS + (-sum(_Q_COEFFS),)
+
+
+def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor) -> Tensor:
+    """tr(Y q(W)), W = e Z^2 (see _newton_impl step 3); Horner in W. Shape (B,)."""
+    W = e * torch.bmm(Z, Z)
+    Q = _Q_COEFFS[-1] * W + _Q_COEFFS[-2] * eye
+    for c in reversed(_Q_COEFFS[:-2]):
+        Q = torch.bmm(W, Q) + c * eye
+    return (Y * Q.mT).sum((-2, -1))
+
+
+def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
+                 every: bool = False) -> Tensor:
     """tr(A^{1/2}) by the coupled Newton-Schulz iteration, float32, fixed iteration count.
 
     1. Scale-safe normalization without squaring the raw entries: a = max|A_ij|,
@@ -317,17 +332,19 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
        In exact arithmetic r decreases monotonically for PSD M, so the guard only acts past
        convergence (rounding-level wobble; freezing there is harmless) or on inputs with
        negative eigenvalues below -eps (then it keeps the result finite).
-    3. Undo the shift exactly at the two ends of the spectrum: with W = eps Z^2
-       (eigenvalues w = eps/(lambda + eps) in (0, 1]), sqrt(lambda) = sqrt(lambda+eps)
-       sqrt(1 - w) ~ y q(w), q(w) = 1 - w/2 - w^2/8 - 3 w^3/8 (Taylor to w^2, q(1) = 0).
-       Eigenvalues >> eps are exact to 0.31 w^3, zero eigenvalues (and rounding noise
-       +-delta around them) give ~1.9 delta/sqrt(eps) instead of sqrt(delta): the shift acts
-       as a soft threshold at ~eps ||A||_F.
+    3. Undo the shift spectrally: with W = eps Z^2 (eigenvalues w = eps/(lambda + eps) in
+       (0, 1]), sqrt(lambda) = sqrt(lambda + eps) sqrt(1 - w) = y sqrt(1 - w) ~ y q(w),
+       q = Taylor polynomial of sqrt(1 - w) to w^5 plus a w^6 term making q(1) = 0.
+       Eigenvalues >= 3 eps keep their sqrt to ~0.23 w^6 (5e-5 at 3 eps); exact zeros give
+       0, and float32 rounding noise +-delta around them ~2.7 delta / sqrt(eps) (signed)
+       instead of sqrt(delta): the shift acts as a soft threshold at ~eps ||A||_F.
     ref_norm (shape (...), optional): a Frobenius norm the rounding noise of A is relative
     to (e.g. the operands of the subtraction that formed A); the shift becomes
     eps * max(ref_norm, ||A||_F), i.e. the relative shift eps * ref_norm / ||A||_F clamped
     to [eps, 1].
-    Returns sqrt(a f) tr(Y q(W)), float32, shape (...).
+    Returns sqrt(a f) tr(Y q(W)), float32, shape (...); with every=True, shape
+    (iters, ...): the result after k = 1..iters iterations (for tests: the iteration is
+    deterministic, so entry k-1 equals the result of iters=k).
     """
     m = A.shape[-1]
     batch = A.shape[:-2]
@@ -350,6 +367,8 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
     Z = eye.clone()
     rmin = torch.full_like(f, float("inf"))
     active = torch.ones_like(f, dtype=torch.bool)
+    out_scale = (amax * f).reshape(-1).sqrt()
+    traj = []
     for _ in range(iters):
         P = torch.bmm(Z, Y)
         r = torch.linalg.matrix_norm(P - eye, keepdim=True)
@@ -358,11 +377,11 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
         T = 1.5 * eye - 0.5 * P
         Y = torch.where(active, torch.bmm(Y, T), Y)
         Z = torch.where(active, torch.bmm(T, Z), Z)
-    W = e * torch.bmm(Z, Z)
-    Q = eye + torch.bmm(W, -0.5 * eye + torch.bmm(W, -0.125 * eye - 0.375 * W))
-    t = (Y * Q.mT).sum((-2, -1))
-    t = t * (amax * f).reshape(-1).sqrt()
-    return t.reshape(batch)
+        if every:
+            traj.append((_shift_correction(Y, Z, e, eye) * out_scale).reshape(batch))
+    if every:
+        return torch.stack(traj)
+    return (_shift_correction(Y, Z, e, eye) * out_scale).reshape(batch)
 
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
@@ -427,7 +446,7 @@ def sqrt_trace(
                a-posteriori error bound exceeds ``tol`` (relative). Within 1e-3 of float64
                eigvalsh of the same input.
       'newton' coupled Newton-Schulz in float32, ``iters`` fixed iterations (default
-               newton_min_iters(eps) + 3 = 28; allowed [newton_min_iters(eps), 200]) on
+               newton_min_iters(eps) + 3 = 25; allowed [newton_min_iters(eps), 200]) on
                A/||A||_F + eps I, shift undone spectrally; no host sync (see _newton_impl).
                Eigenvalues below ~eps ||A||_F (float32 rounding noise included) are
                suppressed: on a float32 input that is rank-deficient only up to rounding
