@@ -24,7 +24,7 @@ enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 // Elements handled by one thread block (one output slot per block for the reductions).
 constexpr int64_t kChunk = 65536;
 // Threads per block of the element-wise and reduction kernels.
-constexpr int kBlockThreads = 512;
+constexpr int kBlockThreads = 256;
 // Threads of the single-block cleanup kernel that reduces the slots in a fixed order.
 constexpr int kCleanupThreads = 512;
 

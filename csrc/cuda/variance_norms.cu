@@ -29,8 +29,8 @@ __device__ __forceinline__ void add_terms(const gns::VarianceTerms& t, float (&a
 }
 
 // One block per chunk of kChunk elements. Each thread sums the VEC elements of one vector
-// load in float32 and adds that to float64 running sums (kChunk / kBlockThreads / VEC = 16
-// or 32 additions), then the block sums the threads' float64 values in a fixed tree and
+// load in float32 and adds that to float64 running sums (kChunk / kBlockThreads / VEC = 32
+// or 64 additions), then the block sums the threads' float64 values in a fixed tree and
 // writes its 4 slots: slots[k * num_slots + slot_base + blockIdx.x].
 // tb.ptr: [0] mean_grad (T), [1] mean_sq (T), [2] shift (TS; unused when !HasShift).
 template <typename T, typename TS, bool HasShift>
