@@ -229,6 +229,9 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
                                  for p, q in zip(hp, plain.parameters())),
             "grad_vs_mean": max(float((f - m).abs().max()) for f, m in zip(full, mean64)),
             "grad_scale": max(float(m.abs().max()) for m in mean64),
+            # max_i mean_j |g^j_i|: bounds the reassociation error of the R-term sum
+            "abs_scale": max(float(torch.stack([rg[i].double().abs() for rg in rank_grads]).mean(0).max())
+                             for i in range(len(hp))),
             "plain_seq": plain_seq,
             "hooked_seq": hooked_seq,
             "plain_calls": plain_calls.calls,
