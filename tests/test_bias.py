@@ -20,6 +20,15 @@ M, N, LOCAL_B = 12, 32, 24
 DRAWS = 2000
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: intra-op threads only add contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ------------------------------------------------------------------------- closed forms
 
 

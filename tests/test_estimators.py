@@ -12,6 +12,15 @@ from gns_kernels import bias, reference
 from gns_kernels.estimators import estimate_from_stats
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: intra-op threads only add contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _rank_grads(R, shapes, seed, dtype=torch.float64, offset=0.5):
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=g, dtype=torch.float64) + offset for s in shapes]
