@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ._stats import nuclear_stats_or_nan
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -189,18 +190,11 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
             G = pack[off:off + n].view(p.shape)
             mean_grads.append(G if s is None else G - s.float())  # D = G - S (shifted mean)
             shifts.append(s)
-        finite = all(bool(torch.isfinite(A).all()) for A in mean_grams) and all(
-            bool(torch.isfinite(D).all()) for D in mean_grads)
-        if finite:
-            any_shift = any(s is not None for s in shifts)
-            noise, signal = spectral.nuclear_stats(
-                mean_grams, mean_grads, scale=ctx.scale, shifts=shifts if any_shift else None,
-                bias_correction=st.bias_correction, num_samples=ctx.num_samples,
-                batch_size=float(st.batch_size))
-        else:  # non-finite gradients on some rank: this measurement is invalid everywhere
-            nan = torch.full((len(plan),), float("nan"))
-            noise, signal = nan, nan
-        ctx.nuc[index] = (noise, signal)
+        any_shift = any(s is not None for s in shifts)
+        # non-finite gradients on some rank: nan, this measurement is invalid everywhere
+        ctx.nuc[index] = nuclear_stats_or_nan(
+            mean_grams, mean_grads, shifts if any_shift else None, ctx.scale,
+            st.bias_correction, ctx.num_samples, float(st.batch_size))
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])

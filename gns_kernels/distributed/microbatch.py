@@ -49,6 +49,7 @@ import torch
 
 from .. import ops
 from .. import spectral
+from ._stats import nuclear_stats_or_nan
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -177,11 +178,9 @@ class MicroBatchGNS(GNSHookState):
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
-            finite = all(bool(torch.isfinite(G).all()) for G in grams + grads)
-            if finite and live:
-                noise, signal = spectral.nuclear_stats(
-                    grams, grads, scale=scale, bias_correction=self.bias_correction,
-                    num_samples=A, batch_size=float(self._batch_size))
+            if live:
+                noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
+                                                     A, float(self._batch_size))
                 n, s = float(noise.double().sum()), float(signal.double().sum())
             else:
                 n = s = float("nan")

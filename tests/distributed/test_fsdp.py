@@ -23,28 +23,23 @@ SCENARIOS_2 = {
     "l2": dict(geometry="l2", steps=3, every=2),
     "l1": dict(geometry="l1", steps=3, every=2),
     "nuclear": dict(geometry="nuclear", steps=3, every=2),
-    "nuclear_raw": dict(geometry="nuclear", bias_correction=False, steps=1),
-    "nuclear_shard1": dict(geometry="nuclear", placement="gns", steps=1),
-    "l1_shard1": dict(geometry="l1", placement="gns", steps=1),
-    "l1_subset": dict(geometry="l1", subset=True, steps=1),
-    "l1_no_reshard": dict(geometry="l1", reshard=False, steps=2),
-    "nuclear_no_reshard": dict(geometry="nuclear", reshard=False, steps=1),
+    "nuclear_raw_shard1_no_reshard": dict(geometry="nuclear", bias_correction=False, placement="gns",
+                                          reshard=False, steps=1),
+    "l1_subset_shard1_no_reshard": dict(geometry="l1", subset=True, placement="gns", reshard=False, steps=1),
     "l1_mp_bf16": dict(geometry="l1", mp="bf16", ddp=False, steps=1),
     "nuclear_mp_bf16": dict(geometry="nuclear", mp="bf16", ddp=False, steps=1),
     "l2_mp_bf16_reduce_bf16": dict(geometry="l2", mp="bf16_reduce_bf16", ddp=False, steps=1),
     "l1_accumulate": dict(geometry="l1", accumulate=3, steps=2),
     "nuclear_accumulate": dict(geometry="nuclear", accumulate=2, steps=1),
-    "l1_sum_op": dict(geometry="l1", force_sum=True, steps=1),
-    "l1_nan": dict(geometry="l1", nan_at=1, steps=3, ddp=False),
-    "nuclear_nan": dict(geometry="nuclear", nan_at=1, steps=3, ddp=False),
+    "l1_sum_op": dict(geometry="l1", force_sum=True, steps=1, ddp=False),
+    "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
+    "nuclear_nan": dict(geometry="nuclear", nan_at=0, steps=2, ddp=False),
 }
 
 SCENARIOS_4 = {
     "l1": dict(geometry="l1", steps=2, every=2),
-    "l2": dict(geometry="l2", steps=1),
+    "l2_mp_bf16": dict(geometry="l2", mp="bf16", ddp=False, steps=1),
     "nuclear": dict(geometry="nuclear", steps=1),
-    "nuclear_shard1": dict(geometry="nuclear", placement="gns", steps=1, ddp=False),
-    "l1_mp_bf16": dict(geometry="l1", mp="bf16", ddp=False, steps=1),
     "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
 }
 
@@ -198,7 +193,7 @@ def test_nuclear_payload_natural_vs_extra(request):
     (natural: no extra payload); the tall 24x13 one is natural either way."""
     R = 2
     default = _results(request, 2, "nuclear")[0]
-    shard1 = _results(request, 2, "nuclear_shard1")[0]
+    shard1 = _results(request, 2, "nuclear_raw_shard1_no_reshard")[0]
     plain = {c[1] for c in default["records"][0]["plain_calls"]}
     sizes = sorted(c[1] for c in default["records"][0]["hooked_calls"] if c[0] == "reduce_scatter")
     pad = lambda m: -(-m // R) * R  # noqa: E731

@@ -176,3 +176,22 @@ def test_state_measured_subset_and_nuclear_matrices():
     assert st.measures(w) and not st.measures(v) and not st.measures(u)
     st = GNSHookState("l1", batch_size=4)
     assert st.measures(w) and st.measures(v)
+
+
+def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch):
+    from gns_kernels import spectral
+
+    def failing(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    A, b = 2, 2
+    model = _net(3)
+    mb = MicroBatchGNS(model.parameters(), geometry="nuclear", every=1, batch_size=A * b, micro_batches=A)
+    xs, ys = _micro_batches(0, A, b)
+    monkeypatch.setattr(spectral, "nuclear_stats", failing)
+    with pytest.warns(RuntimeWarning, match="marked invalid"):
+        for a in range(A):
+            (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+            mb.micro_step()
+    assert mb.estimate.valid is False and math.isnan(mb.estimate.gns)
+    assert mb.step == 1

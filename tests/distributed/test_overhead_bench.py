@@ -1,0 +1,48 @@
+"""`gns-kernels bench overhead` (gns_kernels.demo.overhead): arguments, table, a tiny real run."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gns_kernels.demo import overhead
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    overhead.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--ranks", "1"], "--ranks"),
+    (["--every", "0"], "--every"),
+    (["--rounds", "0"], "--rounds"),
+    (["--context", "129"], "--context"),
+    (["--local-batch", "0"], "--local-batch"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb"),
+    (["--warmup", "-1"], "--warmup"),
+])
+def test_bad_input_exits_2_with_message(argv, word, capsys):
+    assert overhead.run(_args(*argv)) == 2
+    err = capsys.readouterr().err
+    assert word in err and err.count("\n") == 1
+
+
+def test_table_means_and_overheads():
+    res = {"times": {"base_F1": [1.0, 1.0], "l1_F1": [1.5, 1.5], "s1_F1": [3.0, 3.0],
+                     "base_F10": [1.0] * 20, "l1_F10": [1.05] * 20, "s1_F10": [1.2] * 20}}
+    text = overhead._fmt_table(res, 10)
+    assert "| 1 | 2 | 1.0000 | 1.5000 | +50.0% | 3.0000 | +200.0% |" in text
+    assert "| 10 | 20 | 1.0000 | 1.0500 | +5.0% | 1.2000 | +20.0% |" in text
+    assert "+0.5000 s" in text and "+2.0000 s" in text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tiny_real_run(capsys):
+    rc = overhead.run(_args("--every", "2", "--rounds", "1", "--f1-block", "1", "--f1-rounds", "1",
+                            "--warmup", "0", "--context", "16", "--no-breakdown", "--timeout", "300"))
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| 1 | 1 |" in out and "| 2 | 2 |" in out and "peak live CPU bytes" in out
