@@ -124,6 +124,19 @@ def test_elementwise_nonfinite(gen):
     assert torch.equal(prev.isnan(), g.isnan())
 
 
+def test_longest_lane_sum_accuracy(gen, monkeypatch):
+    """The longest sequential float32 sum per lane the production split allows
+    (MAX_TILES_PER_PROGRAM = 256 tiles, reached at 2^30 elements) stays within 1e-6 of
+    float64: forced here on 2^18 elements by allowing a single program."""
+    monkeypatch.setattr(fused, "MAX_PROGRAMS", 1)
+    n = fused.MAX_TILES_PER_PROGRAM * fused.BLOCK
+    assert fused.plan(n // fused.BLOCK) == (fused.MAX_TILES_PER_PROGRAM, 1)
+    d, q, s = _vn_inputs(n, torch.float32, gen, shift=True)
+    got = fused.variance_norms(d, q, 1.0, s).double()
+    want = ref.variance_norms(d, q, 1.0, s)
+    assert ((got - want).abs() / want.abs()).max() < 1e-6, (got, want)
+
+
 # ------------------------------------------------------------------------------- lists
 LIST_SIZES = (0, 1, 7, 1024, 1025, 4099, 0, 3000, 2048)
 
