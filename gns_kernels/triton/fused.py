@@ -29,8 +29,9 @@ Work split (no float atomics anywhere; results bit-identical run to run on one d
   aligned); only the one partial tile at the end of a tensor is masked.
 - Reductions: each program writes its 4 partial sums to its own slot of a [4, programs]
   float32 buffer; a second kernel (4 programs, one per statistic) sums the slots in a
-  fixed order, 4096 slots per step (one step up to 2^32 elements). The only temporaries
-  are O(programs): at most 64 KB of partial slots.
+  fixed order, 4096 slots per step (one step up to 2^30 elements per dtype group). The
+  only temporaries are O(programs): 64 KB of partial slots per launch up to 2^30
+  elements, 16 bytes per 2^18 elements beyond.
 - Lists (_multi): ONE launch per distinct dtype combination (usually one) over a
   device-side int64 table, one row per non-empty tensor:
   [ptr_a, ptr_b, ptr_c, numel, first_tile]; the global tile sequence of all tensors is
