@@ -123,6 +123,23 @@ def nuclear_dof(
     return (num_samples - 1) * d
 
 
+_PAIR_BLOCK_ELEMS = 1 << 22  # bound on the (..., rows, m) temporary of the pair sum
+
+
+def _pair_sum(s: Tensor) -> Tensor:
+    """sum_{i,j} s_i s_j / (s_i + s_j) over the last dim (0/0 := 0), in row blocks so the
+    temporary stays below ~32 MB for any m and batch (vectorised within a block)."""
+    m = s.shape[-1]
+    batch = max(1, s[..., 0].numel())
+    rows = max(1, min(m, _PAIR_BLOCK_ELEMS // max(1, batch * m)))
+    total = torch.zeros_like(s[..., 0])
+    for i0 in range(0, m, rows):
+        si = s[..., i0 : i0 + rows, None]
+        ssum = si + s[..., None, :]
+        total = total + ((si * s[..., None, :]) / torch.where(ssum > 0, ssum, torch.ones_like(ssum))).sum(dim=(-2, -1))
+    return total
+
+
 def nuclear_sqrt_trace_corrected(
     eigvals: Tensor,
     num_samples: int,
@@ -141,8 +158,8 @@ def nuclear_sqrt_trace_corrected(
     the model. Returns (...) in eigvals' dtype:
         tr(C_hat^{1/2}) / c4(nu / k + 1),  k = 4 nu beta(lambda_hat) / tr(C_hat^{1/2}),
     nu from nuclear_dof(...), beta as in the module docstring (second-order bias of the
-    square-root trace under a Wishart model). Vectorised over leading dims, O(m^2) memory
-    per matrix, no host synchronisation. A zero C gives 0; NaN/inf propagate.
+    square-root trace under a Wishart model). Vectorised over leading dims, O(m^2) work per
+    matrix in row blocks (temporaries <= 4M elements), no host synchronisation. A zero C gives 0; NaN/inf propagate.
     """
     if not isinstance(eigvals, Tensor) or eigvals.dim() < 1:
         raise ValueError("eigvals: expected a tensor (..., m) of eigenvalues")
@@ -152,10 +169,9 @@ def nuclear_sqrt_trace_corrected(
     lam = torch.where(lam < 0, torch.zeros_like(lam), lam)  # clamp, NaN preserved
     s = lam.sqrt()
     raw = s.sum(dim=-1)
-    ssum = s[..., :, None] + s[..., None, :]
-    pair = (s[..., :, None] * s[..., None, :]) / torch.where(ssum > 0, ssum, torch.ones_like(ssum))
+    pair_sum = _pair_sum(s)
     # k = 4 nu beta / raw (nu cancels): 1 for one eigen-direction, (m+1)/2 for m equal ones
-    k = (pair.sum(dim=(-2, -1)) + 0.5 * raw) / torch.where(raw > 0, raw, torch.ones_like(raw))
+    k = (pair_sum + 0.5 * raw) / torch.where(raw > 0, raw, torch.ones_like(raw))
     if isinstance(nu, Tensor):
         nu = nu.to(device=raw.device)
     nu_eff = (nu / torch.where(raw > 0, k, torch.ones_like(k))).clamp_min(1.0)  # inf: no correction

@@ -96,6 +96,18 @@ def test_nuclear_correction_formula():
     assert float(got) == pytest.approx(raw / bias.c4(nu / k + 1), rel=1e-12)
 
 
+def test_nuclear_correction_blocked(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    lam = torch.rand(3, 50, generator=g, dtype=torch.float64)
+    whole = bias.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
+    monkeypatch.setattr(bias, "_PAIR_BLOCK_ELEMS", 7 * 3 * 50)  # 7-row blocks
+    blocked = bias.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
+    assert torch.allclose(blocked, whole, rtol=1e-13, atol=0)
+    loop = [lam[b].sqrt().sum() / bias.c4(4 * 60 / (_beta_loop(lam[b].tolist(), 1.0) * 4 / float(lam[b].sqrt().sum())) + 1)
+            for b in range(3)]
+    assert torch.allclose(blocked, torch.stack(loop), rtol=1e-12)
+
+
 def test_nuclear_correction_m1_is_c4():
     # one eigen-direction: exactly the c4 correction with nu = (R-1) d degrees of freedom
     for R, d in [(2, 1), (4, 3), (8, 32)]:
