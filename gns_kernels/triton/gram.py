@@ -40,7 +40,7 @@ from ._runtime import dual_kernel
 __all__ = ["gram_upper", "BLOCK", "BLOCK_N", "NUM_WARPS", "compile_aot", "aot_isolated"]
 
 BLOCK = 64  # output tile edge
-BLOCK_N = 32  # reduction slab width
+BLOCK_N = 16  # reduction slab width
 NUM_WARPS = 4
 
 _TL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -81,12 +81,17 @@ def _gram_upper_kernel(
         a = tl.load(pa + off, mask=mi & mc, other=0.0).to(tl.float32)
         bt = tl.load(pb + off, mask=mj & mc, other=0.0).to(tl.float32)
         acc += tl.dot(a, tl.trans(bt), input_precision="ieee")
+    # diagonal tiles: the two triangles come from different dot products; average them
+    # so the output is exactly symmetric (off-diagonal tiles are mirrored copies)
+    diag = (rk[:, None] * 0 + (tj - ti)) == 0
+    acc_t = tl.trans(acc)
+    acc = tl.where(diag, 0.5 * (acc + acc_t), acc)
     obase = out_ptr + lidx * stride_ol
     m_out = (ri[:, None] < K) & (rj[None, :] < K)
     tl.store(obase + ri[:, None].to(tl.int64) * stride_oi + rj[None, :], acc, mask=m_out)
     # mirror: tile (tj, ti) = acc^T; skipped (masked off) on diagonal tiles
     m_mir = (rj[:, None] < K) & (ri[None, :] < K) & (rk[None, :] < BLOCK * (tj - ti))
-    tl.store(obase + rj[:, None].to(tl.int64) * stride_oi + ri[None, :], tl.trans(acc), mask=m_mir)
+    tl.store(obase + rj[:, None].to(tl.int64) * stride_oi + ri[None, :], acc_t, mask=m_mir)
 
 
 def gram_upper(x: torch.Tensor, col: bool = False, block: int = BLOCK, block_n: int = BLOCK_N) -> torch.Tensor:
