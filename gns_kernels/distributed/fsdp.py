@@ -116,8 +116,21 @@ def _fsdp_api():
     return FSDPModule, ReduceScatter
 
 
-def _reduce_scatter_base():
-    return _fsdp_api()[1]
+_CLASS: list = []
+
+
+def _reduce_scatter_class():
+    """GNSReduceScatter, defined on first use: subclassing torch's ReduceScatter imports
+    torch.distributed.fsdp (seconds), which ``import gns_kernels`` should not pay."""
+    if not _CLASS:
+        _CLASS.append(_define_reduce_scatter(_fsdp_api()[1]))
+    return _CLASS[0]
+
+
+def __getattr__(name: str):
+    if name == "GNSReduceScatter":
+        return _reduce_scatter_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- layout
@@ -194,17 +207,22 @@ class _Measurement:
         self.world = world
         self.scale = float(state.batch_size) / (world - 1)
         self.step = state.step
-        self.l_terms = torch.zeros(4, dtype=torch.float64)
+        self.l_terms: Optional[Tensor] = None  # float64 [4] on the gradients' device
+        self.device: Optional[torch.device] = None  # of the first reduce-scatter input
         self.grams: list[tuple[Tensor, Tensor, int]] = []  # (sum-to-be local Gram, mean-Gram partial, other dim)
 
     def finish(self, group) -> None:
         st = self.state
         if st.geometry != "nuclear":
-            terms = self.l_terms.clone()
+            # per-rank sums over its shards -> totals: the step's one small all-reduce
+            terms = self.l_terms if self.l_terms is not None else torch.zeros(
+                4, dtype=torch.float64, device=self.device)
             dist.all_reduce(terms, group=group)
+            terms = terms.cpu()
             st._finish(self.world, terms, None, None, self.step)
             return
-        if not self.grams:
+        if not self.grams:  # no measured matrix reduced: keep the collective count uniform
+            dist.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device), group=group)
             st._finish(self.world, None, 0.0, 0.0, self.step)
             return
         sizes = [A.numel() for A, _, _ in self.grams]
@@ -229,146 +247,152 @@ class _Measurement:
         st._finish(self.world, None, noise_sum, signal_sum, self.step)
 
 
-class GNSReduceScatter(_reduce_scatter_base()):
-    """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
+def _define_reduce_scatter(base):
+    class GNSReduceScatter(base):
+        """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
 
-    One per FSDP2 param group (made by ``attach_fsdp_gns``). ``allocate`` and the
-    reduce-scatter of other steps are those of ``inner`` (the object installed before,
-    FSDP's default). See the module docstring for the measurement.
-    """
+        One per FSDP2 param group (made by ``attach_fsdp_gns``). ``allocate`` and the
+        reduce-scatter of other steps are those of ``inner`` (the object installed before,
+        FSDP's default). See the module docstring for the measurement.
+        """
 
-    def __init__(self, handle: "FSDPGNSHandle", param_group, inner):
-        super().__init__()
-        self._handle = handle
-        self._param_group = param_group
-        self.inner = inner
+        def __init__(self, handle: "FSDPGNSHandle", param_group, inner):
+            super().__init__()
+            self._handle = handle
+            self._param_group = param_group
+            self.inner = inner
 
-    def allocate(self, size, *, dtype, device):
-        return self.inner.allocate(size, dtype=dtype, device=device)
+        def allocate(self, size, *, dtype, device):
+            return self.inner.allocate(size, dtype=dtype, device=device)
 
-    # FSDP2 calls this once per param group per synchronized backward
-    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
-        ctx = self._handle._begin(group)
-        if ctx is None:
-            return self.inner(output_tensor, input_tensor, group, op, async_op)
-        return self._measure(ctx, output_tensor, input_tensor, group, op)
+        # FSDP2 calls this once per param group per synchronized backward
+        def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
+            ctx = self._handle._begin(group)
+            if ctx is None:
+                return self.inner(output_tensor, input_tensor, group, op, async_op)
+            return self._measure(ctx, output_tensor, input_tensor, group, op)
 
-    # ------------------------------------------------------------------ internals
-    def _fsdp_params(self, input_numel: int, world: int):
-        """The FSDPParams this input holds: the whole group when the sizes add up (every
-        parameter got a gradient), else the caller's list (foreach_reduce's
-        ``fsdp_params``: only the parameters with a gradient)."""
-        fps = self._param_group.fsdp_params
-        if sum(torch.Size(fp.padded_sharded_param_size).numel() for fp in fps) * world == input_numel:
-            return fps
-        frame = sys._getframe(2)
-        while frame is not None:
-            cand = frame.f_locals.get("fsdp_params")
-            if isinstance(cand, list) and all(c in fps for c in cand) and sum(
-                    torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
-                return cand
-            frame = frame.f_back
-        raise RuntimeError(
-            "attach_fsdp_gns: could not match the reduce-scatter input "
-            f"({input_numel} elements) to the parameters of FSDP param group "
-            f"{self._param_group._module_fqn!r}")
+        # ------------------------------------------------------------------ internals
+        def _fsdp_params(self, input_numel: int, world: int):
+            """The FSDPParams this input holds: the whole group when the sizes add up (every
+            parameter got a gradient), else the caller's list (foreach_reduce's
+            ``fsdp_params``: only the parameters with a gradient)."""
+            fps = self._param_group.fsdp_params
+            if sum(torch.Size(fp.padded_sharded_param_size).numel() for fp in fps) * world == input_numel:
+                return fps
+            frame = sys._getframe(2)
+            while frame is not None:
+                cand = frame.f_locals.get("fsdp_params")
+                if isinstance(cand, list) and all(c in fps for c in cand) and sum(
+                        torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
+                    return cand
+                frame = frame.f_back
+            raise RuntimeError(
+                "attach_fsdp_gns: could not match the reduce-scatter input "
+                f"({input_numel} elements) to the parameters of FSDP param group "
+                f"{self._param_group._module_fqn!r}")
 
-    def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
-        st = ctx.state
-        R = ctx.world
-        pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
-        a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
-        if op == dist.ReduceOp.SUM:
-            op_mult = 1.0
-        elif op == dist.ReduceOp.AVG:
-            op_mult = 1.0 / R
-        elif op == dist.ReduceOp.PREMUL_SUM:
-            factor = self._param_group.gradient_divide_factor
-            if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
-                raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
-                                   "divide factor on the param group; cannot recover the mean")
-            op_mult = 1.0 / float(factor)
-        else:
-            raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
-                               "(expected SUM, AVG or PREMUL_SUM)")
-        mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
-
-        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
-        if chunk * R != inp.numel() or output.numel() != chunk:
-            raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
-                               f"do not match the param group's layout ({chunk} per rank)")
-        x = inp.view(R, chunk)
-        if st.geometry == "nuclear":
-            return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
-
-        # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
-        pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
-        for r in range(R):
-            ops.square_pack(x[r], pack[r])
-        out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
-        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
-        del pack
-        output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
-        out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
-        ds, qs = [], []
-        for seg in segs:
-            if seg.measured:
-                ds.append(out[seg.offset:seg.offset + seg.numel])
-                qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
-        if ds:
-            terms = ops.variance_norms_multi(ds, qs, ctx.scale).double()
-            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
-                terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64)
-            ctx.l_terms += terms.cpu()
-        return work
-
-    def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
-        R = ctx.world
-        dev = x.device
-        mats = [s for s in segs if s.measured]
-        pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
-        pack[:, :chunk].copy_(x)
-        local = []
-        for seg in mats:
-            blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
-            m, n = seg.shape
-            if seg.natural:
-                # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
-                G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
+        def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
+            st = ctx.state
+            R = ctx.world
+            pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
+            a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
+            if op == dist.ReduceOp.SUM:
+                op_mult = 1.0
+            elif op == dist.ReduceOp.AVG:
+                op_mult = 1.0 / R
+            elif op == dist.ReduceOp.PREMUL_SUM:
+                factor = self._param_group.gradient_divide_factor
+                if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
+                    raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
+                                       "divide factor on the param group; cannot recover the mean")
+                op_mult = 1.0 / float(factor)
             else:
-                # this rank's full local gradient (float32 copy, transient), then the blocks
-                # along the other dimension go into the extra part of every chunk
-                if seg.dim == 0:
-                    full = blocks.reshape(R * seg.block[0], n)[:m]
+                raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
+                                   "(expected SUM, AVG or PREMUL_SUM)")
+            mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
+
+            segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
+            if chunk * R != inp.numel() or output.numel() != chunk:
+                raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
+                                   f"do not match the param group's layout ({chunk} per rank)")
+            x = inp.view(R, chunk)
+            if ctx.device is None:
+                ctx.device = inp.device
+            if st.geometry == "nuclear":
+                return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
+
+            # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
+            pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
+            for r in range(R):
+                ops.square_pack(x[r], pack[r])
+            out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
+            work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+            del pack
+            output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
+            out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
+            ds, qs = [], []
+            for seg in segs:
+                if seg.measured:
+                    ds.append(out[seg.offset:seg.offset + seg.numel])
+                    qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
+            if ds:
+                terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
+                if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
+                    terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64, device=terms.device)
+                ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
+            return work
+
+        def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
+            R = ctx.world
+            dev = x.device
+            mats = [s for s in segs if s.measured]
+            pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
+            pack[:, :chunk].copy_(x)
+            local = []
+            for seg in mats:
+                blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
+                m, n = seg.shape
+                if seg.natural:
+                    # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
+                    G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
                 else:
-                    full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
-                G = spectral.gram([full], side=seg.side)[0]
-                eb = seg.extra_block
-                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
-                dst.zero_()
-                want = 1 if seg.side == "row" else 0
-                step = eb[want]
-                for r in range(R):
-                    lo = min(r * step, full.shape[want])
-                    hi = min(lo + step, full.shape[want])
-                    if hi > lo:
-                        dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
-                del full
-            local.append(G * (a * a))
-        out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
-        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
-        del pack
-        output.copy_(out[:chunk].view_as(output))
-        f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
-        for seg, G in zip(mats, local):
-            if seg.natural:
-                Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
-            else:
-                Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
-            P = spectral.gram([Dr], side=seg.side)[0] * (f * f)
-            m, n = seg.shape
-            ctx.grams.append((G, P, n if seg.side == "row" else m))
-        return work
+                    # this rank's full local gradient (float32 copy, transient), then the blocks
+                    # along the other dimension go into the extra part of every chunk
+                    if seg.dim == 0:
+                        full = blocks.reshape(R * seg.block[0], n)[:m]
+                    else:
+                        full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
+                    G = spectral.gram([full], side=seg.side)[0]
+                    eb = seg.extra_block
+                    dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
+                    dst.zero_()
+                    want = 1 if seg.side == "row" else 0
+                    step = eb[want]
+                    for r in range(R):
+                        lo = min(r * step, full.shape[want])
+                        hi = min(lo + step, full.shape[want])
+                        if hi > lo:
+                            dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
+                    del full
+                local.append(G * (a * a))
+            out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
+            work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+            del pack
+            output.copy_(out[:chunk].view_as(output))
+            f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
+            for seg, G in zip(mats, local):
+                if seg.natural:
+                    Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
+                else:
+                    Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
+                P = spectral.gram([Dr], side=seg.side)[0] * (f * f)
+                m, n = seg.shape
+                ctx.grams.append((G, P, n if seg.side == "row" else m))
+            return work
+
+    GNSReduceScatter.__qualname__ = "GNSReduceScatter"
+    return GNSReduceScatter
 
 
 # --------------------------------------------------------------------------- attach
@@ -378,7 +402,7 @@ class FSDPGNSHandle:
     def __init__(self, state: GNSHookState, modules):
         self.state = state
         self.modules = modules
-        self.reduce_scatters: list[GNSReduceScatter] = []
+        self.reduce_scatters: list = []  # GNSReduceScatter objects
         self._pending = False  # a final callback is queued for the current backward
         self._ctx: Optional[_Measurement] = None
         self._group = None
@@ -457,13 +481,14 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState) -> FSDPGNSHandl
     if not modules:
         raise ValueError("model: no FSDP2 module found (apply torch.distributed.fsdp.fully_shard first)")
     handle = FSDPGNSHandle(state, modules)
+    GNSReduceScatter = _reduce_scatter_class()
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo
 
     for mod in modules:
         for pg in _param_groups(mod):
             if isinstance(pg.mesh_info, DDPMeshInfo) or not isinstance(pg.mesh_info, FSDPMeshInfo):
                 raise ValueError("model: HSDP / replicate meshes are not supported (1-D FSDP meshes only)")
-            if isinstance(pg._reduce_scatter_comm, GNSReduceScatter):
+            if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
                 raise ValueError("model: a GNSReduceScatter is already installed; remove() it first")
     for mod in modules:
         groups = _param_groups(mod)

@@ -32,19 +32,21 @@ IN, HID, MID, OUT = 13, 24, 17, 5
 
 
 class _Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, unused: bool = False):
         super().__init__()
         self.a = torch.nn.Linear(IN, HID)
         self.b = torch.nn.Linear(HID, MID)
         self.c = torch.nn.Linear(MID, OUT, bias=False)
+        if unused:  # in the root's param group, never gets a gradient
+            self.d = torch.nn.Linear(OUT, 3)
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def _model():
+def _model(unused: bool = False):
     torch.manual_seed(1234)  # identical on every rank
-    return _Net()
+    return _Net(unused)
 
 
 def _batch(rank: int, step: int, micro: int, nan: bool = False):
@@ -129,8 +131,8 @@ def _est(e):
 
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
              placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
-             force_sum=False, ddp=True):
-    base = _model()
+             force_sum=False, ddp=True, unused=False):
+    base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
     if mp != "none":  # computes what FSDP2's bf16 unsharded parameters compute
@@ -158,6 +160,9 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
                                  bias_correction=bias_correction)
         ddp_model.register_comm_hook(ddp_state, ddp_gns_hook)
     groups = len(handle.reduce_scatters)
+    hp_all = hp
+    hp = [p for n, p in zip(names, hp_all) if not n.startswith("d.")]  # parameters with a gradient
+    plain_params = [q for n, q in zip(names, plain.parameters()) if not n.startswith("d.")]
     records = []
     for k in range(steps):
         nan = nan_at is not None and k == nan_at and rank == world - 1
@@ -171,7 +176,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
                 p.grad = None
             x, y = _batch(rank, k, a, nan)
             _loss(local, x.to(local_dtype), y, 1.0 / accumulate).backward()
-            gs = [p.grad.detach().clone() for p in local.parameters()]
+            gs = [p.grad.detach().clone() for p in local.parameters() if p.grad is not None]
             acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
         # plain FSDP2
         s0 = _seq()
@@ -223,10 +228,10 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "ref": ref,
             "ddp": ddp_est,
             "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
-                                    for p, q in zip(hp, plain.parameters())),
+                                    for p, q in zip(hp, plain_params)),
             "grad_vs_plain": max(float((p.grad.to_local().double() - q.grad.to_local().double()).abs().max())
                                  if p.grad.to_local().numel() else 0.0
-                                 for p, q in zip(hp, plain.parameters())),
+                                 for p, q in zip(hp, plain_params)),
             "grad_vs_mean": max(float((f - m).abs().max()) for f, m in zip(full, mean64)),
             "grad_scale": max(float(m.abs().max()) for m in mean64),
             # max_i mean_j |g^j_i|: bounds the reassociation error of the R-term sum
@@ -239,7 +244,8 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
         })
     handle.remove()
     return {"records": records, "groups": groups, "names": names,
-            "placements": [str(p.placements[0]) for p in hp]}
+            "placements": [str(p.placements[0]) for p in hp_all],
+            "unused_grad_is_none": all(p.grad is None for n, p in zip(names, hp_all) if n.startswith("d."))}
 
 
 def run_many(rank, world, *, scenarios):

@@ -32,6 +32,8 @@ SCENARIOS_2 = {
     "l1_accumulate": dict(geometry="l1", accumulate=3, steps=2),
     "nuclear_accumulate": dict(geometry="nuclear", accumulate=2, steps=1),
     "l1_sum_op": dict(geometry="l1", force_sum=True, steps=1, ddp=False),
+    # a parameter without gradient: FSDP2 leaves it out of the reduce-scatter input
+    "nuclear_unused_param": dict(geometry="nuclear", unused=True, steps=1, ddp=False),
     "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
     "nuclear_nan": dict(geometry="nuclear", nan_at=0, steps=2, ddp=False),
 }
@@ -41,6 +43,7 @@ SCENARIOS_4 = {
     "l2_mp_bf16": dict(geometry="l2", mp="bf16", ddp=False, steps=1),
     "nuclear": dict(geometry="nuclear", steps=1),
     "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
+    "l2_unused_param": dict(geometry="l2", unused=True, steps=1, ddp=False),
 }
 
 GROUPS = 3  # fully_shard on model.a, model.b and the root (model.c)
@@ -116,6 +119,7 @@ def test_identical_on_every_rank_and_schedule(request, world, name):
     res = _results(request, world, name)
     for rank_res in res:
         assert rank_res["groups"] == GROUPS
+        assert rank_res["unused_grad_is_none"]
         for rec in rank_res["records"]:
             k = rec["step"]
             assert rec["measuring"] == (k % every == 0)
