@@ -15,3 +15,4 @@ from .ops import variance_norms, square_pack, accumulate_sq, variance_norms_mult
 from .optim import SignSGD, Signum, SpecSGD, geometry_for  # noqa: F401
 from .estimators import GNSEstimate, estimate, estimate_from_stats, critical_batch_size  # noqa: F401
 from .distributed import GNSHookState, ddp_gns_hook, MicroBatchGNS  # noqa: F401
+from .distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement, FSDPGNSHandle  # noqa: F401
