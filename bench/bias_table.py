@@ -1,6 +1,7 @@
 """Measured bias of the raw and corrected noise estimators (docs/estimators.md tables).
 
     python bench/bias_table.py [--draws 4000] [--model-draws 300]
+    python bench/bias_table.py --speed      # cost of the nuclear correction vs eigvalsh
 
 Prints markdown tables of E[estimate] / truth (mean over draws, +- one standard error):
   l1:      ||s||_1 raw and / c4(R)                         (truth ||sigma||_1)
@@ -77,6 +78,26 @@ def model_rows(kind: str, draws: int, seed: int):
     return rows
 
 
+def speed() -> None:
+    """Time of nuclear_sqrt_trace_corrected relative to the eigvalsh that precedes it."""
+    import time
+
+    print("| m | matrices | eigvalsh (s) | correction (s) | correction / eigvalsh |")
+    print("|---|---|---|---|---|")
+    for m, L in ((768, 4), (256, 16), (64, 64)):
+        A = torch.randn(L, m, m, dtype=torch.float64, generator=torch.Generator().manual_seed(m))
+        C = A @ A.mT / m
+        best_e = best_c = math.inf
+        for _ in range(3):
+            t = time.perf_counter()
+            ev = torch.linalg.eigvalsh(C)
+            best_e = min(best_e, time.perf_counter() - t)
+            t = time.perf_counter()
+            bias.nuclear_sqrt_trace_corrected(ev, 4, 64, other_dim=2 * m)
+            best_c = min(best_c, time.perf_counter() - t)
+        print(f"| {m} | {L} | {best_e:.4f} | {best_c:.4f} | {best_c / best_e:.3f} |")
+
+
 def _fmt(ms):
     return "–" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
@@ -92,8 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=4000)
     ap.add_argument("--model-draws", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speed", action="store_true", help="time the nuclear correction instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.speed:
+        speed()
+        return 0
     rows = []
     for b in (24, 8, 4):
         rows += matrix_rows(syn.GaussianMatrixNoise(12, 32, seed=3), "gaussian", b, args.draws, args.seed)
