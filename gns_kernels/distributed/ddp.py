@@ -160,12 +160,12 @@ def _pack_nuclear(buf: Tensor, segs, state: GNSHookState, micro):
     shifts = [None if micro is not None else state.shift_for(p) for _, _, p in mats]
     if micro is not None:
         grams = [micro.accumulate_last_gram(p, buf[off:off + n].view(p.shape)) for off, n, p in mats]
-    else:
-        views = []
-        for (off, n, p), s in zip(mats, shifts):
-            g = buf[off:off + n].view(p.shape)
-            views.append(g if s is None else g.float() - s.float())
-        grams = spectral.gram(views)
+    elif all(s is None for s in shifts):
+        grams = spectral.gram([buf[off:off + n].view(p.shape) for off, n, p in mats])
+    else:  # one shifted temporary G^j - S at a time
+        grams = [spectral.gram([buf[off:off + n].view(p.shape) if s is None
+                                else buf[off:off + n].view(p.shape).float() - s.float()])[0]
+                 for (off, n, p), s in zip(mats, shifts)]
     total = n_buf + sum(G.numel() for G in grams)
     pack = torch.empty(total, dtype=torch.float32, device=buf.device)
     pack[:n_buf].copy_(buf)

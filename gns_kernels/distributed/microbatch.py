@@ -135,8 +135,8 @@ class MicroBatchGNS(GNSHookState):
         for p, _ in live:
             self._buffers(p)
         if self.geometry == "nuclear":
-            diffs = [g - self.prev[id(p)] for p, g in live]
-            for (p, g), G in zip(live, spectral.gram(diffs)):
+            for p, g in live:  # one temporary difference at a time
+                (G,) = spectral.gram([g - self.prev[id(p)]])
                 acc = self.gsum[id(p)]
                 self.gsum[id(p)] = G if acc is None else acc.add_(G)
                 self.prev[id(p)].copy_(g)
