@@ -77,6 +77,15 @@ def variants(full: bool = False) -> list[Variant]:
                  **_ints("n", "num_tiles", "tiles_per_prog"),
                  "HAS_SHIFT": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_SHIFT": sh, "BLOCK": B}, ("g_ptr", "s_ptr", "out_ptr"), True))
+        if dt == "fp32":
+            # n % 16 == 0 (the JIT specializes on it): out + n is aligned too, so the x^2 half
+            # is stored with 128-bit stores as well.
+            out.append(Variant(
+                "square_pack", "fp32+shift,n%16=0",
+                {"g_ptr": "*fp32", "s_ptr": "*fp32", "out_ptr": "*fp32",
+                 **_ints("n", "num_tiles", "tiles_per_prog"),
+                 "HAS_SHIFT": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_SHIFT": True, "BLOCK": B}, ("g_ptr", "s_ptr", "out_ptr", "n"), True))
         out.append(Variant(
             "accumulate_sq", dt,
             {"g_ptr": f"*{dt}", "p_ptr": f"*{dt}", "sq_ptr": "*fp32",

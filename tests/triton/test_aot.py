@@ -54,6 +54,11 @@ def test_vector_width_matches_dtype(compiled):
         assert by[("variance_norms", "fp32+shift", arch)]["ld_global_v4"] == 6
         assert by[("variance_norms", "bf16+shift", arch)]["ld_global_v4"] == 3
         assert by[("variance_norms_multi", "fp32+shift", arch)]["ld_global_v4"] == 6
+        # square_pack stores x with v4 always; when n % 16 == 0 (the JIT specializes on it)
+        # x^2 at out + n too, and even the masked tail vectorizes: no scalar access left
+        assert by[("square_pack", "fp32+shift", arch)]["st_global_v4"] == 2
+        n16 = by[("square_pack", "fp32+shift,n%16=0", arch)]
+        assert n16["st_global_v4"] == 8 and n16["st_global_other"] == 0 and n16["ld_global_scalar"] == 0
         # accumulate_sq: grad, prev, sq loaded; sq and prev stored with v4
         assert by[("accumulate_sq", "fp32", arch)]["st_global_v4"] == 4
         assert by[("accumulate_sq_multi", "fp32", arch)]["st_global_v4"] == 4
