@@ -26,6 +26,14 @@ nuclear (second order in 1/nu, exact for m = 1)
         k = 4 nu beta(lambda_hat) / tr(C_hat^{1/2})   (1 <= k <= (m+1)/2),
     and return tr(C_hat^{1/2}) / c4(nu_eff + 1): exact c4 when m = 1 (and so consistent
     with the l1 correction), the plug-in second-order correction otherwise.
+
+    nu decides how much is corrected and depends on the gradient structure (nuclear_dof):
+    'columns' (R-1)*n, exact for Gaussian noise with independent columns and otherwise an
+    over-estimate of nu (so an under-correction) -- the default from eigenvalues alone;
+    'rank_one' (R-1)*n*b/(n+b) for per-example gradients r x^T; or, given R >= 4 samples,
+    nuclear_dof_from_samples: nu matched to the samples' own fourth moments in Frobenius
+    norm, E||C_hat - C||_F^2 = ((tr C)^2 + tr C^2)/nu, from an unbiased estimate of the
+    left side (nuclear_frobenius_variance).
 """
 from __future__ import annotations
 
