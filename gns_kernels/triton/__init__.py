@@ -53,14 +53,14 @@ def _op_defined(name: str) -> bool:
 def _impl(name: str):
     """The CUDA implementation of op ``name``: the Triton launcher with the op's calling form."""
 
-    def impl(*args):
+    def impl(*args, **kwargs):
         from . import fused
 
         fn = getattr(fused, name)
         if name == "square_pack":  # schema returns (): the op mutates out
-            fn(*args)
+            fn(*args, **kwargs)
             return None
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     impl.__name__ = f"gns_kernels_triton_{name}"
     return impl

@@ -78,3 +78,38 @@ def test_package_without_triton():
         """
     )
     assert out == "OK"
+
+
+@pytest.mark.skipif(not ops.cpp_available(), reason="the torch ops need the C++ extension gns_kernels._C")
+def test_registered_impls_match_the_schemas(gen):
+    """The functions register_cuda_kernels installs, called by the dispatcher exactly as it
+    would call them for CUDA tensors: here registered for CPU under copies of the real
+    schemas in a scratch namespace, so they run through Triton's interpreter."""
+    pytest.importorskip("triton")
+    from gns_kernels.triton import OPS, _impl, fused
+
+    lib = torch.library.Library("gns_kernels_triton_schema_check", "DEF")
+    for name in OPS:
+        schema = str(getattr(torch.ops.gns_kernels, name).default._schema)
+        lib.define(schema.split("::", 1)[1])
+        lib.impl(name, _impl(name), "CPU")
+    scratch = torch.ops.gns_kernels_triton_schema_check
+    n = 1500
+    d = torch.randn(n, generator=gen)
+    q = d * d + torch.rand(n, generator=gen)
+    s = torch.randn(n, generator=gen)
+    assert torch.equal(scratch.variance_norms(d, q, 2.0, s), fused.variance_norms(d, q, 2.0, s))
+    assert torch.equal(scratch.variance_norms(d, q, 2.0), fused.variance_norms(d, q, 2.0))
+    assert torch.equal(scratch.variance_norms_multi([d, q], [q, q], 2.0, [s, None]),
+                       fused.variance_norms_multi([d, q], [q, q], 2.0, [s, None]))
+    out1, out2 = torch.empty(2 * n), torch.empty(2 * n)
+    assert scratch.square_pack(d, out1, s) is None
+    fused.square_pack(d, out2, s)
+    assert torch.equal(out1, out2)
+    p1, sq1, p2, sq2 = s.clone(), q.clone(), s.clone(), q.clone()
+    scratch.accumulate_sq(d, p1, sq1)
+    fused.accumulate_sq(d, p2, sq2)
+    assert torch.equal(p1, p2) and torch.equal(sq1, sq2)
+    scratch.accumulate_sq_multi([d], [p1], [sq1])
+    fused.accumulate_sq_multi([d], [p2], [sq2])
+    assert torch.equal(p1, p2) and torch.equal(sq1, sq2)
