@@ -92,6 +92,10 @@ for op in ops:
         print(f"{name:36s} {key:4s} kernel registered: {ok}")
         if not ok:
             bad.append(f"{name} ({key})")
+    # The CUDA kernel is the one of csrc/cuda/binding.cpp (how tests and benches tell the
+    # C++ CUDA build from a Triton registration).
+    if "cuda/binding.cpp" not in torch._C._dispatch_dump(name):
+        bad.append(f"{name} (CUDA kernel not from csrc/cuda/binding.cpp)")
 if bad:
     sys.exit("check_cuda_extension: missing kernels: " + ", ".join(bad))
 PYEOF
