@@ -230,42 +230,18 @@ def _eig_error_bound(lam: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return err.sum(-1), r.clamp_min(0).sqrt().sum(-1)
 
 
-def _eig_one(args) -> Tensor:
-    """One matrix: float32 eigvalsh, float64 when the error bound exceeds tol. -> float64 (m,)."""
-    a, tol = args
-    m = a.shape[-1]
-    if not bool(torch.isfinite(a).all()):
-        return torch.full((m,), math.nan, dtype=torch.float64)
-    a64 = a.double()
-    a64 = 0.5 * (a64 + a64.mT)
-    amax = float(a64.abs().max())
-    if amax == 0.0:
-        return torch.zeros(m, dtype=torch.float64)
-    a32 = (a64 / amax).float()  # scaled: no under/overflow in LAPACK or the bound
-    lam = torch.linalg.eigvalsh(a32)
-    bound, tr = _eig_error_bound(lam, m)
-    if float(bound) > tol * float(tr):
-        return torch.linalg.eigvalsh(a64)
-    return lam.double() * amax
-
-
-def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
-    m = A.shape[-1]
-    batch = A.shape[:-2]
-    flat = A.detach().reshape(-1, m, m)
-    if flat.device.type == "cpu":
-        res = _map_cpu(_eig_one, [(a, tol) for a in flat.unbind(0)])
-        out = torch.stack(res) if res else flat.new_empty((0, m), dtype=torch.float64)
-        return out.reshape(*batch, m)
-    # CUDA (and other devices): batched float32, then float64 for the flagged subset.
-    # One host synchronization (the subset's size); cuSOLVER's eigh syncs on its info anyway.
+def _eig_batched(flat: Tensor, tol: float) -> Tensor:
+    """(B, m, m) -> float64 eigenvalues (B, m): float32 eigvalsh of A / max|A_ij|, and
+    float64 eigvalsh for the matrices whose error bound exceeds tol (one host sync on
+    devices other than the CPU: the size of that subset). Non-finite matrices -> NaN."""
+    m = flat.shape[-1]
     x = flat.double()
     x = 0.5 * (x + x.mT)
     finite = torch.isfinite(x).all((-2, -1))
     x = torch.where(finite[:, None, None], x, torch.zeros_like(x))
     amax = x.abs().amax((-2, -1))
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    xs = x / amax[:, None, None]
+    xs = x / amax[:, None, None]  # scaled: no under/overflow in LAPACK or in the bound
     lam = torch.linalg.eigvalsh(xs.float())
     bound, tr = _eig_error_bound(lam, m)
     need = bound > tol * tr
@@ -274,8 +250,26 @@ def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
     if idx.numel():
         lam[idx] = torch.linalg.eigvalsh(xs[idx])
     lam = lam * amax[:, None]
-    lam = torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
-    return lam.reshape(*batch, m)
+    return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
+
+
+def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
+    m = A.shape[-1]
+    batch = A.shape[:-2]
+    flat = A.detach().reshape(-1, m, m)
+    if flat.shape[0] == 0:
+        return flat.new_empty((*batch, m), dtype=torch.float64)
+    if flat.device.type == "cpu" and m >= 32:
+        # independent matrices on single-threaded workers (see _map_cpu); one chunk per
+        # matrix for large m (balance), fewer larger chunks for small m (overhead)
+        n_chunks = flat.shape[0] if m >= 256 else min(flat.shape[0], torch.get_num_threads())
+        chunks = list(flat.chunk(n_chunks))
+        out = torch.cat(_map_cpu(lambda c: _eig_batched(c, tol), chunks))
+    else:
+        # CUDA: batched float32, then float64 for the flagged subset; one host
+        # synchronization (the subset's size); cuSOLVER's eigh syncs on its info anyway.
+        out = _eig_batched(flat, tol)
+    return out.reshape(*batch, m)
 
 
 @torch.library.custom_op("gns_kernels::psd_eigvalsh", mutates_args=())

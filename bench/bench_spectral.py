@@ -1,0 +1,179 @@
+"""S1 (nuclear) GNS measurement cost: gns_kernels.spectral vs the eager loop a user writes.
+
+One full S1 measurement on the paper's 160M Llama 3 shapes without embeddings
+(12 layers x (q, k, v, o: 768x768; gate, up: 2048x768; down: 768x2048)), R ranks
+(default 2), simulated in one process: every rank's local Grams (smaller side), the mean
+Gram, C = B/(R-1) (mean Gram - G G^T), tr(C^{1/2}) and ||G||_S1 per matrix.
+
+Peers, timed in the same process, interleaved, best of --repeat:
+  eager32  per-layer loop in float32: G_j @ G_j.T per rank, G @ G.T, eigvalsh(C) and
+           eigvalsh(G G^T), clamp, sqrt, sum (the smaller side, as the paper's m <= n)
+  eager64  the same loop in float64
+  gk       gk.gram per rank (batched by shape) + gk.nuclear_stats(method="eigh")
+Then per-size sqrt-trace cost of eigh vs newton, and FLOP counts with the implied H100
+time (bench/RESULTS.md). Speed is reported as ratios; nothing here asserts a time.
+
+    python bench/bench_spectral.py [--repeat 2] [--layers 12] [--ranks 2] [--json out.json]
+
+The machine this was written on has 2 cores shared with other jobs: run it once or twice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+import gns_kernels as gk
+from gns_kernels import spectral as sp
+
+SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
+H100_FP32 = 60e12  # FLOP/s, fp32 without tensor cores (issue 6 yardstick)
+H100_BF16 = 750e12
+PAPER_STEP_S = 0.447  # 160M baseline s/step (paper Table 9)
+PAPER_S1_OVERHEAD = 0.139  # +13.9% at F = 100
+
+
+def make_grads(layers: int, R: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = SHAPES_160M * layers
+    return [[torch.randn(*s, generator=g) for s in shapes] for _ in range(R)]
+
+
+def eager_loop(rank_grads, B: float, dtype) -> tuple[float, float]:
+    R = len(rank_grads)
+    scale = B / (R - 1)
+    noise = signal = 0.0
+    for p in range(len(rank_grads[0])):
+        xs = [rg[p].to(dtype) for rg in rank_grads]
+        if xs[0].shape[0] > xs[0].shape[1]:
+            xs = [x.T for x in xs]
+        mean_gram = sum(x @ x.T for x in xs) / R
+        G = sum(xs) / R
+        GG = G @ G.T
+        C = scale * (mean_gram - GG)
+        noise += torch.linalg.eigvalsh(C).clamp_min(0).sqrt().sum()
+        signal += torch.linalg.eigvalsh(GG).clamp_min(0).sqrt().sum()
+    return float(noise), float(signal)
+
+
+def gk_measure(rank_grads, B: float, method: str = "eigh") -> tuple[float, float]:
+    R = len(rank_grads)
+    local = [gk.gram(rg) for rg in rank_grads]  # each rank: its local Grams, batched by shape
+    mean_grams = [sum(gs) / R for gs in zip(*local)]
+    mean_grads = [sum(xs) / R for xs in zip(*rank_grads)]
+    n, s = gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), method=method)
+    return float(n.double().sum()), float(s.double().sum())
+
+
+def timeit(fn, repeat: int) -> tuple[float, object]:
+    best, out = math.inf, None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def parts(rank_grads, B: float, repeat: int) -> dict:
+    """Gram part and sqrt-trace part separately (float32 eager vs gk)."""
+    R = len(rank_grads)
+
+    def eager_grams():
+        out = []
+        for p in range(len(rank_grads[0])):
+            xs = [rg[p] if rg[p].shape[0] <= rg[p].shape[1] else rg[p].T for rg in rank_grads]
+            out.append(sum(x @ x.T for x in xs) / R)
+            G = sum(xs) / R
+            out.append(G @ G.T)
+        return out
+
+    def gk_grams():
+        local = [gk.gram(rg) for rg in rank_grads]
+        return gk.gram([sum(xs) / R for xs in zip(*rank_grads)]) + [sum(gs) / R for gs in zip(*local)]
+
+    t_eg, mats = timeit(eager_grams, repeat)
+    t_gg, _ = timeit(gk_grams, repeat)
+    stack = torch.stack(mats)
+    t_ee, _ = timeit(lambda: [torch.linalg.eigvalsh(a).clamp_min(0).sqrt().sum() for a in mats], repeat)
+    t_ge, _ = timeit(lambda: gk.sqrt_trace(stack, "eigh"), repeat)
+    return {"grams_eager32_s": t_eg, "grams_gk_s": t_gg, "traces_eager32_s": t_ee, "traces_gk_eigh_s": t_ge,
+            "n_traces": len(mats)}
+
+
+def per_size(sizes, repeat: int) -> list[dict]:
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for m in sizes:
+        b = 4 if m <= 256 else 2
+        X = torch.randn(b, m, 2 * m, generator=g)
+        A = X @ X.mT
+        t_e, ve = timeit(lambda: gk.sqrt_trace(A, "eigh"), repeat)
+        t_n, vn = timeit(lambda: gk.sqrt_trace(A, "newton"), 1)
+        t_1, _ = timeit(lambda: [torch.linalg.eigvalsh(a) for a in A], repeat)
+        rows.append({"m": m, "eigh_ms": 1e3 * t_e / b, "newton_ms": 1e3 * t_n / b,
+                     "eager_eigvalsh32_ms": 1e3 * t_1 / b,
+                     "newton_over_eigh": t_n / t_e,
+                     "newton_rel_err": float(((vn.double() - ve.double()) / ve.double()).abs().max())})
+    return rows
+
+
+def flops(layers: int, R: int) -> dict:
+    """FLOPs of one measurement (all ranks' Grams counted, as simulated here) and per rank."""
+    gram_full = sum(2 * min(s) ** 2 * max(s) for s in SHAPES_160M) * layers  # one set of Grams
+    k = 768
+    n_mats = 2 * len(SHAPES_160M) * layers  # noise + signal
+    nb = -(-k // sp._GRAM_BLOCK)
+    tri_cpu = nb * (nb + 1) / 2 / nb**2
+    T = -(-k // 64)
+    tri_gpu = (T + 1) / (2 * T)
+    eig = n_mats * (4 / 3) * k**3  # tridiagonalization dominates eigenvalues-only syevd
+    it = sp.newton_min_iters() + 3
+    newton = n_mats * (3 * it + 7) * 2 * k**3
+    per_rank_grams = 2 * gram_full * tri_gpu  # own local Grams + the mean gradient's Grams
+    return {
+        "grams_all_ranks_full": (R + 1) * gram_full,
+        "grams_all_ranks_cpu_blocked": (R + 1) * gram_full * tri_cpu,
+        "grams_per_rank_gpu_triangle": per_rank_grams,
+        "eigh_all": eig, "newton_all": newton, "newton_iters": it,
+        "h100_per_rank_newton_s": (per_rank_grams + newton) / H100_FP32,
+        "h100_per_rank_grams_only_s": per_rank_grams / H100_FP32,
+        "paper_s_per_measurement": PAPER_S1_OVERHEAD * PAPER_STEP_S * 100,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batch-size", type=float, default=32.0)
+    ap.add_argument("--sizes", default="64,128,256,512,768")
+    ap.add_argument("--skip-eager64", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res: dict = {"threads": torch.get_num_threads(), "layers": a.layers, "ranks": a.ranks}
+    grads = make_grads(a.layers, a.ranks)
+    B = a.batch_size
+    gk_measure(grads, B)  # warm-up (thread pool, op registration)
+    t_gk, v_gk = timeit(lambda: gk_measure(grads, B), a.repeat)
+    t_e32, v_e32 = timeit(lambda: eager_loop(grads, B, torch.float32), a.repeat)
+    res.update(gk_s=t_gk, eager32_s=t_e32, speedup_vs_eager32=t_e32 / t_gk, gk_values=v_gk, eager32_values=v_e32)
+    if not a.skip_eager64:
+        t_e64, v_e64 = timeit(lambda: eager_loop(grads, B, torch.float64), a.repeat)
+        res.update(eager64_s=t_e64, speedup_vs_eager64=t_e64 / t_gk, eager64_values=v_e64,
+                   rel_err_vs_eager64=[abs(x - y) / abs(y) for x, y in zip(v_gk, v_e64)])
+    res["parts"] = parts(grads, B, a.repeat)
+    res["per_size"] = per_size([int(s) for s in a.sizes.split(",")], a.repeat)
+    res["flops"] = flops(a.layers, a.ranks)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
