@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 GEOMETRIES = ("l2", "l1", "nuclear")
+# nuclear_dof='auto' estimates the dof from the data (O(R^2 m^2 n)) only below this cost
+_DATA_DOF_MAX_FLOPS = 2e10
 CBS_RULES = ("fraction", "inflection", "efficiency")
 
 
@@ -245,7 +247,8 @@ def estimate(
     bias_correction: correct the small-R bias of the noise (l1: 1/c4(R)^2; nuclear:
       bias.nuclear_sqrt_trace_corrected per matrix); False gives the paper's estimator.
     nuclear_dof: degrees of freedom of each matrix's covariance estimate for the nuclear
-      correction. 'auto' (default): 'data' when R >= 4, else 'columns'. 'data': estimated
+      correction. 'auto' (default): 'data' when R >= 4 and the matrix is small enough
+      (R^2 m^2 n <= 2e10 multiply-adds, m <= n its sides), else 'columns'. 'data': estimated
       from the samples' fourth moments (bias.nuclear_dof_from_samples; needs R >= 4).
       'columns': (R-1) * n, n the matrix's longer side (Gaussian independent columns; what
       the spectral ops use from eigenvalues alone). 'rank_one': (R-1) * n b / (n + b).
@@ -296,9 +299,7 @@ def estimate(
         raise ValueError(f"nuclear_dof: expected 'auto', 'data', 'columns' or 'rank_one', got {nuclear_dof!r}")
     if nuclear_dof == "data" and R < 4:
         raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
-    use_data_dof = nuclear_dof == "data" or (nuclear_dof == "auto" and R >= 4)
-    if nuclear_dof == "auto" and not use_data_dof:
-        nuclear_dof = "columns"
+    auto = nuclear_dof == "auto"
     mats = [p for p in range(n_params) if samples[0][p].dim() == 2]
     if not mats:
         raise ValueError("rank_grads: geometry 'nuclear' needs at least one 2-D tensor per sample")
@@ -318,12 +319,14 @@ def estimate(
         else:
             ev = torch.linalg.eigvalsh(0.5 * (C + C.mT))
         raw = torch.where(ev < 0, torch.zeros_like(ev), ev).sqrt().sum()
+        use_data_dof = nuclear_dof == "data" or (auto and R >= 4 and R * R * m * m * n <= _DATA_DOF_MAX_FLOPS)
         if bias_correction:
             if use_data_dof:
                 nu = _bias.nuclear_dof_from_samples(x)  # nan for non-finite x: invalid estimate
                 corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
             else:
-                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n, dof_model=nuclear_dof)
+                model = "columns" if auto else nuclear_dof
+                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n, dof_model=model)
         else:
             corr = raw
         g = d if S is None else d + S

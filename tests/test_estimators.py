@@ -85,6 +85,16 @@ def test_corrections_relative_to_raw(R):
             tot += col
     assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
     assert gk.estimate(rg, B, "nuclear", nuclear_dof="columns").noise == pytest.approx(tot_col**2, rel=1e-9)
+    if R >= 4:  # 'auto' falls back to 'columns' above its cost bound
+        from gns_kernels import estimators
+
+        old = estimators._DATA_DOF_MAX_FLOPS
+        try:
+            estimators._DATA_DOF_MAX_FLOPS = 0
+            assert gk.estimate(rg, B, "nuclear").noise == pytest.approx(tot_col**2, rel=1e-9)
+            assert gk.estimate(rg, B, "nuclear", nuclear_dof="data").noise == pytest.approx(tot**2, rel=1e-9)
+        finally:
+            estimators._DATA_DOF_MAX_FLOPS = old
     assert cor["nuclear"].noise > raw["nuclear"].noise
     assert cor["nuclear"].noise_raw == pytest.approx(raw["nuclear"].noise, rel=1e-12)
     assert cor["nuclear"].signal == raw["nuclear"].signal
