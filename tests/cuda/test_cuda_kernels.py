@@ -214,3 +214,15 @@ def test_no_input_sized_temporaries(gen):
     torch.cuda.synchronize()
     # Only the float64 slots (4 per 65536 elements) and the 4-float result.
     assert torch.cuda.max_memory_allocated() - base < n // 64
+
+
+def test_opcheck_cuda(gen):
+    """Schema, fake kernels and mutation annotations agree with the CUDA kernels."""
+    d, q, s = _vn_inputs(5000, torch.float32, gen, True)
+    torch.library.opcheck(torch.ops.gns_kernels.variance_norms, (d, q, 2.0, s))
+    torch.library.opcheck(torch.ops.gns_kernels.variance_norms_multi, ([d, d[:7]], [q, q[:7]], 2.0, [s, None]))
+    torch.library.opcheck(torch.ops.gns_kernels.square_pack, (d, torch.empty(2 * d.numel(), device="cuda"), s))
+    torch.library.opcheck(torch.ops.gns_kernels.accumulate_sq, (d, q.clone(), s.abs()))
+    torch.library.opcheck(
+        torch.ops.gns_kernels.accumulate_sq_multi, ([d, d[:9]], [q.clone(), q[:9].clone()], [s.abs(), s[:9].abs()])
+    )
