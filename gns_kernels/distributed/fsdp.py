@@ -51,18 +51,21 @@ Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 
     no extra latency) and never a full copy of D on any rank. With
     ``shard_placement_fn=gk.fsdp_gns_shard_placement`` wide matrices are sharded on
     dim 1 instead and every measured matrix is natural (no extra payload).
-  Once every group of the backward is reduced, ONE all-reduce (per step) of all local
-  Grams and mean-gradient Gram partials (k x k each, k = min(m, n)) finishes the
-  statistics, and ``spectral.nuclear_stats(mean_grams, mean_grad_grams=...)`` gives
-  tr(C^{1/2}) and ||G||_S1 per matrix, identical on every rank. Bias correction uses
-  other_dims = the dimension not on the Gram side, as ``ddp_gns_hook`` does.
+  Right after the group's reduce-scatter ONE all-reduce of the group's local Grams and
+  mean-gradient Gram partials (two k x k float32 matrices per measured matrix,
+  k = min(m, n)) finishes its statistics: ``spectral.nuclear_stats(mean_grams,
+  mean_grad_grams=...)`` gives tr(C^{1/2}) and ||G||_S1 per matrix, identical on every
+  rank, and only their sums are kept, so the Grams of one param group (one layer) are
+  alive at a time, not the whole model's (the paper's Table 10: O(m_l^2) per layer).
+  Bias correction uses other_dims = the dimension not on the Gram side, as
+  ``ddp_gns_hook`` does.
 
 When the statistics are final: the first reduce-scatter of a synchronized backward
 queues an autograd-engine final callback (``Variable._execution_engine.queue_callback``).
 FSDP2's root queued its own post-backward callback at the start of backward (that one
 runs the reduce-scatters of groups whose hook did not fire and waits for all of them),
-so ours runs after every group of the backward has been reduced; it does the step's one
-small all-reduce, sets ``state.estimate`` and advances ``state.step``. So, as with DDP,
+so ours runs after every group of the backward has been reduced; it does the l1/l2 step's
+one small all-reduce, sets ``state.estimate`` and advances ``state.step``. So, as with DDP,
 ``state.estimate`` is final when ``backward()`` returns and identical on every rank.
 
 Gradient accumulation: ``model.set_requires_gradient_sync(False)`` on micro-steps means
@@ -80,10 +83,15 @@ the sharded gradients are bitwise those of plain FSDP2; with a bf16 reduce dtype
 gradient half is reduced in float32 and rounded once to bf16 (plain FSDP2 reduces in
 bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
 
+Collectives of a measurement step: one reduce-scatter per param group (as plain FSDP2,
+larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
+all-reduce of the group's Grams per param group with measured matrices.
+
 Memory of a measurement step: the packed input (2x the group's padded unsharded gradient
 for l1/l2; 1x plus the other-dimension copies of non-natural matrices for nuclear, in
 float32) and its shard-sized output, alive only during that group's reduce-scatter; for
-nuclear, two k x k float32 Grams per measured matrix until the end of the backward.
+nuclear, a float32 copy of a non-natural matrix's local gradient while its blocks are
+packed, and the group's Grams (2 k^2 floats per matrix) until its statistics are done.
 
 Not supported (clear errors): ``state.shift`` (the squares are formed before the
 reduce-scatter from the full local gradient, so a shift would have to be the full
@@ -199,6 +207,15 @@ def _divide_factors(param_group, group, reduce_dtype: torch.dtype, device: torch
 
 
 # --------------------------------------------------------------------------- measurement
+def _offsets(ks):
+    """Start of each matrix's [mean Gram, mean-Gram partial] pair in a group's flat buffer."""
+    out, q = [], 0
+    for k in ks:
+        out.append(q)
+        q += 2 * k * k
+    return out
+
+
 class _Measurement:
     """Statistics of one measured synchronized backward (all param groups)."""
 
@@ -209,7 +226,8 @@ class _Measurement:
         self.step = state.step
         self.l_terms: Optional[Tensor] = None  # float64 [4] on the gradients' device
         self.device: Optional[torch.device] = None  # of the first reduce-scatter input
-        self.grams: list[tuple[Tensor, Tensor, int]] = []  # (sum-to-be local Gram, mean-Gram partial, other dim)
+        self.nuc_noise = 0.0  # sum over the reduced matrices of tr(C^{1/2}) (nuclear)
+        self.nuc_signal = 0.0  # sum of ||G||_S1
 
     def finish(self, group) -> None:
         st = self.state
@@ -221,30 +239,8 @@ class _Measurement:
             terms = terms.cpu()
             st._finish(self.world, terms, None, None, self.step)
             return
-        if not self.grams:  # no measured matrix reduced: keep the collective count uniform
-            dist.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device), group=group)
-            st._finish(self.world, None, 0.0, 0.0, self.step)
-            return
-        sizes = [A.numel() for A, _, _ in self.grams]
-        flat = torch.cat([t.reshape(-1) for A, P, _ in self.grams for t in (A, P)])
-        dist.all_reduce(flat, group=group)
-        mean_grams, dd, others = [], [], []
-        q = 0
-        for (A, _, other), k2 in zip(self.grams, sizes):
-            k = A.shape[-1]
-            mean_grams.append(flat[q:q + k2].view(k, k) / self.world)
-            dd.append(flat[q + k2:q + 2 * k2].view(k, k))
-            others.append(other)
-            q += 2 * k2
-        if bool(torch.isfinite(flat).all()):
-            noise, signal = spectral.nuclear_stats(
-                mean_grams, mean_grad_grams=dd, scale=self.scale, bias_correction=st.bias_correction,
-                num_samples=self.world, batch_size=float(st.batch_size), other_dims=others)
-            noise_sum = float(noise.double().sum())
-            signal_sum = float(signal.double().sum())
-        else:  # non-finite gradients on some rank: invalid on every rank
-            noise_sum = signal_sum = float("nan")
-        st._finish(self.world, None, noise_sum, signal_sum, self.step)
+        # nuclear: every param group finished its matrices after its reduce-scatter
+        st._finish(self.world, None, self.nuc_noise, self.nuc_signal, self.step)
 
 
 def _define_reduce_scatter(base):
@@ -316,6 +312,8 @@ def _define_reduce_scatter(base):
             if chunk * R != inp.numel() or output.numel() != chunk:
                 raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
                                    f"do not match the param group's layout ({chunk} per rank)")
+            if not any(seg.measured for seg in segs):  # nothing to measure in this group
+                return self.inner(output, inp, group, op, False)
             x = inp.view(R, chunk)
             if ctx.device is None:
                 ctx.device = inp.device
@@ -349,8 +347,11 @@ def _define_reduce_scatter(base):
             mats = [s for s in segs if s.measured]
             pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
             pack[:, :chunk].copy_(x)
-            local = []
-            for seg in mats:
+            # this group's Grams, one flat buffer: per matrix [local Gram / R, mean-Gram partial]
+            ks = [min(s_.shape) for s_ in mats]
+            flat = torch.empty(sum(2 * k * k for k in ks), dtype=torch.float32, device=dev)
+            q = 0
+            for seg, k in zip(mats, ks):
                 blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
                 m, n = seg.shape
                 if seg.natural:
@@ -375,20 +376,40 @@ def _define_reduce_scatter(base):
                         if hi > lo:
                             dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
                     del full
-                local.append(G * (a * a))
+                torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])  # sums to mean_j G^jT G^j
+                del G
+                q += 2 * k * k
             out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
             work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
             del pack
             output.copy_(out[:chunk].view_as(output))
+            if not mats:
+                return work
             f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
-            for seg, G in zip(mats, local):
+            q = 0
+            for seg, k in zip(mats, ks):
                 if seg.natural:
                     Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
                 else:
                     Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
-                P = spectral.gram([Dr], side=seg.side)[0] * (f * f)
-                m, n = seg.shape
-                ctx.grams.append((G, P, n if seg.side == "row" else m))
+                P = spectral.gram([Dr], side=seg.side)[0]
+                torch.mul(P.view(-1), f * f, out=flat[q + k * k:q + 2 * k * k])  # sums to D^T D or D D^T
+                q += 2 * k * k
+            del out
+            # the group's one small all-reduce: local Grams and mean-Gram partials together
+            dist.all_reduce(flat, group=group)
+            mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
+            dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
+            others = [s_.shape[1] if s_.side == "row" else s_.shape[0] for s_ in mats]
+            if bool(torch.isfinite(flat).all()):
+                st = ctx.state
+                noise, signal = spectral.nuclear_stats(
+                    mean_grams, mean_grad_grams=dd, scale=ctx.scale, bias_correction=st.bias_correction,
+                    num_samples=R, batch_size=float(st.batch_size), other_dims=others)
+                ctx.nuc_noise += float(noise.double().sum())
+                ctx.nuc_signal += float(signal.double().sum())
+            else:  # non-finite gradients on some rank: this measurement is invalid everywhere
+                ctx.nuc_noise = ctx.nuc_signal = float("nan")
             return work
 
     GNSReduceScatter.__qualname__ = "GNSReduceScatter"
