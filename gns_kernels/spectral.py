@@ -386,9 +386,20 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
     return (_shift_correction(Y, Z, e, eye) * out_scale).reshape(batch)
 
 
+_NEWTON_CHUNK = 16  # matrices per batched iteration: bounds the workspace (6 x 16 x m^2 floats)
+
+
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
 def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None) -> Tensor:
-    return _newton_impl(A, iters, eps, ref_norm)
+    m = A.shape[-1]
+    flat = A.reshape(-1, m, m)
+    refs = None if ref_norm is None else ref_norm.reshape(-1)
+    if flat.shape[0] <= _NEWTON_CHUNK:
+        return _newton_impl(flat, iters, eps, refs).reshape(A.shape[:-2])
+    outs = [_newton_impl(flat[i:i + _NEWTON_CHUNK], iters, eps,
+                         None if refs is None else refs[i:i + _NEWTON_CHUNK])
+            for i in range(0, flat.shape[0], _NEWTON_CHUNK)]
+    return torch.cat(outs).reshape(A.shape[:-2])
 
 
 @_newton_op.register_fake
