@@ -387,12 +387,28 @@ def test_cpp_ops_check_arguments_too():
         (ValueError, r"^sq: expected 8 elements", lambda: o.accumulate_sq(x, x.clone(), x[:2].clone())),
         (ValueError, r"^shifts: expected 1 entries", lambda: o.variance_norms_multi([x], [x], 1.0, [None, None])),
         (ValueError, r"^mean_sqs\[0\]: expected 8", lambda: o.variance_norms_multi([x], [x[:3]], 1.0, [])),
-        (TypeError, r"^grads\[1\]: expected dtype", lambda: o.accumulate_sq_multi([x, x.double()], [x, x], [x, x])),
+        (TypeError, r"^grads\[1\]: expected dtype", lambda: o.accumulate_sq_multi([x, x.double()], [x + 1, x + 1], [x + 2, x + 2])),
         (ValueError, r"^prevs: expected 2 tensors", lambda: o.accumulate_sq_multi([x, x], [x], [x, x])),
     ]
     for exc, pat, fn in cases:
         with pytest.raises(exc, match=pat):
             fn()
+
+
+def test_outputs_must_not_overlap_inputs():
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"^out: must not share memory with grad"):
+        gk.square_pack(buf[:8], buf)
+    with pytest.raises(ValueError, match=r"^out: must not share memory with shift"):
+        gk.square_pack(torch.zeros(4), buf[:8], buf[6:10])
+    g = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"^prev: must not share memory with grad"):
+        gk.accumulate_sq(g, g, torch.zeros(8))
+    with pytest.raises(ValueError, match=r"^sq: must not share memory with prev"):
+        gk.accumulate_sq(g, buf[4:12], buf[:8])
+    with pytest.raises(ValueError, match=r"^sqs\[0\]: must not share memory with grads\[0\]"):
+        gk.accumulate_sq_multi([g], [torch.zeros(8)], [g])
+    gk.square_pack(buf[:4], buf[4:12])  # adjacent, not overlapping: fine
 
 
 def test_backend_argument_and_env(monkeypatch, gen):
@@ -513,7 +529,7 @@ def test_opcheck(dtype, gen):
         (o.square_pack.default, (d, torch.empty(2 * n), None)),
         (o.accumulate_sq.default, (d, s.clone(), torch.rand(n, generator=gen))),
         (o.accumulate_sq.default, (d, s.float(), torch.rand(n, generator=gen))),
-        (o.accumulate_sq_multi.default, ([d, q], [s.clone(), q.float()], [torch.rand(n), torch.rand(n)])),
+        (o.accumulate_sq_multi.default, ([d, q], [s.clone(), q.float().clone()], [torch.rand(n), torch.rand(n)])),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)

@@ -38,7 +38,9 @@ void square_pack_cpu(const at::Tensor& grad, const at::Tensor& out, const c10::o
   if (has_shift) {
     check_input(*shift, "shift");
     check_numel(*shift, "shift", n, "grad");
+    check_no_overlap(out, "out", *shift, "shift");
   }
+  check_no_overlap(out, "out", grad, "grad");
   SquarePackFn fn = nullptr;
   dispatch_float(grad.scalar_type(), [&](auto gtag) {
     using T = decltype(gtag);
@@ -97,6 +99,9 @@ AccTensor make_acc_tensor(const at::Tensor& grad, const at::Tensor& prev, const 
   check_float32(sq, ns);
   check_numel(prev, np, grad.numel(), ng);
   check_numel(sq, ns, grad.numel(), ng);
+  check_no_overlap(prev, np, grad, ng);
+  check_no_overlap(sq, ns, grad, ng);
+  check_no_overlap(sq, ns, prev, np);
   AccTensor t;
   t.g = grad.data_ptr();
   t.p = prev.data_ptr();
