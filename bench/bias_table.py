@@ -2,6 +2,7 @@
 
     python bench/bias_table.py [--draws 4000] [--model-draws 300]
     python bench/bias_table.py --speed      # cost of the nuclear correction vs eigvalsh
+    python bench/bias_table.py --extra      # more structures: heavy tails, spiky, low rank
 
 Prints markdown tables of E[estimate] / truth (mean over draws, +- one standard error):
   l1:      ||s||_1 raw and / c4(R)                         (truth ||sigma||_1)
@@ -98,6 +99,64 @@ def speed() -> None:
         print(f"| {m} | {L} | {best_e:.4f} | {best_c:.4f} | {best_c / best_e:.3f} |")
 
 
+class _Extra:
+    """Single-example noise L Z / sqrt(n) (m x n) with non-Gaussian or unusual structure.
+
+    kind 'student3': Z entries Student-t with 3 dof (unit variance, infinite kurtosis);
+    'scale_mix': Z Gaussian times one sqrt(Exp(1)) factor per example (heavy-tailed whole
+    matrices); 'spiky': Gaussian, eigenvalues (100, 30, 10, 1e-3 x 9); 'rank3': Gaussian,
+    eigenvalues (1, 0.5, 0.25, 0 x 9). Truth tr(C_b^{1/2}) = sum sqrt(tau) / sqrt(b).
+    """
+
+    def __init__(self, kind: str, m: int = 12, n: int = 32, seed: int = 5):
+        g = torch.Generator().manual_seed(seed)
+        self.kind, self.m, self.n = kind, m, n
+        Q, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+        if kind == "spiky":
+            tau = torch.tensor([100.0, 30.0, 10.0] + [1e-3] * (m - 3), dtype=torch.float64)
+        elif kind == "rank3":
+            tau = torch.tensor([1.0, 0.5, 0.25] + [0.0] * (m - 3), dtype=torch.float64)
+        else:
+            tau = 1.0 / torch.arange(1, m + 1, dtype=torch.float64)
+        self.tau, self.L = tau, Q * tau.sqrt()
+
+    def draw(self, R: int, b: int, draws: int, gen: torch.Generator) -> torch.Tensor:
+        shape = (draws, R, b, self.m, self.n)
+        if self.kind == "student3":
+            # t_3 = N / sqrt(chi2_3 / 3), variance 3: scale to 1
+            z = torch.randn(shape, generator=gen, dtype=torch.float64)
+            chi = (torch.randn((3,) + shape, generator=gen, dtype=torch.float64) ** 2).sum(0) / 3.0
+            Z = z / chi.sqrt() / math.sqrt(3.0)
+        elif self.kind == "scale_mix":
+            u = torch.rand(draws, R, b, 1, 1, generator=gen, dtype=torch.float64)
+            Z = torch.randn(shape, generator=gen, dtype=torch.float64) * (-torch.log(u)).sqrt()
+        else:
+            Z = torch.randn(shape, generator=gen, dtype=torch.float64)
+        return (self.L @ Z).mean(dim=2) / math.sqrt(self.n)
+
+    def truth(self, b: int) -> float:
+        return float(self.tau.sqrt().sum()) / math.sqrt(b)
+
+
+def extra(draws: int, seed: int) -> None:
+    print("| structure | b | R | nuclear raw | columns (removed) | data, R>=4 (removed) |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("student3", "scale_mix", "spiky", "rank3"):
+        p = _Extra(kind)
+        b = 4
+        for R in (2, 4, 8):
+            G = p.draw(R, b, draws, torch.Generator().manual_seed(seed + R))
+            dev = G - G.mean(dim=1, keepdim=True)
+            C = (dev @ dev.mT).sum(dim=1) / (R - 1)  # covariance of a b-mean (scale cancels)
+            ev = torch.linalg.eigvalsh(C)
+            T = p.truth(b)
+            raw = _ms(ev.clamp_min(0).sqrt().sum(-1), T)
+            col = _ms(bias.nuclear_sqrt_trace_corrected(ev, R, other_dim=p.n), T)
+            data = (_ms(bias.nuclear_sqrt_trace_corrected(ev, R, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1)), T)
+                    if R >= 4 else None)
+            print(f"| {kind} | {b} | {R} | {_fmt(raw)} | {_fmt(col)} ({_removed(raw, col)}) | {_fmt(data)} ({_removed(raw, data)}) |")
+
+
 def _fmt(ms):
     return "–" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
@@ -114,10 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model-draws", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speed", action="store_true", help="time the nuclear correction instead")
+    ap.add_argument("--extra", action="store_true", help="heavy-tailed / spiky / low-rank structures")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.speed:
         speed()
+        return 0
+    if args.extra:
+        extra(args.draws, args.seed)
         return 0
     rows = []
     for b in (24, 8, 4):
