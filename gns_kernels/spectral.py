@@ -495,6 +495,17 @@ def _validate_symmetric(A: Tensor, name: str) -> None:
 
 
 # ============================================================================== nuclear_stats
+def _grams_on_sides(tensors: list[Tensor], sides: list[str]) -> list[Tensor]:
+    """gram() of each tensor on its own side ('row' / 'col'), batched by shape per side."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    for s in ("row", "col"):
+        idx = [i for i, si in enumerate(sides) if si == s]
+        if idx:
+            for i, G in zip(idx, gram([tensors[i] for i in idx], side=s)):
+                out[i] = G
+    return out  # type: ignore[return-value]
+
+
 def nuclear_stats(
     mean_grams: Sequence[Tensor],
     mean_grads: Sequence[Tensor] | None = None,
@@ -631,16 +642,13 @@ def nuclear_stats(
 
     # ---- D D^T and G G^T, batched by shape (gram() groups equal shapes)
     if mean_grads is not None:
-        dd = gram([mean_grads[l] for l in range(L)], side="auto") if side == "auto" else None
-        if dd is None or any(dd[l].shape[-1] != mean_grams[l].shape[-1] for l in range(L)):
-            dd = [gram([mean_grads[l]], side=sides[l])[0] for l in range(L)]
-        shifted = [l for l in range(L) if shifts is not None and shifts[l] is not None]
+        dd = _grams_on_sides([mean_grads[l] for l in range(L)], sides)
         gg = list(dd)
+        shifted = [l for l in range(L) if shifts is not None and shifts[l] is not None]
         if shifted:
-            gs = gram([mean_grads[l].float() + shifts[l].float() for l in shifted], side="auto")
+            gs = _grams_on_sides([mean_grads[l].float() + shifts[l].float() for l in shifted],
+                                 [sides[l] for l in shifted])
             for l, G in zip(shifted, gs):
-                if G.shape[-1] != mean_grams[l].shape[-1]:
-                    G = gram([mean_grads[l].float() + shifts[l].float()], side=sides[l])[0]
                 gg[l] = G
     else:
         dd = [g for g in mean_grad_grams]
