@@ -50,6 +50,7 @@ COMPOSITES = ("muon", "specsgd")
 # main learning rate per optimizer (the AdamW part of the composites uses --adam-lr)
 DEFAULT_LR = {"muon": 0.02, "specsgd": 0.02, "signum": 1e-3, "signsgd": 3e-4,
               "adamw": 3e-3, "sgd": 0.3, "msgd": 0.05}
+COMPARE_SAMPLES = 6000   # default budget of each --compare run (four runs in < 15 min here)
 METRIC_COLUMNS = ["step", "samples", "lr", "batch_size", "gns_raw", "gns_ema", "train_loss",
                   "val_loss", "lr_multiplier", "accum_steps", "micro_batch", "elapsed_s"]
 
@@ -70,7 +71,7 @@ class DemoConfig:
     max_batch_size: int | None = 512
     max_local_batch: int = 32
     micro_batches: int = 1               # minimum micro-batches per rank (>= 2 for 1 rank)
-    multiple_of: int | None = None       # None: R*micro_batches*8 when B_0 allows, else R*micro_batches
+    multiple_of: int | None = None       # None: R*micro_batches*p, p the largest of 8, 4, 2, 1 dividing B_0/(R*micro)
     adaptive: bool = True
     samples: int = 8000                  # sample (sequence) budget
     steps: int | None = None             # optional cap on optimizer steps
@@ -115,7 +116,10 @@ class DemoConfig:
         if self.multiple_of is not None:
             return self.multiple_of
         base = self.ranks * self.micro_batches
-        return base * 8 if self.initial_batch_size % (base * 8) == 0 else base
+        for p in (8, 4, 2):
+            if self.initial_batch_size % (base * p) == 0:
+                return base * p
+        return base
 
     def resolved_warmup(self) -> int:
         if self.warmup is not None:
@@ -135,8 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(OPTIMIZERS)} (default muon: Muon on 2-D hidden weights + AdamW)")
     g.add_argument("--geometry", default=None,
                    help="GNS geometry l2 | l1 | nuclear (default: the optimizer's)")
-    g.add_argument("--samples", type=int, default=d.samples,
-                   help="sample budget in sequences of --context bytes (default %(default)s)")
+    g.add_argument("--samples", type=int, default=None,
+                   help=f"sample budget in sequences of --context bytes (default {d.samples}; "
+                        f"{COMPARE_SAMPLES} per run with --compare)")
     g.add_argument("--steps", type=int, default=None, help="also stop after this many optimizer steps")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--out", default=None, help="run folder (default runs/<timestamp> here)")
@@ -191,7 +196,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         theta=args.theta, every=args.every, warmup=args.warmup,
         initial_batch_size=args.initial_batch_size, max_batch_size=args.max_batch_size,
         max_local_batch=args.max_local_batch, micro_batches=micro, multiple_of=args.multiple_of,
-        adaptive=not args.constant, samples=args.samples, steps=args.steps, lr=args.lr,
+        adaptive=not args.constant,
+        samples=(args.samples if args.samples is not None
+                 else COMPARE_SAMPLES if getattr(args, "compare", False) else DemoConfig.samples),
+        steps=args.steps, lr=args.lr,
         adam_lr=args.adam_lr, lr_warmup=args.lr_warmup, seed=args.seed, dim=args.dim,
         layers=args.layers, heads=args.heads, mlp=args.mlp, context=args.context,
         corpus=args.corpus, eval_every=args.eval_every, val_windows=args.val_windows,
@@ -465,7 +473,7 @@ def _fmt(x) -> str:
     if x is None:
         return ""
     if isinstance(x, float):
-        return "" if math.isnan(x) else f"{x:.6g}"
+        return "" if math.isnan(x) else f"{x:.8g}"
     return str(x)
 
 
@@ -587,11 +595,12 @@ def _train(cfg: DemoConfig, corpus, device, resume_from: str | None) -> None:
     csv_fh = open(metrics_path, "a", newline="") if is_main else None
     writer = csv.writer(csv_fh) if is_main else None
     last_val = None
+    last_B = ctrl.batch_size
     stopped_early = False
     try:
         while (sampler.samples_seen + ctrl.batch_size <= budget
                and (cfg.steps is None or step < cfg.steps)):
-            B = ctrl.batch_size
+            B = last_B = ctrl.batch_size
             sampler.set_batch_size(B)
             hook_state.batch_size = B
             if micro_gns:
@@ -665,12 +674,12 @@ def _train(cfg: DemoConfig, corpus, device, resume_from: str | None) -> None:
         dist.barrier()
         return
     if is_main:
-        _finish(cfg, step, sampler.samples_seen, last_val, best_val, ctrl, geometry, theta,
-                elapsed_before + time.time() - t0, corpus)
+        _finish(cfg, step, sampler.samples_seen, last_val, best_val, ctrl, last_B, geometry,
+                theta, elapsed_before + time.time() - t0, corpus)
     dist.barrier()  # summary.json exists before any rank returns (torchrun --compare)
 
 
-def _finish(cfg, steps, samples, last_val, best_val, ctrl, geometry, theta, elapsed, corpus):
+def _finish(cfg, steps, samples, last_val, best_val, ctrl, last_B, geometry, theta, elapsed, corpus):
     from .plots import plot_run, plots_available
 
     metrics_path = os.path.join(cfg.out, "metrics.csv")
@@ -682,7 +691,8 @@ def _finish(cfg, steps, samples, last_val, best_val, ctrl, geometry, theta, elap
     summary = dict(label=cfg.label, optimizer=cfg.optimizer, geometry=geometry, theta=theta,
                    adaptive=cfg.adaptive, steps=steps, samples=samples,
                    tokens=samples * cfg.context, final_val_loss=last_val, best_val_loss=best_val,
-                   initial_batch_size=cfg.initial_batch_size, final_batch_size=ctrl.batch_size,
+                   initial_batch_size=cfg.initial_batch_size, final_batch_size=last_B,
+                   next_batch_size=ctrl.batch_size,
                    final_gns_ema=ctrl.gns_ema, lr_multiplier=ctrl.lr_multiplier,
                    measurements=ctrl.num_measurements, skipped_measurements=ctrl.num_skipped,
                    elapsed_s=elapsed, corpus=corpus.root, corpus_train_bytes=int(corpus.train.numel()),
@@ -693,7 +703,7 @@ def _finish(cfg, steps, samples, last_val, best_val, ctrl, geometry, theta, elap
         gns = "-" if ctrl.gns_ema is None else f"{ctrl.gns_ema:.1f}"
         print(f"done: {steps} steps, {samples} sequences ({samples * cfg.context / 1e6:.2f}M tokens) "
               f"in {elapsed:.0f}s | val loss {last_val:.4f} (best {best_val:.4f}) | batch "
-              f"{cfg.initial_batch_size} -> {ctrl.batch_size} | {geometry} GNS (EMA) {gns} | "
+              f"{cfg.initial_batch_size} -> {last_B} | {geometry} GNS (EMA) {gns} | "
               f"lr x{ctrl.lr_multiplier:.2f}")
         print(f"run folder: {cfg.out} (metrics.csv, {'plot.png, ' if plot_path else ''}summary.json, "
               "checkpoint.pt)")
@@ -727,35 +737,40 @@ def _steps_to_reach(metrics: dict, target: float) -> int | None:
 
 def compare_table(results: dict[str, dict], metrics: dict[str, dict], optimizer: str,
                   small_key: str = "small") -> str:
-    """Table 2 layout: validation losses of the four runs, then steps to reach the small
-    constant baseline's best validation loss and the steps reduction (%) vs that baseline."""
-    target = results[small_key]["best_val_loss"]
+    """Table 2 layout: validation losses of the runs (columns, in order; the last one is the
+    adaptive run in the optimizer's geometry), its steps reduction (%), then one row per run:
+    final and best validation loss, steps, samples, final batch, steps to reach the small
+    constant baseline's best validation loss (as logged in its metrics) and the reduction
+    relative to the steps the baseline itself needed to reach it."""
+    base_vals = [v for v in metrics[small_key]["val_loss"] if not math.isnan(v)]
+    target = min(base_vals)
     base_steps = _steps_to_reach(metrics[small_key], target)
-    heads = [results[k]["label"] for k in results]
-    lines = []
-    col = max(14, *(len(h) + 2 for h in heads))
-    lines.append("Optimizer".ljust(10) + "".join(h.rjust(col) for h in heads)
-                 + "Steps reduction(%)".rjust(20))
-    reduction = "-"
-    last_key = list(results)[-1]
     reach = {k: _steps_to_reach(metrics[k], target) for k in results}
-    if reach[last_key] is not None and base_steps:
-        reduction = f"{100.0 * (base_steps - reach[last_key]) / base_steps:.2f}"
-    lines.append(optimizer.ljust(10) + "".join(f"{results[k]['final_val_loss']:.4f}".rjust(col)
-                                               for k in results) + reduction.rjust(20))
-    lines.append("")
-    lines.append(f"validation loss target = best of {results[small_key]['label']}: {target:.4f}")
-    lines.append("run".ljust(28) + "final val".rjust(10) + "best val".rjust(10) + "steps".rjust(8)
+
+    def reduction(k):
+        s = reach[k]
+        return "-" if (s is None or not base_steps) else f"{100.0 * (base_steps - s) / base_steps:.2f}"
+
+    keys = list(results)
+    heads = ["Optimizer"] + [results[k]["label"] for k in keys] + ["Steps reduction(%)"]
+    cells = [optimizer] + [f"{results[k]['final_val_loss']:.4f}" for k in keys] + [reduction(keys[-1])]
+    widths = [max(len(h), len(c)) + 2 for h, c in zip(heads, cells)]
+    lines = ["".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(heads, widths))),
+             "".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))),
+             "",
+             f"target = best validation loss of {results[small_key]['label']}: {target:.4f} "
+             f"(reached after {base_steps} steps)"]
+    name_w = max(len(results[k]["label"]) for k in keys) + 2
+    lines.append("run".ljust(name_w) + "final val".rjust(10) + "best val".rjust(10) + "steps".rjust(8)
                  + "samples".rjust(9) + "final B".rjust(9) + "steps to target".rjust(17)
                  + "reduction %".rjust(13))
-    for k in results:
+    for k in keys:
         r = results[k]
         s = reach[k]
-        red = "-" if (s is None or not base_steps) else f"{100.0 * (base_steps - s) / base_steps:.2f}"
-        lines.append(r["label"].ljust(28) + f"{r['final_val_loss']:.4f}".rjust(10)
+        lines.append(r["label"].ljust(name_w) + f"{r['final_val_loss']:.4f}".rjust(10)
                      + f"{r['best_val_loss']:.4f}".rjust(10) + str(r["steps"]).rjust(8)
                      + str(r["samples"]).rjust(9) + str(r["final_batch_size"]).rjust(9)
-                     + ("not reached" if s is None else str(s)).rjust(17) + red.rjust(13))
+                     + ("not reached" if s is None else str(s)).rjust(17) + reduction(k).rjust(13))
     return "\n".join(lines)
 
 

@@ -115,7 +115,7 @@ def test_short_two_rank_run(full_run):
     B = [int(r["batch_size"]) for r in rows]
     samples = [int(r["samples"]) for r in rows]
     assert samples == [sum(B[:i + 1]) for i in range(len(B))] and samples[-1] <= 480
-    theta, F, warm, mult, cap = 0.15, 2, 3, 16, 64       # multiple_of = 2 ranks x 8
+    theta, F, warm, mult, cap = 0.15, 2, 3, 8, 64        # multiple_of = 2 ranks x 4 (B_0 = 8)
     grew = False
     for k in range(len(rows) - 1):
         r = rows[k]
@@ -204,3 +204,33 @@ def test_compare_table_layout():
     assert body["Non-Euclidean GNS (nuclear)"].split()[-2:] == ["4", "50.00"]
     metrics["adaptive"] = _metrics([3.0, 2.5, 2.0])
     assert compare_table(results, metrics, "muon").splitlines()[1].split()[-1] == "-"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compare_end_to_end(small_corpus, tmp_path, capsys):
+    # four launches (about 1-2 minutes here): slow; the table layout itself is tested above
+    out = tmp_path / "cmp"
+    argv = ["demo", "--compare", "--ranks", "2", "--samples", "320", "--initial-batch-size", "8",
+            "--every", "2", "--warmup", "3", "--eval-every", "2", "--corpus", small_corpus,
+            "--out", str(out), *TINY]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Optimizer" in printed and "Steps reduction(%)" in printed
+    for sub in ("small", "large", "euclidean", "adaptive"):
+        assert os.path.exists(out / sub / "metrics.csv")
+    with open(out / "compare.png", "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    import json
+    res = json.loads((out / "compare.json").read_text())
+    assert {r["samples"] for r in res.values()} <= set(range(289, 321))  # same budget
+    assert res["large"]["final_batch_size"] == 32 and res["small"]["final_batch_size"] == 8
+    assert res["euclidean"]["geometry"] == "l2" and res["adaptive"]["geometry"] == "nuclear"
+
+
+@pytest.mark.parametrize("ranks,b0,micro,expected", [
+    (2, 16, 1, 16), (2, 8, 1, 8), (1, 8, 2, 8), (3, 12, 1, 12), (2, 6, 1, 2), (4, 64, 2, 64)])
+def test_default_multiple_of(ranks, b0, micro, expected):
+    cfg = train.DemoConfig(ranks=ranks, initial_batch_size=b0, micro_batches=micro)
+    m = cfg.resolved_multiple_of()
+    assert m == expected and m % (ranks * micro) == 0 and b0 % m == 0
