@@ -202,8 +202,9 @@ def test_zero_signal_is_invalid(geometry):
     e = gk.estimate(rg, 4, geometry)
     assert not e.valid and math.isnan(e.gns)
     # identical samples: zero noise, valid, gns 0
-    e = gk.estimate([[torch.ones(3, 4)], [torch.ones(3, 4)]], 4, geometry)
-    assert e.valid and e.gns == 0.0 and e.noise == 0.0
+    for R in (2, 4):  # R = 4: the data-driven nuclear dof sees zero variance (no correction)
+        e = gk.estimate([[torch.ones(3, 4)]] * R, 2 * R, geometry)
+        assert e.valid and e.gns == 0.0 and e.noise == 0.0
 
 
 def test_bad_input():
