@@ -425,13 +425,21 @@ class FSDPGNSHandle:
         self.modules = modules
         self.reduce_scatters: list = []  # GNSReduceScatter objects
         self._pending = False  # a final callback is queued for the current backward
+        self._task = -1  # autograd graph task id of that backward
         self._ctx: Optional[_Measurement] = None
         self._group = None
 
     def _begin(self, group) -> Optional[_Measurement]:
         """Called by every GNSReduceScatter; on the first call of a backward queue the
         finishing callback and, on a measurement step, open the measurement."""
+        task = torch._C._current_graph_task_id()
+        if self._pending and task != self._task:
+            # a backward that failed before our callback ran (the engine drops queued
+            # callbacks on error): forget it, it was not an optimizer step
+            self._pending = False
+            self._ctx = None
         if not self._pending:
+            self._task = task
             st = self.state
             self._ctx = None
             self._group = group
