@@ -383,8 +383,11 @@ def variance_norms_multi(
     if not mean_grads:  # nothing to dispatch on: the sums are zero
         return torch.zeros(4, dtype=torch.float32, device=dev)
     if b == "cpp":
+        # one entry per tensor (None: no shift), so every registered kernel (C++ CPU/CUDA,
+        # Triton via register_cuda_kernels) sees the same list form; the C++ kernels also
+        # accept an empty list for "no shift at all"
         return torch.ops.gns_kernels.variance_norms_multi(
-            mean_grads, mean_sqs, scale, [] if shifts is None else shifts
+            mean_grads, mean_sqs, scale, [None] * len(mean_grads) if shifts is None else shifts
         )
     if b == "triton":
         return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
