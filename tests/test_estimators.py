@@ -60,14 +60,14 @@ def test_corrections_relative_to_raw(R):
     rg = _rank_grads(R, SHAPES, _fresh_seed())
     B = 3 * R
     raw = {g: gk.estimate(rg, B, g, bias_correction=False) for g in ("l2", "l1", "nuclear")}
-    cor = {g: gk.estimate(rg, B, g) for g in ("l2", "l1", "nuclear")}
+    cor = {g: gk.estimate(rg, B, g, nuclear_dof="auto") for g in ("l2", "l1", "nuclear")}
     # l2 is unbiased: unchanged
     assert cor["l2"].noise == raw["l2"].noise and cor["l2"].signal == raw["l2"].signal
     # l1: noise x 1/c4(R)^2, signal unchanged
     assert cor["l1"].noise == pytest.approx(raw["l1"].noise / bias.c4(R) ** 2, rel=1e-12)
     assert cor["l1"].noise_raw == pytest.approx(raw["l1"].noise, rel=1e-12)
     assert cor["l1"].signal == raw["l1"].signal
-    # nuclear: per-matrix corrected sqrt-traces, summed, squared. Default nuclear_dof='auto':
+    # nuclear: per-matrix corrected sqrt-traces, summed, squared. nuclear_dof='auto':
     # 'columns' (other_dim = the longer side) for R < 4, the data's fourth moments for R >= 4
     mats = [p for p, s in enumerate(SHAPES) if len(s) == 2]
     tot, tot_col = 0.0, 0.0
@@ -85,13 +85,15 @@ def test_corrections_relative_to_raw(R):
             tot += col
     assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
     assert gk.estimate(rg, B, "nuclear", nuclear_dof="columns").noise == pytest.approx(tot_col**2, rel=1e-9)
+    # the default is 'columns', the hooks' correction (eigenvalues only)
+    assert gk.estimate(rg, B, "nuclear").noise == pytest.approx(tot_col**2, rel=1e-9)
     if R >= 4:  # 'auto' falls back to 'columns' above its cost bound
         from gns_kernels import estimators
 
         old = estimators._DATA_DOF_MAX_FLOPS
         try:
             estimators._DATA_DOF_MAX_FLOPS = 0
-            assert gk.estimate(rg, B, "nuclear").noise == pytest.approx(tot_col**2, rel=1e-9)
+            assert gk.estimate(rg, B, "nuclear", nuclear_dof="auto").noise == pytest.approx(tot_col**2, rel=1e-9)
             assert gk.estimate(rg, B, "nuclear", nuclear_dof="data").noise == pytest.approx(tot**2, rel=1e-9)
         finally:
             estimators._DATA_DOF_MAX_FLOPS = old
