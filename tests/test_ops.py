@@ -96,6 +96,28 @@ def test_variance_norms_shift_semantics(gen):
     _close(got, want, rtol=1e-4)
 
 
+@pytest.mark.parametrize("use_shift", [False, True])
+def test_pack_average_variance_norms_gives_raw_gns(use_shift, gen):
+    """The hook's pipeline on R simulated ranks: square_pack each rank's gradient, average the
+    packed buffers (the all-reduce), variance_norms with scale B/(R-1): the l2 and l1 raw
+    GNS terms equal reference.raw_gns on the same gradients."""
+    r, b, n = 4, 32, 20011
+    mean = torch.randn(n, generator=gen, dtype=torch.float64)
+    grads = [(mean + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).float() for _ in range(r)]
+    shift = (mean + 0.01 * torch.randn(n, generator=gen, dtype=torch.float64)).float() if use_shift else None
+    bufs = [gk.square_pack(g, torch.empty(2 * n), shift) for g in grads]
+    avg = torch.stack(bufs).mean(0)
+    stats = gk.variance_norms(avg[:n], avg[n:], b / (r - 1), shift).double()
+    noise_l2, signal_l2 = ref.raw_gns([[g] for g in grads], b, "l2")
+    noise_l1, signal_l1 = ref.raw_gns([[g] for g in grads], b, "l1")
+    # the float32 subtraction mean_sq - mean_grad^2 loses ~mean^2/var * 2^-24 relative per
+    # coordinate without a shift (here ~1e-6); the shift removes that
+    _close(stats[2], torch.tensor(noise_l2), rtol=2e-5)
+    _close(stats[3], torch.tensor(signal_l2), rtol=1e-5)
+    _close(stats[0] ** 2, torch.tensor(noise_l1), rtol=2e-5)
+    _close(stats[1] ** 2, torch.tensor(signal_l1), rtol=1e-5)
+
+
 def test_variance_norms_2pow26_accuracy(gen):
     """A 2^26-element sum stays within 1e-6 relative of float64 (naive float32 would not).
 
