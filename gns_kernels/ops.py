@@ -62,7 +62,11 @@ try:
     from . import _C  # noqa: F401  (importing registers torch.ops.gns_kernels.*)
 except ImportError as exc:  # the extension is not built (or built for another torch)
     _C = None
-    _C_ERROR = exc
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if not any(f.startswith("_C.") and f.endswith((".so", ".pyd")) for f in os.listdir(_here)):
+        _C_ERROR = ImportError(f"no compiled _C*.so in {_here}")
+    else:
+        _C_ERROR = exc
 
 _REBUILD_HINT = (
     "the C++ extension gns_kernels._C is not built or does not load ({err}). Rebuild it "
