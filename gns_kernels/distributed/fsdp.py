@@ -88,7 +88,9 @@ larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
 all-reduce of the group's Grams per param group with measured matrices.
 
 Memory of a measurement step: the packed input (2x the group's padded unsharded gradient
-for l1/l2; 1x plus the other-dimension copies of non-natural matrices for nuclear, in
+for l1/l2, float32; with a float32 reduce dtype FSDP's own input buffer is allocated as
+its first half (``allocate``) and the pack is built in place, so the extra is only the
+squares, 1x; 1x plus the other-dimension copies of non-natural matrices for nuclear, in
 float32) and its shard-sized output, alive only during that group's reduce-scatter; for
 nuclear, a float32 copy of a non-natural matrix's local gradient while its blocks are
 packed, and the group's Grams (2 k^2 floats per matrix) until its statistics are done.
@@ -257,8 +259,25 @@ def _define_reduce_scatter(base):
             self._handle = handle
             self._param_group = param_group
             self.inner = inner
+            self._stash: Optional[Tensor] = None  # 2n float32 buffer whose first n FSDP fills
+            self._stash_output_seen = False
 
         def allocate(self, size, *, dtype, device):
+            """FSDP2 allocates the reduce-scatter input, then the output, then calls us.
+            On an l1/l2 measurement step with a float32 reduce dtype the input is handed
+            out as the first half of a 2n float32 buffer, so the packed [x_r, x_r^2]
+            layout is built in place (no copy of x: the squares are the only extra)."""
+            if self._stash is not None and not self._stash_output_seen:
+                self._stash_output_seen = True  # FSDP's output buffer
+                return self.inner.allocate(size, dtype=dtype, device=device)
+            self._stash = None
+            h = self._handle
+            if (h.reuse_input and dtype == torch.float32 and len(size) == 1
+                    and h.state.geometry != "nuclear" and h._will_measure()):
+                n = int(size[0])
+                self._stash = torch.empty(2 * n, dtype=torch.float32, device=device)
+                self._stash_output_seen = False
+                return self._stash[:n]
             return self.inner.allocate(size, dtype=dtype, device=device)
 
         # FSDP2 calls this once per param group per synchronized backward
@@ -321,9 +340,21 @@ def _define_reduce_scatter(base):
                 return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
 
             # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
-            pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
-            for r in range(R):
-                ops.square_pack(x[r], pack[r])
+            stash, self._stash = self._stash, None
+            if (stash is not None and inp.dtype == torch.float32 and stash.numel() == 2 * inp.numel()
+                    and inp.data_ptr() == stash.data_ptr()):
+                # in place: move x_r to 2r*chunk (last first: targets never overlap unmoved
+                # sources), then square into the gaps
+                for r in range(R - 1, 0, -1):
+                    stash[2 * r * chunk:(2 * r + 1) * chunk].copy_(stash[r * chunk:(r + 1) * chunk])
+                pack = stash.view(R, 2 * chunk)
+                torch.mul(pack[:, :chunk], pack[:, :chunk], out=pack[:, chunk:])
+                self._handle.packed_in_place += 1
+            else:
+                pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
+                for r in range(R):
+                    ops.square_pack(x[r], pack[r])
+            del stash
             out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
             work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
             del pack
@@ -420,14 +451,22 @@ def _define_reduce_scatter(base):
 class FSDPGNSHandle:
     """Returned by ``attach_fsdp_gns``: the installed ReduceScatter objects; ``remove()``."""
 
-    def __init__(self, state: GNSHookState, modules):
+    def __init__(self, state: GNSHookState, modules, reuse_input: bool = True):
         self.state = state
+        self.reuse_input = reuse_input
+        self.packed_in_place = 0  # reduce-scatters packed in FSDP's (enlarged) input buffer
         self.modules = modules
         self.reduce_scatters: list = []  # GNSReduceScatter objects
         self._pending = False  # a final callback is queued for the current backward
         self._task = -1  # autograd graph task id of that backward
         self._ctx: Optional[_Measurement] = None
         self._group = None
+
+    def _will_measure(self) -> bool:
+        """Whether the reduce-scatter about to be allocated belongs to a measurement."""
+        if self._pending and torch._C._current_graph_task_id() == self._task:
+            return self._ctx is not None
+        return self.state.is_measurement_step()
 
     def _begin(self, group) -> Optional[_Measurement]:
         """Called by every GNSReduceScatter; on the first call of a backward queue the
@@ -477,7 +516,7 @@ def _param_groups(module):
     return list(state._fsdp_param_groups)
 
 
-def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState) -> FSDPGNSHandle:
+def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input: bool = True) -> FSDPGNSHandle:
     """Measure the GNS of an FSDP2 model inside its reduce-scatters.
 
     model: a module tree to which ``torch.distributed.fsdp.fully_shard`` was applied
@@ -488,6 +527,11 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState) -> FSDPGNSHandl
         process_group is ignored: FSDP's reduce-scatter group is used). After the
         backward of an optimizer step k with k % F == 0, ``state.estimate`` is the
         GNSEstimate (same semantics as gk.estimate / ddp_gns_hook) on every rank.
+    reuse_input: l1/l2 with a float32 reduce dtype: on measurement steps hand FSDP2 a
+        reduce-scatter input with room for the squares and pack in place, so the only
+        extra memory is the squares (1x the group's padded unsharded gradient) and the
+        doubled output shard; False: pack into a separate 2x buffer (FSDP's input stays
+        FSDP's, allocated by the previous comm object).
     Returns an FSDPGNSHandle (``.remove()`` detaches).
     """
     FSDPModule, _ = _fsdp_api()
@@ -509,7 +553,7 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState) -> FSDPGNSHandl
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("model: no FSDP2 module found (apply torch.distributed.fsdp.fully_shard first)")
-    handle = FSDPGNSHandle(state, modules)
+    handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
     GNSReduceScatter = _reduce_scatter_class()
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo
 

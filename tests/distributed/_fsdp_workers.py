@@ -131,7 +131,7 @@ def _est(e):
 
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
              placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
-             force_sum=False, ddp=True, unused=False):
+             force_sum=False, ddp=True, unused=False, reuse_input=True):
     base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
@@ -151,7 +151,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
     B = LOCAL_BATCH * world * accumulate
     state = GNSHookState(geometry, every=every, batch_size=B, params=measured,
                          bias_correction=bias_correction)
-    handle = attach_fsdp_gns(hooked, state)
+    handle = attach_fsdp_gns(hooked, state, reuse_input=reuse_input)
     ddp_model = ddp_state = None
     if ddp:
         ddp_model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001)
@@ -243,7 +243,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "hooked_calls": hooked_calls.calls,
         })
     handle.remove()
-    return {"records": records, "groups": groups, "names": names,
+    return {"records": records, "groups": groups, "names": names, "packed_in_place": handle.packed_in_place,
             "placements": [str(p.placements[0]) for p in hp_all],
             "unused_grad_is_none": all(p.grad is None for n, p in zip(names, hp_all) if n.startswith("d."))}
 

@@ -31,7 +31,8 @@ SCENARIOS_2 = {
     "l2_mp_bf16_reduce_bf16": dict(geometry="l2", mp="bf16_reduce_bf16", ddp=False, steps=1),
     "l1_accumulate": dict(geometry="l1", accumulate=3, steps=2),
     "nuclear_accumulate": dict(geometry="nuclear", accumulate=2, steps=1),
-    "l1_sum_op": dict(geometry="l1", force_sum=True, steps=1, ddp=False),
+    # SUM op; and the packing into a separate buffer (reuse_input=False)
+    "l1_sum_op_copy_pack": dict(geometry="l1", force_sum=True, reuse_input=False, steps=1, ddp=False),
     # a parameter without gradient: FSDP2 leaves it out of the reduce-scatter input
     "nuclear_unused_param": dict(geometry="nuclear", unused=True, steps=1, ddp=False),
     "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
@@ -195,6 +196,18 @@ def test_collectives_counted(request, world, name):
                 assert sorted(c[1] for c in ar) == sorted(2 * k * k for k in (13, 17, 5))
             else:
                 assert ar[0] == ("all_reduce", 4, "torch.float64")
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
+def test_in_place_packing_used(request, world, name):
+    """l1/l2 with a float32 reduce dtype pack in FSDP's enlarged input buffer (reuse_input);
+    bf16 reduce dtype, nuclear and reuse_input=False use a separate pack."""
+    kw = _scenario(world, name)
+    measured = sum(rec["measuring"] for rec in _results(request, world, name)[0]["records"])
+    expect_in_place = (kw["geometry"] != "nuclear" and kw.get("reuse_input", True)
+                       and kw.get("mp", "none") in ("none", "bf16"))
+    for rank_res in _results(request, world, name):
+        assert rank_res["packed_in_place"] == (GROUPS * measured if expect_in_place else 0)
 
 
 def test_nuclear_payload_natural_vs_extra(request):
