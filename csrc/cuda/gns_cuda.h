@@ -21,12 +21,24 @@ namespace gns_cuda {
 // threads and blocks, whatever the input type.
 enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 
+// Launch configuration. The defaults are the tuned values; the macros exist so that the
+// CPU emulation in tests/cuda (no GPU) can build the same kernels with small chunks and
+// blocks, crossing many chunk boundaries with small tensors. Block sizes: multiples of 32.
+#ifndef GNS_CUDA_CHUNK
+#define GNS_CUDA_CHUNK 65536
+#endif
+#ifndef GNS_CUDA_BLOCK_THREADS
+#define GNS_CUDA_BLOCK_THREADS 256
+#endif
+#ifndef GNS_CUDA_CLEANUP_THREADS
+#define GNS_CUDA_CLEANUP_THREADS 512
+#endif
 // Elements handled by one thread block (one output slot per block for the reductions).
-constexpr int64_t kChunk = 65536;
+constexpr int64_t kChunk = GNS_CUDA_CHUNK;
 // Threads per block of the element-wise and reduction kernels.
-constexpr int kBlockThreads = 256;
+constexpr int kBlockThreads = GNS_CUDA_BLOCK_THREADS;
 // Threads of the single-block cleanup kernel that reduces the slots in a fixed order.
-constexpr int kCleanupThreads = 512;
+constexpr int kCleanupThreads = GNS_CUDA_CLEANUP_THREADS;
 
 // Number of thread blocks (= reduction slots) the list needs: sum_t ceil(numels[t] / kChunk).
 int64_t num_blocks(int ntensors, const int64_t* numels);
