@@ -102,9 +102,8 @@ replicate meshes, ``MicroBatchGNS``.
 """
 from __future__ import annotations
 
-import math
 import sys
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
