@@ -131,7 +131,8 @@ def _est(e):
 
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
              placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
-             force_sum=False, ddp=True, unused=False, reuse_input=True):
+             force_sum=False, ddp=True, unused=False, reuse_input=True,
+             after_remove=False):
     base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
@@ -243,7 +244,18 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "hooked_calls": hooked_calls.calls,
         })
     handle.remove()
-    return {"records": records, "groups": groups, "names": names, "packed_in_place": handle.packed_in_place,
+    after = None
+    if after_remove:  # one more backward: plain FSDP2 again, the state untouched
+        step_before = state.step
+        for p in hooked.parameters():
+            p.grad = None
+        x, y = _batch(rank, steps, 0)
+        with _Counter() as calls:
+            _loss(hooked, x, y).backward()
+        comms = [type(pg._reduce_scatter_comm).__name__ for m in hooked.modules()
+                 if hasattr(m, "_get_fsdp_state") for pg in m._get_fsdp_state()._fsdp_param_groups]
+        after = {"calls": calls.calls, "step_unchanged": state.step == step_before, "comms": comms}
+    return {"after_remove": after, "records": records, "groups": groups, "names": names, "packed_in_place": handle.packed_in_place,
             "placements": [str(p.placements[0]) for p in hp_all],
             "unused_grad_is_none": all(p.grad is None for n, p in zip(names, hp_all) if n.startswith("d."))}
 

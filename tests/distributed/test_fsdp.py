@@ -21,7 +21,7 @@ TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
 
 SCENARIOS_2 = {
     "l2": dict(geometry="l2", steps=3, every=2),
-    "l1": dict(geometry="l1", steps=3, every=2),
+    "l1": dict(geometry="l1", steps=3, every=2, after_remove=True),
     "nuclear": dict(geometry="nuclear", steps=3, every=2),
     "nuclear_raw_shard1_no_reshard": dict(geometry="nuclear", bias_correction=False, placement="gns",
                                           reshard=False, steps=1),
@@ -228,6 +228,14 @@ def test_nuclear_payload_natural_vs_extra(request):
     assert shard1["placements"][shard1["names"].index("b.weight")] == "S(1)"
     s1 = sorted(c_[1] for c_ in shard1["records"][0]["hooked_calls"] if c_[0] == "reduce_scatter")
     assert s1 == sorted([a, 17 * 24 + pad(17), c])
+
+
+def test_remove_restores_plain_fsdp2(request):
+    for rank_res in _results(request, 2, "l1"):
+        after = rank_res["after_remove"]
+        assert after["step_unchanged"]
+        assert after["calls"] == rank_res["records"][1]["plain_calls"]  # same shapes, no extras
+        assert after["comms"] and "GNSReduceScatter" not in after["comms"]
 
 
 @pytest.mark.parametrize("world,name", [(2, "l1_nan"), (2, "nuclear_nan"), (4, "l1_nan")])
