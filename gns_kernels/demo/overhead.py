@@ -9,11 +9,12 @@ models train side by side in the same process group:
     + l1      DDP + gk.ddp_gns_hook, GNSHookState(geometry="l1")
     + S1      DDP + gk.ddp_gns_hook, GNSHookState(geometry="nuclear") (all 2-D weights)
 
-Timing design (other processes may share the CPU): the configurations run in
-interleaved blocks, so slow drifts in machine load hit all of them alike.
-F = 100: blocks of F steps (the first step of each block measures), ``--rounds`` rounds:
-the MEAN step time over rounds*F >= 10*F steps per configuration (a median would hide the
-one-in-F measurement step). F = 1: blocks of ``--f1-block`` steps that all measure.
+Timing design (other processes may share the CPU): the configurations are interleaved
+step by step (base, l1, S1, then the next step of each, rotating the order), so drifts in
+machine load hit all of them alike. F = 100: ``--rounds`` x F steps per configuration
+(steps 0, F, 2F, ... measure): the MEAN step time over them (a median would hide the
+one-in-F measurement step; use --rounds >= 10 for >= 10 F steps). F = 1:
+``--f1-rounds`` x ``--f1-block`` steps per configuration, all measuring.
 Reported: mean s/step per configuration and F, the overhead in %, and the cost of one
 measurement step (F=1 minus baseline) and that cost / 100.
 
@@ -45,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence (<= 128)")
     parser.add_argument("--every", type=int, default=100, help="F of the amortized rows")
     parser.add_argument("--rounds", type=int, default=10,
-                        help="interleaved rounds of F steps per configuration (mean over rounds*F steps)")
-    parser.add_argument("--f1-block", type=int, default=5, help="steps per F=1 block")
-    parser.add_argument("--f1-rounds", type=int, default=6, help="interleaved rounds of F=1 blocks")
+                        help="rounds of F steps per configuration (mean over rounds*F steps)")
+    parser.add_argument("--f1-block", type=int, default=5, help="F=1 steps per round")
+    parser.add_argument("--f1-rounds", type=int, default=4, help="rounds of F=1 steps (f1-rounds x f1-block steps)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
@@ -123,22 +124,18 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
         est = {}
         F = cfg["every"]
         order = ["base", "l1", "s1"]
-        for r in range(cfg["rounds"]):
-            for name in order[r % 3:] + order[:r % 3]:
-                if name in states:
-                    states[name].every = F
-                    states[name].step = 0  # the block's first step measures
-                for _ in range(F):
-                    times[f"{name}_F{F}"].append(step(name))
-        for r in range(cfg["f1_rounds"]):
-            for name in order[r % 3:] + order[:r % 3]:
-                if name in states:
-                    states[name].every = 1
-                for _ in range(cfg["f1_block"]):
-                    times[f"{name}_F1"].append(step(name))
-                if name in states:
-                    e = states[name].estimate
-                    est[name] = None if e is None else [e.gns, e.valid]
+        # step-by-step interleaving: configuration c's i-th step runs next to the others'
+        # i-th steps (rotating the order), so load drifts hit all configurations alike
+        for every, n_steps in ((F, cfg["rounds"] * F), (1, cfg["f1_rounds"] * cfg["f1_block"])):
+            for st in states.values():
+                st.every = every
+                st.step = 0  # steps 0, F, 2F, ... measure
+            for i in range(n_steps):
+                for name in order[i % 3:] + order[:i % 3]:
+                    times[f"{name}_F{every}"].append(step(name))
+        for name, st in states.items():
+            e = st.estimate
+            est[name] = None if e is None else [e.gns, e.valid]
         out = {"times": times, "estimates": est, "params": sum(p.numel() for p in models["base"].parameters())}
         if cfg["breakdown"]:
             out["breakdown"] = _breakdown(ddps["base"], models["base"], B, world)
