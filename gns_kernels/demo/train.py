@@ -741,7 +741,9 @@ def compare_table(results: dict[str, dict], metrics: dict[str, dict], optimizer:
     adaptive run in the optimizer's geometry), its steps reduction (%), then one row per run:
     final and best validation loss, steps, samples, final batch, steps to reach the small
     constant baseline's best validation loss (as logged in its metrics) and the reduction
-    relative to the steps the baseline itself needed to reach it."""
+    relative to the steps the baseline itself needed to reach it; the last column reads the
+    comparison the other way: the steps the baseline needed to reach each run's final loss
+    (useful in short runs where the adaptive runs end above the baseline's best)."""
     base_vals = [v for v in metrics[small_key]["val_loss"] if not math.isnan(v)]
     target = min(base_vals)
     base_steps = _steps_to_reach(metrics[small_key], target)
@@ -763,14 +765,16 @@ def compare_table(results: dict[str, dict], metrics: dict[str, dict], optimizer:
     name_w = max(len(results[k]["label"]) for k in keys) + 2
     lines.append("run".ljust(name_w) + "final val".rjust(10) + "best val".rjust(10) + "steps".rjust(8)
                  + "samples".rjust(9) + "final B".rjust(9) + "steps to target".rjust(17)
-                 + "reduction %".rjust(13))
+                 + "reduction %".rjust(13) + "baseline steps to its final loss".rjust(34))
     for k in keys:
         r = results[k]
         s = reach[k]
+        back = _steps_to_reach(metrics[small_key], r["final_val_loss"] + 1e-9)
         lines.append(r["label"].ljust(name_w) + f"{r['final_val_loss']:.4f}".rjust(10)
                      + f"{r['best_val_loss']:.4f}".rjust(10) + str(r["steps"]).rjust(8)
                      + str(r["samples"]).rjust(9) + str(r["final_batch_size"]).rjust(9)
-                     + ("not reached" if s is None else str(s)).rjust(17) + reduction(k).rjust(13))
+                     + ("not reached" if s is None else str(s)).rjust(17) + reduction(k).rjust(13)
+                     + ("not reached" if back is None else str(back)).rjust(34))
     return "\n".join(lines)
 
 

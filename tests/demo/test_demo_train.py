@@ -200,8 +200,10 @@ def test_compare_table_layout():
     assert lines[1].split() == ["muon", "2.0000", "2.4000", "1.9500", "1.8500", "50.00"]
     body = {l.split("  ")[0].strip(): l for l in lines[4:]}
     assert "not reached" in body["B=32"] and "not reached" in body["Euclidean GNS (l2)"]
-    assert body["B=8"].split()[-2:] == ["8", "0.00"]
-    assert body["Non-Euclidean GNS (nuclear)"].split()[-2:] == ["4", "50.00"]
+    assert body["B=8"].split()[-3:] == ["8", "0.00", "6"]          # its final 2.0 first at step 5
+    assert body["Non-Euclidean GNS (nuclear)"].split()[-4:] == ["4", "50.00", "not", "reached"]
+    assert body["B=32"].split()[-1] == "5"                          # 2.4 -> the 2.2 at step 4
+    assert body["Euclidean GNS (l2)"].split()[-1] == "8"
     metrics["adaptive"] = _metrics([3.0, 2.5, 2.0])
     assert compare_table(results, metrics, "muon").splitlines()[1].split()[-1] == "-"
 
