@@ -148,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--corpus", default=None,
                    help="folder of .py files (default: this Python's standard library)")
     g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run saved in DIR (its checkpoint.pt and config.json)")
+                   help="continue the run saved in DIR (its checkpoint.pt; every other option "
+                        "comes from DIR/config.json)")
     g.add_argument("--compare", action="store_true",
                    help="constant small, constant large, adaptive l2, adaptive in the optimizer's geometry")
     g.add_argument("--large-factor", type=int, default=4,
@@ -719,7 +720,11 @@ def _resume(args) -> int:
         cfg = DemoConfig(**json.load(fh))
     cfg = replace(cfg, out=_check_out_dir(folder), stop_at_step=args.stop_at_step,
                   quiet=args.quiet or cfg.quiet)
-    validate(cfg, _torchrun_world())
+    world = _torchrun_world()
+    if world is not None and world != cfg.ranks:
+        raise DemoError(f"--resume {folder!r}: the run used {cfg.ranks} ranks, torchrun started "
+                        f"{world}; resume with the same number to continue the same trajectory")
+    validate(cfg, world)
     summary = launch(cfg, resume_from=ckpt)
     return 0 if summary is not None else 1
 
