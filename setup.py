@@ -27,11 +27,13 @@ def _ext_modules():
     cpu_sources = _sources("*.cpp", "cpu/*.cpp")
     if not cpu_sources:
         return []
+    # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20
+    # for torch 2.13); a later -std=c++17 would override it.
     # -fno-math-errno lets sqrtf vectorize (the kernels never rely on errno);
     # -ffp-contract=off keeps every SIMD clone (AVX-512 / AVX2 / baseline, see
     # csrc/cpu/cpu_common.h) bit-identical: no FMA contraction; -fopenmp makes
     # at::parallel_for (ATen's OpenMP backend, inlined from its headers) parallel.
-    extra_cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+    extra_cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
     cuda_ext = _cuda_extension(cpu_sources, extra_cxx)
     if cuda_ext is not None:
         return [cuda_ext]

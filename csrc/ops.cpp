@@ -16,6 +16,10 @@ PyObject* PyInit__C(void) {
       nullptr,                     /* doc */
       -1,                          /* size */
       nullptr,                     /* methods */
+      nullptr,                     /* slots */
+      nullptr,                     /* traverse */
+      nullptr,                     /* clear */
+      nullptr,                     /* free */
   };
   return PyModule_Create(&module_def);
 }

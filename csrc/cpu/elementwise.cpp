@@ -3,6 +3,7 @@
 // is written by exactly one thread, so the results do not depend on the thread count).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 

@@ -3,6 +3,7 @@
 // 512-element chunk and in double per block; see cpu_common.h for the fixed partition).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu/cpu_common.h"
@@ -62,20 +63,34 @@ GNS_CPU_CLONES void vn_block(const void* dv, const void* qv, const void* sv, flo
   out[3] = acc3;
 }
 
+// Plain switches returning the pointer (assigning it through a by-reference lambda capture
+// trips a GCC 12 -Wdangling-pointer false positive on target_clones functions).
+template <typename T>
+VnBlockFn pick_vn_block_for(c10::optional<at::ScalarType> st) {
+  if (!st.has_value()) return &vn_block<T, float, false>;
+  switch (*st) {
+    case at::kFloat:
+      return &vn_block<T, float, true>;
+    case at::kBFloat16:
+      return &vn_block<T, c10::BFloat16, true>;
+    case at::kHalf:
+      return &vn_block<T, c10::Half, true>;
+    default:
+      TORCH_CHECK_TYPE(false, "unsupported dtype ", *st);
+  }
+}
+
 VnBlockFn pick_vn_block(at::ScalarType t, c10::optional<at::ScalarType> st) {
-  VnBlockFn fn = nullptr;
-  dispatch_float(t, [&](auto dtag) {
-    using T = decltype(dtag);
-    if (!st.has_value()) {
-      fn = &vn_block<T, float, false>;
-    } else {
-      dispatch_float(*st, [&](auto stag) {
-        using S = decltype(stag);
-        fn = &vn_block<T, S, true>;
-      });
-    }
-  });
-  return fn;
+  switch (t) {
+    case at::kFloat:
+      return pick_vn_block_for<float>(st);
+    case at::kBFloat16:
+      return pick_vn_block_for<c10::BFloat16>(st);
+    case at::kHalf:
+      return pick_vn_block_for<c10::Half>(st);
+    default:
+      TORCH_CHECK_TYPE(false, "unsupported dtype ", t);
+  }
 }
 
 struct VnTensor {
