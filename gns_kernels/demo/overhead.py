@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the pieces of a measurement step")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the peak extra bytes of a measurement step")
+    parser.add_argument("--configs", default="base,l1,s1",
+                        help="comma-separated configurations: base (plain DDP), py (DDP + torch's "
+                             "Python allreduce_hook: the cost of any Python comm hook), l1, s1")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
 
@@ -87,11 +90,16 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
     try:
         B = cfg["local_batch"] * world
         models, ddps, opts, states = {}, {}, {}, {}
-        for name in ("base", "l1", "s1"):
+        names = cfg["configs"]
+        for name in names:
             torch.manual_seed(0)
             m = ByteTransformer(**bench_config())
             d = DDP(m, bucket_cap_mb=cfg["bucket_cap_mb"])
-            if name != "base":
+            if name == "py":  # torch's own Python default hook: the cost of any Python hook
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                d.register_comm_hook(None, allreduce_hook)
+            elif name != "base":
                 st = gk.GNSHookState("l1" if name == "l1" else "nuclear", every=cfg["every"], batch_size=B)
                 d.register_comm_hook(st, gk.ddp_gns_hook)
                 states[name] = st
@@ -115,15 +123,16 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
             opts[name].step()
             return time.perf_counter() - t0
 
-        for name in ("base", "l1", "s1"):
+        for name in names:
             for st in states.values():
                 st.every = 1
             for _ in range(cfg["warmup"]):
                 step(name)
-        times = {f"{n}_F{F}": [] for n in ("base", "l1", "s1") for F in (1, cfg["every"])}
+        times = {f"{n}_F{F}": [] for n in names for F in (1, cfg["every"])}
         est = {}
         F = cfg["every"]
-        order = ["base", "l1", "s1"]
+        order = list(names)
+        n_cfg = len(order)
         # step-by-step interleaving: configuration c's i-th step runs next to the others'
         # i-th steps (rotating the order), so load drifts hit all configurations alike
         for every, n_steps in ((F, cfg["rounds"] * F), (1, cfg["f1_rounds"] * cfg["f1_block"])):
@@ -131,15 +140,15 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
                 st.every = every
                 st.step = 0  # steps 0, F, 2F, ... measure
             for i in range(n_steps):
-                for name in order[i % 3:] + order[:i % 3]:
+                for name in order[i % n_cfg:] + order[:i % n_cfg]:
                     times[f"{name}_F{every}"].append(step(name))
         for name, st in states.items():
             e = st.estimate
             est[name] = None if e is None else [e.gns, e.valid]
-        out = {"times": times, "estimates": est, "params": sum(p.numel() for p in models["base"].parameters())}
+        out = {"times": times, "estimates": est, "params": sum(p.numel() for p in models[names[0]].parameters())}
         if cfg["breakdown"]:
-            out["breakdown"] = _breakdown(ddps["base"], models["base"], B, world)
-        if cfg["memory"]:
+            out["breakdown"] = _breakdown(ddps[names[0]], models[names[0]], B, world)
+        if cfg["memory"] and {"base", "l1", "s1"} <= set(names):
             out["memory"] = _memory(step, states)
         if rank == 0:
             torch.save(out, os.path.join(folder, "result.pt"))
@@ -274,6 +283,8 @@ def _launch(cfg: dict, world: int, timeout: float) -> dict:
 def _fmt_table(res: dict, F: int) -> str:
     t = res["times"]
     mean = {k: statistics.fmean(v) for k, v in t.items()}
+    if not all(f"{n}_F1" in t for n in ("base", "l1", "s1")):
+        return _fmt_partial(t, mean, F)
     lines = ["| F | steps / config | baseline (s/step) | + l1 GNS (s/step) | overhead | + S1 GNS (s/step) | overhead |",
              "|---|---|---|---|---|---|---|"]
     for f in (1, F):
@@ -286,6 +297,24 @@ def _fmt_table(res: dict, F: int) -> str:
         lines.append(f"\nOne {label} measurement step costs {cost:+.4f} s over the F=1 baseline "
                      f"({100 * cost / b1:+.1f}%); / 100 = {cost / 100:+.6f} s/step "
                      f"({100 * cost / 100 / b1:+.2f}% at F=100, amortized).")
+    if "py_F1" in t:
+        lines.append(_fmt_partial(t, mean, F))
+    return "\n".join(lines)
+
+
+_LABELS = {"base": "DDP (built-in C++ all-reduce)", "py": "DDP + torch's Python allreduce_hook",
+           "l1": "DDP + ddp_gns_hook l1", "s1": "DDP + ddp_gns_hook S1"}
+
+
+def _fmt_partial(t: dict, mean: dict, F: int) -> str:
+    """Per-configuration means (any subset of configurations), relative to 'base'."""
+    names = [n for n in ("base", "py", "l1", "s1") if f"{n}_F1" in t]
+    lines = ["\n| configuration | F=1 s/step | vs base | F=%d s/step | vs base | steps (F=1 / F=%d) |" % (F, F),
+             "|---|---|---|---|---|---|"]
+    for n in names:
+        rel = [f"{100 * (mean[f'{n}_F{f}'] / mean[f'base_F{f}'] - 1):+.1f}%" if "base_F1" in t else "" for f in (1, F)]
+        lines.append(f"| {_LABELS[n]} | {mean[f'{n}_F1']:.4f} | {rel[0]} | {mean[f'{n}_F{F}']:.4f} | {rel[1]} | "
+                     f"{len(t[f'{n}_F1'])} / {len(t[f'{n}_F{F}'])} |")
     return "\n".join(lines)
 
 
@@ -295,7 +324,13 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"gns-kernels bench overhead: {exc}", file=sys.stderr)
         return 2
-    cfg = dict(local_batch=args.local_batch, context=args.context, every=args.every, rounds=args.rounds,
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in _LABELS]
+    if bad or not configs or len(set(configs)) != len(configs):
+        print(f"gns-kernels bench overhead: --configs: expected distinct names from "
+              f"{','.join(_LABELS)}, got {args.configs!r}", file=sys.stderr)
+        return 2
+    cfg = dict(configs=configs, local_batch=args.local_batch, context=args.context, every=args.every, rounds=args.rounds,
                f1_block=args.f1_block, f1_rounds=args.f1_rounds, warmup=args.warmup,
                bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown, memory=args.memory)
     t0 = time.time()
@@ -309,7 +344,7 @@ def run(args) -> int:
         print("\nmeasurement-step pieces (rank 0, median of 5, seconds, summed over buckets):")
         for k, v in res["breakdown"].items():
             print(f"  {k:16s} {v:.5f}")
-    if "memory" in res:
+    if res.get("memory"):
         m = res["memory"]
         print(f"\npeak live CPU bytes in a step: baseline {m['base']:,}; +l1 {m['l1']:,} "
               f"(extra {m['l1'] - m['base']:,}); +S1 {m['s1']:,} (extra {m['s1'] - m['base']:,})")

@@ -22,6 +22,8 @@ def _args(*argv):
     (["--local-batch", "0"], "--local-batch"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb"),
     (["--warmup", "-1"], "--warmup"),
+    (["--configs", "base,foo"], "--configs"),
+    (["--configs", "l1,l1"], "--configs"),
 ])
 def test_bad_input_exits_2_with_message(argv, word, capsys):
     assert overhead.run(_args(*argv)) == 2
@@ -36,6 +38,14 @@ def test_table_means_and_overheads():
     assert "| 1 | 2 | 1.0000 | 1.5000 | +50.0% | 3.0000 | +200.0% |" in text
     assert "| 10 | 20 | 1.0000 | 1.0500 | +5.0% | 1.2000 | +20.0% |" in text
     assert "+0.5000 s" in text and "+2.0000 s" in text
+
+
+def test_partial_table_with_python_hook_baseline():
+    res = {"times": {"base_F1": [1.0], "py_F1": [1.1], "l1_F1": [1.5],
+                     "base_F10": [1.0] * 10, "py_F10": [1.02] * 10, "l1_F10": [1.05] * 10}}
+    text = overhead._fmt_table(res, 10)
+    assert "| DDP + torch's Python allreduce_hook | 1.1000 | +10.0% | 1.0200 | +2.0% | 1 / 10 |" in text
+    assert "| DDP + ddp_gns_hook l1 | 1.5000 | +50.0% | 1.0500 | +5.0% | 1 / 10 |" in text
 
 
 @pytest.mark.slow
