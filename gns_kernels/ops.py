@@ -156,7 +156,14 @@ def _env_backend() -> str:
     return os.environ.get(_ENV, "auto") or "auto"
 
 
+@torch.compiler.assume_constant_result
 def _has_cuda_kernel(op_name: str) -> bool:
+    """True when a CUDA kernel (C++ build or Triton registration) serves gns_kernels::op_name.
+
+    assume_constant_result: the dispatcher query returns a non-tensor that Dynamo cannot
+    trace (a graph break under torch.compile(fullgraph=True) on CUDA tensors); the answer
+    does not change once the ops are registered, at import.
+    """
     if _C is None:
         return False
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"gns_kernels::{op_name}", "CUDA")
