@@ -774,7 +774,8 @@ def compare_table(results: dict[str, dict], metrics: dict[str, dict], optimizer:
     for k in keys:
         r = results[k]
         s = reach[k]
-        back = _steps_to_reach(metrics[small_key], r["final_val_loss"] + 1e-9)
+        logged = [v for v in metrics[k]["val_loss"] if not math.isnan(v)]
+        back = _steps_to_reach(metrics[small_key], logged[-1]) if logged else None
         lines.append(r["label"].ljust(name_w) + f"{r['final_val_loss']:.4f}".rjust(10)
                      + f"{r['best_val_loss']:.4f}".rjust(10) + str(r["steps"]).rjust(8)
                      + str(r["samples"]).rjust(9) + str(r["final_batch_size"]).rjust(9)
