@@ -40,6 +40,7 @@ measured peak); never a copy of the whole model's gradients unless the model fit
 bucket.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
+import warnings
 from typing import Optional
 
 import torch
@@ -217,13 +218,19 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
         if state.is_measurement_step():
             world = group.size()
             samples = world * (micro.count if micro is not None else 1)
-            if samples < 2:
+            if samples >= 2:
+                ctx = _Measurement(state, world, samples)
+                ctx.micro = micro
+                state._current = ctx
+            elif hasattr(state, "_micro_for_sync"):
+                # one rank, one micro-batch this step (the batch may grow later): no sample
+                # variance exists; skip this measurement (estimate unchanged) and say so
+                warnings.warn("MicroBatchGNS: 1 rank x 1 micro-batch = 1 sample, this step is not "
+                              "measured (needs >= 2 samples)", RuntimeWarning, stacklevel=2)
+            else:
                 raise ValueError(
                     "GNSHookState: measuring needs at least 2 samples, got a process group of 1 "
-                    "rank without micro-batches; use gk.MicroBatchGNS on a single rank")
-            ctx = _Measurement(state, world, samples)
-            ctx.micro = micro
-            state._current = ctx
+                    "rank; use gk.MicroBatchGNS (micro-batches as samples) on a single rank")
     ctx: Optional[_Measurement] = state._current
     if ctx is None:
         if last:

@@ -242,3 +242,29 @@ def run_many(rank, world, *, scenarios):
         out[name] = run_hook(rank, world, **kwargs)
         dist.barrier()
     return out
+
+
+def run_one_rank_edges(rank, world):
+    """One rank: MicroBatchGNS with 1 micro-batch skips (warns), GNSHookState raises."""
+    import warnings
+
+    model = _model(torch.float32)
+    ddp = DDP(model)
+    mb = MicroBatchGNS(list(model.parameters()), geometry="l1", every=1, batch_size=LOCAL_BATCH,
+                       micro_batches=1)
+    ddp.register_comm_hook(mb, ddp_gns_hook)
+    x, y = _batch(rank, 0, 0, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loss(ddp, x, y).backward()
+        mb.micro_step()
+    out = {"warned": [str(w.message) for w in caught if "1 sample" in str(w.message)],
+           "estimate": mb.estimate, "step": mb.step}
+    plain = DDP(_model(torch.float32))
+    plain.register_comm_hook(GNSHookState("l1", batch_size=LOCAL_BATCH), ddp_gns_hook)
+    try:
+        _loss(plain, x, y).backward()
+        out["error"] = None
+    except Exception as exc:  # the hook's ValueError, surfaced by DDP
+        out["error"] = str(exc)
+    return out

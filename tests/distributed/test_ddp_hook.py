@@ -49,6 +49,17 @@ SCENARIOS_4 = {
 }
 
 
+SCENARIOS_1 = {  # one rank: the micro-batches are the samples (the hook state is MicroBatchGNS)
+    "l1_micro": dict(geometry="l1", accumulate=3, micro=True, steps=3),
+    "nuclear_micro": dict(geometry="nuclear", accumulate=2, micro=True, steps=3),
+}
+
+
+@pytest.fixture(scope="module")
+def world1():
+    return run_world("_ddp_scenarios", "run_many", 1, scenarios=SCENARIOS_1)
+
+
 @pytest.fixture(scope="module")
 def world2():
     return run_world("_ddp_scenarios", "run_many", 2, scenarios=SCENARIOS_2)
@@ -60,6 +71,8 @@ def world4():
 
 
 def _cases():
+    for name in SCENARIOS_1:
+        yield pytest.param(1, name, id=f"R1-{name}")
     for name in SCENARIOS_2:
         yield pytest.param(2, name, id=f"R2-{name}")
     for name in SCENARIOS_4:
@@ -80,7 +93,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_estimate_matches_gathered_gradients(request, world, name):
-    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
     res = _results(request, world)
     ranks = [r[name]["records"] for r in res]
     tol = TOL[cfg["geometry"]]
@@ -108,7 +121,7 @@ def test_estimate_matches_gathered_gradients(request, world, name):
 
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_gradients_equal_plain_ddp(request, world, name):
-    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
     res = _results(request, world)
     bf16 = cfg.get("dtype") == "bfloat16"
     for rank_records in (r[name]["records"] for r in res):
@@ -141,7 +154,7 @@ def _expected_payload(cfg, bucket):
 
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_collectives_one_allreduce_per_bucket(request, world, name):
-    cfg = (SCENARIOS_2 if world == 2 else SCENARIOS_4)[name]
+    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
     res = _results(request, world)
     several = False
     for rank_records in (r[name]["records"] for r in res):
@@ -158,3 +171,11 @@ def test_collectives_one_allreduce_per_bucket(request, world, name):
                     assert (numel, dtype) == (b["numel"], b["dtype"])
     if cfg.get("bucket_cap_mb", 0.001) < 1:
         assert several, "small bucket_cap_mb should give several buckets"
+
+
+def test_one_rank_one_sample_skips_or_raises():
+    (res,) = run_world("_ddp_scenarios", "run_one_rank_edges", 1)
+    # MicroBatchGNS, 1 rank x 1 micro-batch: not measured, a warning, training goes on
+    assert res["warned"] and res["estimate"] is None and res["step"] == 1
+    # a GNSHookState on one rank can never measure: a clear error
+    assert res["error"] is not None and "at least 2 samples" in res["error"]
