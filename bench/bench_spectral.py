@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -68,12 +69,23 @@ def gk_measure(rank_grads, B: float, method: str = "eigh") -> tuple[float, float
     return float(n.double().sum()), float(s.double().sum())
 
 
-def timeit(fn, repeat: int) -> tuple[float, object]:
+CPU_TIMES: dict = {}
+
+
+def timeit(fn, repeat: int, label: str | None = None) -> tuple[float, object]:
+    """Best wall time of ``repeat`` runs; the process CPU time of that run goes to CPU_TIMES
+    (all threads: on a shared machine it shows the work done, the wall time the waiting)."""
     best, out = math.inf, None
     for _ in range(repeat):
+        c = time.process_time()
         t = time.perf_counter()
         out = fn()
-        best = min(best, time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        if dt < best:
+            best = dt
+            if label:
+                CPU_TIMES[label] = time.process_time() - c
+        print(f"  {label or fn.__name__}: {dt:.3f} s wall", flush=True)
     return best, out
 
 
@@ -94,11 +106,12 @@ def parts(rank_grads, B: float, repeat: int) -> dict:
         local = [gk.gram(rg) for rg in rank_grads]
         return gk.gram([sum(xs) / R for xs in zip(*rank_grads)]) + [sum(gs) / R for gs in zip(*local)]
 
-    t_eg, mats = timeit(eager_grams, repeat)
-    t_gg, _ = timeit(gk_grams, repeat)
+    t_eg, mats = timeit(eager_grams, repeat, "grams_eager32")
+    t_gg, _ = timeit(gk_grams, repeat, "grams_gk")
     stack = torch.stack(mats)
-    t_ee, _ = timeit(lambda: [torch.linalg.eigvalsh(a).clamp_min(0).sqrt().sum() for a in mats], repeat)
-    t_ge, _ = timeit(lambda: gk.sqrt_trace(stack, "eigh"), repeat)
+    t_ee, _ = timeit(lambda: [torch.linalg.eigvalsh(a).clamp_min(0).sqrt().sum() for a in mats], repeat,
+                     "traces_eager32")
+    t_ge, _ = timeit(lambda: gk.sqrt_trace(stack, "eigh"), repeat, "traces_gk_eigh")
     return {"grams_eager32_s": t_eg, "grams_gk_s": t_gg, "traces_eager32_s": t_ee, "traces_gk_eigh_s": t_ge,
             "n_traces": len(mats)}
 
@@ -154,20 +167,23 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-eager64", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    res: dict = {"threads": torch.get_num_threads(), "layers": a.layers, "ranks": a.ranks}
+    res: dict = {"threads": torch.get_num_threads(), "layers": a.layers, "ranks": a.ranks,
+                 "load_avg_start": os.getloadavg()}
     grads = make_grads(a.layers, a.ranks)
     B = a.batch_size
     gk_measure(grads, B)  # warm-up (thread pool, op registration)
-    t_gk, v_gk = timeit(lambda: gk_measure(grads, B), a.repeat)
-    t_e32, v_e32 = timeit(lambda: eager_loop(grads, B, torch.float32), a.repeat)
+    t_gk, v_gk = timeit(lambda: gk_measure(grads, B), a.repeat, "gk")
+    t_e32, v_e32 = timeit(lambda: eager_loop(grads, B, torch.float32), a.repeat, "eager32")
     res.update(gk_s=t_gk, eager32_s=t_e32, speedup_vs_eager32=t_e32 / t_gk, gk_values=v_gk, eager32_values=v_e32)
     if not a.skip_eager64:
-        t_e64, v_e64 = timeit(lambda: eager_loop(grads, B, torch.float64), a.repeat)
+        t_e64, v_e64 = timeit(lambda: eager_loop(grads, B, torch.float64), a.repeat, "eager64")
         res.update(eager64_s=t_e64, speedup_vs_eager64=t_e64 / t_gk, eager64_values=v_e64,
                    rel_err_vs_eager64=[abs(x - y) / abs(y) for x, y in zip(v_gk, v_e64)])
     res["parts"] = parts(grads, B, a.repeat)
     res["per_size"] = per_size([int(s) for s in a.sizes.split(",")], a.repeat)
     res["flops"] = flops(a.layers, a.ranks)
+    res["cpu_time_s"] = dict(CPU_TIMES)
+    res["load_avg_end"] = os.getloadavg()
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
