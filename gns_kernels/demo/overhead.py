@@ -21,9 +21,8 @@ measurement step (F=1 minus baseline) and that cost / 100.
 ``--breakdown`` times the pieces of one measurement step in isolation (rank 0, same
 buckets): packing (square_pack / Grams), the all-reduce of the larger payload vs the plain
 one, and the statistics (variance_norms_multi / nuclear_stats).
-``--memory`` measures the peak extra bytes of a measurement step (torch.profiler memory
-events of the CPU allocator, all threads, the peak of the live-bytes timeline of the
-backward pass, measurement step minus a plain step).
+``--memory`` measures the peak bytes of the hook's buffers alive at once in a measurement
+step (weak references on the packs; see ``_memory``).
 """
 from __future__ import annotations
 
@@ -148,7 +147,7 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
         out = {"times": times, "estimates": est, "params": sum(p.numel() for p in models[names[0]].parameters())}
         if cfg["breakdown"]:
             out["breakdown"] = _breakdown(ddps[names[0]], models[names[0]], B, world)
-        if cfg["memory"] and {"base", "l1", "s1"} <= set(names):
+        if cfg["memory"] and states:
             out["memory"] = _memory(step, states)
         if rank == 0:
             torch.save(out, os.path.join(folder, "result.pt"))
@@ -223,40 +222,46 @@ def _breakdown(ddp, model, B, world):
 
 
 def _memory(step, states):
-    """Peak live CPU bytes allocated during the backward pass of a step, relative to its
-    start (profiler memory events of the CPU allocator; each allocation counted once, in
-    the innermost op that made it; the comm-hook callbacks run with the profiler's
-    thread-local state, so the gloo threads' allocations are included)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Peak bytes of the hook's own buffers alive at once in a measurement step.
 
-    def peak(name):
-        box = {}
+    Per bucket the hook allocates a float32 pack (for nuclear also the bucket's Grams, for
+    the moment they are copied into it). The probe wraps the pack builders and tracks each
+    pack by a weak reference, so a pack counts until it is really freed (after its
+    all-reduce and statistics, on a gloo thread). Profiler memory events cannot measure
+    this: frees on gloo's worker threads are not recorded, which makes packs look alive
+    for the rest of the step.
+    """
+    import weakref
 
-        class Ctx:
-            def __enter__(self):
-                box["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-                box["prof"].__enter__()
+    from gns_kernels.distributed import ddp as hook
 
-            def __exit__(self, *exc):
-                box["prof"].__exit__(*exc)
+    live: list = []
+    peak = [0]
 
-        step(name, Ctx)
-        prof = box["prof"]
-        evs = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                     if e.self_cpu_memory_usage)
-        live = top = 0
-        for _, b in evs:
-            live += b
-            top = max(top, live)
-        return top
+    def wrap(fn, nuclear):
+        def probe(buf, segs, state, micro):
+            before = sum(4 * t.numel() for t in (r() for r in live) if t is not None)
+            pack, plan = fn(buf, segs, state, micro)
+            grams = sum(4 * e[-1].numel() for e in plan) if nuclear else 0
+            peak[0] = max(peak[0], before + 4 * pack.numel() + grams)
+            live.append(weakref.ref(pack))
+            return pack, plan
+        return probe
 
+    orig = hook._pack_l, hook._pack_nuclear
+    hook._pack_l, hook._pack_nuclear = wrap(orig[0], False), wrap(orig[1], True)
     out = {}
-    for st in states.values():
-        st.every = 1
-    base = [peak("base") for _ in range(2)]
-    out["base"] = min(base)
-    for name in ("l1", "s1"):
-        out[name] = min(peak(name) for _ in range(2))
+    try:
+        for st in states.values():
+            st.every = 1
+        for name in states:
+            peak[0] = 0
+            for _ in range(2):
+                live.clear()
+                step(name)
+            out[name] = peak[0]
+    finally:
+        hook._pack_l, hook._pack_nuclear = orig
     return out
 
 
@@ -346,8 +351,9 @@ def run(args) -> int:
             print(f"  {k:16s} {v:.5f}")
     if res.get("memory"):
         m = res["memory"]
-        print(f"\npeak live CPU bytes in a step: baseline {m['base']:,}; +l1 {m['l1']:,} "
-              f"(extra {m['l1'] - m['base']:,}); +S1 {m['s1']:,} (extra {m['s1'] - m['base']:,})")
+        print(f"\npeak bytes of the hook's buffers alive at once in a measurement step "
+              f"(float32 packs [+ Grams]): " + "; ".join(f"{_LABELS[k]}: {v:,}" for k, v in m.items())
+              + f" (model gradients: {4 * res['params']:,} bytes in float32)")
     print(f"\nlast estimates (gns, valid): {res['estimates']}; wall time {wall:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

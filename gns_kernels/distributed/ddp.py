@@ -76,6 +76,7 @@ class _Measurement:
         self.scale = float(state.batch_size) / (num_samples - 1)
         self.step = state.step
         self.micro = None
+        self.pending = None  # future of the last measured bucket (bounds packs in flight)
         self.futures: list = []
         self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
         self.nuc: dict[int, tuple] = {}  # bucket index -> (noise Tensor[L], signal Tensor[L])
@@ -243,6 +244,12 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
     if not any(m for *_, m in segs):
         fut = _default_allreduce(group, buf)
     else:
+        if ctx.pending is not None:
+            # at most one pack in flight: wait for the previous measured bucket's all-reduce
+            # and statistics (its pack is freed then) before allocating this one. Gloo
+            # otherwise queues the tail buckets' packs together (~2x the model in float32);
+            # on CUDA, wait() only orders the streams.
+            ctx.pending.wait()
         if state.geometry == "nuclear":
             pack, plan = _pack_nuclear(buf, segs, state, micro)
             unpack = _unpack_nuclear
@@ -257,7 +264,8 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
             return unpack(buf, pack, plan, ctx, index)
 
         fut = work.get_future().then(_done)
-        del pack, plan
+        ctx.pending = fut
+        del pack, plan, work
     ctx.futures.append(fut)
     if not last:
         return fut

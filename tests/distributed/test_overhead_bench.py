@@ -55,4 +55,4 @@ def test_tiny_real_run(capsys):
                             "--warmup", "0", "--context", "16", "--no-breakdown", "--timeout", "300"))
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| 1 | 1 |" in out and "| 2 | 2 |" in out and "peak live CPU bytes" in out
+    assert "| 1 | 1 |" in out and "| 2 | 2 |" in out and "peak bytes of the hook" in out
