@@ -32,12 +32,13 @@ numbers in the same order). Non-finite gradients on any rank reach every rank th
 all-reduce: that measurement is invalid (valid=False) everywhere, and the gradients are
 the same NaN/inf ones plain DDP would produce; the next measurement starts afresh.
 
-Memory of a measurement step: the packed buffer of each bucket from its hook call until
-its all-reduce completes (2x the bucket's elements in float32 for l1/l2; the bucket's
-elements plus the Grams for nuclear). DDP launches buckets back to back, so on a fast
-backward several buckets' packs can be alive at once (bench/RESULTS.md reports the
-measured peak); never a copy of the whole model's gradients unless the model fits in a
-bucket.
+Memory of a measurement step: one packed buffer in flight (2x the bucket's elements in
+float32 for l1/l2; the bucket's elements plus the Grams for nuclear, which exist
+separately for the moment they are copied in). Before packing a bucket the hook waits for
+the previous measured bucket's all-reduce and statistics (gloo would otherwise queue the
+packs of all the tail buckets at once); on CUDA that wait only orders the streams. So the
+extra memory is bounded by the largest bucket (``bucket_cap_mb``), never by the model,
+and other steps hold nothing extra.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
 import warnings
