@@ -351,8 +351,8 @@ def run(args) -> int:
             print(f"  {k:16s} {v:.5f}")
     if res.get("memory"):
         m = res["memory"]
-        print(f"\npeak bytes of the hook's buffers alive at once in a measurement step "
-              f"(float32 packs [+ Grams]): " + "; ".join(f"{_LABELS[k]}: {v:,}" for k, v in m.items())
+        print("\npeak bytes of the hook's buffers alive at once in a measurement step "
+              "(float32 packs [+ Grams]): " + "; ".join(f"{_LABELS[k]}: {v:,}" for k, v in m.items())
               + f" (model gradients: {4 * res['params']:,} bytes in float32)")
     print(f"\nlast estimates (gns, valid): {res['estimates']}; wall time {wall:.0f} s")
     if args.json:

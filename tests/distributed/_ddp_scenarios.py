@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import math
 
 import torch
 import torch.distributed as dist
