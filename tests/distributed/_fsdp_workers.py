@@ -68,6 +68,8 @@ def _shard(model, *, mp, reshard, placement, world):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif mp == "bf16_reduce_bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    elif mp == "fp16":  # fp16 reduce: FSDP2 pre-divides the input by a power of two
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
     if placement == "gns":
         kw["shard_placement_fn"] = lambda p: fsdp_gns_shard_placement(p, world)
     for sub in (model.a, model.b):
@@ -136,8 +138,8 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
     base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
-    if mp != "none":  # computes what FSDP2's bf16 unsharded parameters compute
-        local_dtype = torch.bfloat16
+    if mp != "none":  # computes what FSDP2's low-precision unsharded parameters compute
+        local_dtype = torch.float16 if mp == "fp16" else torch.bfloat16
         local = local.to(local_dtype)
     hooked = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)
     plain = _shard(copy.deepcopy(base), mp=mp, reshard=reshard, placement=placement, world=world)

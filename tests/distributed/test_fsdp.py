@@ -29,6 +29,7 @@ SCENARIOS_2 = {
     "l1_mp_bf16": dict(geometry="l1", mp="bf16", ddp=False, steps=1),
     "nuclear_mp_bf16": dict(geometry="nuclear", mp="bf16", ddp=False, steps=1),
     "l2_mp_bf16_reduce_bf16": dict(geometry="l2", mp="bf16_reduce_bf16", ddp=False, steps=1),
+    "l1_mp_fp16_reduce_fp16": dict(geometry="l1", mp="fp16", ddp=False, steps=1),
     "l1_accumulate": dict(geometry="l1", accumulate=3, steps=2),
     "nuclear_accumulate": dict(geometry="nuclear", accumulate=2, steps=1),
     # SUM op; and the packing into a separate buffer (reuse_input=False)
@@ -139,7 +140,7 @@ def test_sharded_gradients_are_plain_fsdp2s(request, world, name):
     on steps without a measurement. At 4 ranks gloo's reduce-scatter (an all-reduce
     whose segmentation depends on the buffer length) may add the R terms of an element
     in another order for the longer packed buffer: then they agree to the reassociation
-    bound 2 (R-1) u sum_j |g^j| (u = 2^-24). bf16 reduce dtype: the hook reduces in
+    bound 2 (R-1) u sum_j |g^j| (u = 2^-24). bf16 / fp16 reduce dtype: the hook reduces in
     float32 and rounds once, so within bf16 rounding."""
     kw = _scenario(world, name)
     finite = _finite_steps(kw)
@@ -147,7 +148,7 @@ def test_sharded_gradients_are_plain_fsdp2s(request, world, name):
         for rec in rank_res["records"]:
             if rec["step"] not in finite:
                 continue
-            if kw.get("mp") == "bf16_reduce_bf16" and rec["measuring"]:
+            if kw.get("mp") in ("bf16_reduce_bf16", "fp16") and rec["measuring"]:
                 assert rec["grad_vs_plain"] <= 2 * 2.0**-8 * rec["grad_scale"], rec["grad_vs_plain"]
             elif world == 2 or not rec["measuring"]:
                 assert rec["grad_equal_plain"], (rec["step"], rec["grad_vs_plain"])
