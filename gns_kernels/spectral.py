@@ -231,25 +231,28 @@ def _eig_error_bound(lam: Tensor, m: int) -> tuple[Tensor, Tensor]:
 
 
 def _eig_batched(flat: Tensor, tol: float) -> Tensor:
-    """(B, m, m) -> float64 eigenvalues (B, m): float32 eigvalsh of A / max|A_ij|, and
-    float64 eigvalsh for the matrices whose error bound exceeds tol (one host sync on
-    devices other than the CPU: the size of that subset). Non-finite matrices -> NaN."""
+    """(B, m, m) -> float64 eigenvalues (B, m): float32 eigvalsh of A / 2^e (a power of two
+    near max|A_ij|: exact scaling, no under/overflow in LAPACK or in the bound), and
+    float64 eigvalsh (of the same input values) for the matrices whose error bound exceeds
+    tol: one host sync on devices other than the CPU (the size of that subset).
+    Non-finite matrices -> NaN."""
     m = flat.shape[-1]
-    x = flat.double()
+    wide = flat.dtype == torch.float64
+    x = flat.double() if wide else flat.float()
     x = 0.5 * (x + x.mT)
-    finite = torch.isfinite(x).all((-2, -1))
-    x = torch.where(finite[:, None, None], x, torch.zeros_like(x))
     amax = x.abs().amax((-2, -1))
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    xs = x / amax[:, None, None]  # scaled: no under/overflow in LAPACK or in the bound
-    lam = torch.linalg.eigvalsh(xs.float())
+    finite = torch.isfinite(amax)  # NaN and inf propagate into the max
+    amax = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
+    scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent)
+    x = torch.where(finite[:, None, None], x, torch.zeros_like(x)) / scale[:, None, None]
+    lam = torch.linalg.eigvalsh(x if not wide else x.float())
     bound, tr = _eig_error_bound(lam, m)
     need = bound > tol * tr
     lam = lam.double()
     idx = need.nonzero().squeeze(-1)
     if idx.numel():
-        lam[idx] = torch.linalg.eigvalsh(xs[idx])
-    lam = lam * amax[:, None]
+        lam[idx] = torch.linalg.eigvalsh(x[idx].double())
+    lam = lam * scale.double()[:, None]
     return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
 
 
@@ -656,17 +659,20 @@ def nuclear_stats(
 
     # ---- C per layer; group noise and signal matrices by size, one sqrt-trace call each
     cdt = torch.float64 if any(A.dtype == torch.float64 for A in mean_grams) else torch.float32
-    covs = []
-    for l in range(L):
-        A = mean_grams[l].detach().to(cdt)
-        covs.append(scale * (A - dd[l].detach().to(cdt)))
-    noise = [None] * L
-    signal = [None] * L
+    noise: list = [None] * L
+    signal: list = [None] * L
     by_k: dict[int, list[tuple[str, int]]] = {}
     for l in range(L):
-        by_k.setdefault(covs[l].shape[-1], []).extend([("n", l), ("s", l)])
+        by_k.setdefault(mean_grams[l].shape[-1], []).extend([("n", l), ("s", l)])
     for k, items in by_k.items():
-        mats = torch.stack([covs[l] if w == "n" else gg[l].detach().to(cdt) for w, l in items])
+        # C_l = scale * (mean_gram - D D^T) written straight into the stacked batch
+        mats = torch.empty((len(items), k, k), dtype=cdt, device=mean_grams[items[0][1]].device)
+        for i, (w, l) in enumerate(items):
+            if w == "n":
+                torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
+                mats[i].mul_(scale)
+            else:
+                mats[i].copy_(gg[l].detach())
         if meth == "eigh":
             lam = torch.ops.gns_kernels.psd_eigvalsh(mats, float(EIGH_TOL))
             res = lam.clamp_min(0).sqrt().sum(-1)
