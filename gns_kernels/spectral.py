@@ -425,7 +425,7 @@ def _resolve_method(method: str, device: torch.device) -> str:
         raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
     if method != "auto":
         return method
-    # CPU: eigh (measured 20-60x faster than newton at m = 64..768, bench/RESULTS.md).
+    # CPU: eigh (measured 5x (m = 64) to 25x (m = 768) faster than newton, bench/RESULTS.md).
     # CUDA: newton (pure batched matmuls, no host sync, CUDA-graph safe; cuSOLVER's
     # per-matrix syevd is latency bound and syncs): see docs/spectral.md.
     return "eigh" if device.type == "cpu" else "newton"
