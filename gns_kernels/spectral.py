@@ -14,7 +14,7 @@ exact; the smaller one is cheapest.
 
 Public functions (re-exported as gns_kernels.gram / sqrt_trace / nuclear_stats):
 
-- ``gram(tensors, side="auto") -> list[Tensor]``: float32 Grams, one batched matmul per
+- ``gram(tensors, side="auto") -> list[Tensor]``: float32 Grams, one batched op call per
   group of equal shapes (upper-triangle blocks only, mirrored), any float input dtype.
 - ``sqrt_trace(A, method="auto") -> Tensor[...]``: tr(A^{1/2}) for symmetric PSD A,
   by "eigh" (float32 eigvalsh with a per-matrix float64 fallback chosen by an a-posteriori
