@@ -248,13 +248,19 @@ def _eig_batched(flat: Tensor, tol: float) -> Tensor:
     amax = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
     scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent)
     x = torch.where(finite[:, None, None], x, torch.zeros_like(x)) / scale[:, None, None]
-    lam = torch.linalg.eigvalsh(x if not wide else x.float())
-    bound, tr = _eig_error_bound(lam, m)
-    need = bound > tol * tr
-    lam = lam.double()
-    idx = need.nonzero().squeeze(-1)
-    if idx.numel():
-        lam[idx] = torch.linalg.eigvalsh(x[idx].double())
+    try:
+        lam = torch.linalg.eigvalsh(x if not wide else x.float())
+    except torch.linalg.LinAlgError:
+        # float32 LAPACK/cuSOLVER can fail to converge (seen on Grams with many zero rows,
+        # e.g. the embedding gradient of a short batch): solve the chunk in float64.
+        lam = torch.linalg.eigvalsh(x.double())
+    else:
+        bound, tr = _eig_error_bound(lam, m)
+        need = bound > tol * tr
+        lam = lam.double()
+        idx = need.nonzero().squeeze(-1)
+        if idx.numel():
+            lam[idx] = torch.linalg.eigvalsh(x[idx].double())
     lam = lam * scale.double()[:, None]
     return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
 

@@ -434,3 +434,34 @@ def test_torch_compile_fullgraph(gen):
     n, s = compiled(xs0, xs1)
     rn, rs = ref.nuclear_stats(layers, B)
     assert rel_err(n, rn) < TOL and rel_err(s, rs) < TOL
+
+
+def _sparse_row_covariance(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two ranks' embedding-like gradients (20 nonzero rows each of 256): the mean Gram,
+    the mean gradient and C = 8 (A - D D^T), which has many exactly-zero rows and columns."""
+    g = torch.Generator().manual_seed(seed)
+    m = n = 256
+    G1, G2 = torch.zeros(m, n), torch.zeros(m, n)
+    G1[torch.randperm(m, generator=g)[:20]] = 1e-2 * torch.randn(20, n, generator=g)
+    G2[torch.randperm(m, generator=g)[:20]] = 1e-2 * torch.randn(20, n, generator=g)
+    A = (G1 @ G1.T + G2 @ G2.T) / 2
+    D = (G1 + G2) / 2
+    return A, D, 8.0 * (A - D @ D.T)
+
+
+def test_eigh_survives_float32_convergence_failure():
+    """float32 LAPACK eigvalsh fails to converge on such matrices (seen in the DDP hook on an
+    embedding gradient); sqrt_trace('eigh') and nuclear_stats must fall back to float64."""
+    failed = 0
+    for seed in range(6):
+        A, D, C = _sparse_row_covariance(seed)
+        try:
+            torch.linalg.eigvalsh(C)
+        except torch.linalg.LinAlgError:
+            failed += 1
+        want = float(ref.sqrt_trace(C))
+        assert float(sp.sqrt_trace(C, method="eigh")) == pytest.approx(want, rel=1e-3)
+        noise, signal = sp.nuclear_stats([A], [D], scale=8.0)
+        assert float(noise[0]) == pytest.approx(want, rel=1e-3)
+        assert float(signal[0]) == pytest.approx(float(ref.nuclear_norm(D)), rel=1e-3)
+    assert failed > 0, "the float32 failure this test guards against no longer occurs here"
