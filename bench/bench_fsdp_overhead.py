@@ -31,7 +31,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -154,25 +153,6 @@ def _memory(step, states):
     return {name: min(peak(name) for _ in range(2)) for name in CONFIGS}
 
 
-def _launch(cfg: dict, world: int, timeout: float) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="gns_fsdp_overhead_") as folder:
-        ctx = mp.start_processes(_rank_main, args=(world, folder, cfg), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=2.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"bench_fsdp_overhead: ranks did not finish in {timeout:.0f} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(10)
-        return torch.load(os.path.join(folder, "result.pt"), weights_only=False)
-
-
 def _table(res: dict, F: int) -> str:
     t = res["times"]
     mean = {k: statistics.fmean(v) for k, v in t.items() if v}
@@ -213,7 +193,9 @@ def main(argv=None) -> int:
     cfg = dict(local_batch=args.local_batch, context=args.context, every=args.every, rounds=args.rounds,
                f1_block=args.f1_block, f1_rounds=args.f1_rounds, warmup=args.warmup, memory=args.memory)
     t0 = time.time()
-    res = _launch(cfg, args.ranks, args.timeout)
+    from gns_kernels.demo.overhead import launch_ranks
+
+    res = launch_ranks(_rank_main, cfg, args.ranks, args.timeout, label="bench_fsdp_overhead")
     wall = time.time() - t0
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.ranks} gloo ranks x 1 thread; model {res['params'] / 1e6:.2f}M params, "

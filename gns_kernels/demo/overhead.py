@@ -266,17 +266,20 @@ def _memory(step, states):
 
 
 # ----------------------------------------------------------------------------- parent side
-def _launch(cfg: dict, world: int, timeout: float) -> dict:
+def launch_ranks(rank_main, cfg: dict, world: int, timeout: float, label: str = "bench overhead") -> dict:
+    """Spawn ``world`` processes running ``rank_main(rank, world, folder, cfg)`` (a picklable
+    module-level function that writes ``folder/result.pt`` on rank 0); wait at most
+    ``timeout`` seconds, terminate stragglers, return the loaded result."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gns_overhead_") as folder:
-        ctx = mp.start_processes(_rank_main, args=(world, folder, cfg), nprocs=world, join=False,
+        ctx = mp.start_processes(rank_main, args=(world, folder, cfg), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=2.0):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"bench overhead: ranks did not finish in {timeout:.0f} s")
+                    raise TimeoutError(f"{label}: ranks did not finish in {timeout:.0f} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -339,7 +342,7 @@ def run(args) -> int:
                f1_block=args.f1_block, f1_rounds=args.f1_rounds, warmup=args.warmup,
                bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown, memory=args.memory)
     t0 = time.time()
-    res = _launch(cfg, args.ranks, args.timeout)
+    res = launch_ranks(_rank_main, cfg, args.ranks, args.timeout)
     wall = time.time() - t0
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.ranks} gloo ranks x 1 thread; model "
