@@ -658,11 +658,16 @@ def test_no_input_sized_temporaries(dtype):
         "accumulate_sq_multi": lambda b: gk.accumulate_sq_multi([d, s], [prev, q], [sq, out[:n]], backend=b),
     }
     limit = in_bytes // 8
+    # The high-water mark is process-wide: memory another thread frees or touches at the same
+    # moment (garbage collection of earlier tests' tensors, a pool thread) can hide or fake a
+    # temporary in one reading. A real input-sized temporary shows in every reading, so the
+    # kernel's peak is the least of 3 and the eager peer's (the detector check) the largest.
     for name, call in calls.items():
-        peak = _peak_extra_bytes(lambda: call("cpp"))
+        peak = min(_peak_extra_bytes(lambda: call("cpp")) for _ in range(3))
         assert peak < limit, f"{name}: peak extra resident memory {peak} B >= {limit} B"
         # the detectors work: the eager composite formulas do allocate input-sized temporaries
-        assert _peak_extra_bytes(lambda: call("eager")) >= in_bytes // 2, name
+        eager_peak = max(_peak_extra_bytes(lambda: call("eager")) for _ in range(3))
+        assert eager_peak >= in_bytes // 2, f"{name}: eager peak {eager_peak} B"
 
 
 # ----------------------------------------------------------------------------------------
