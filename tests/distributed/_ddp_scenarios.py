@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _harness import collective_seq as _seq, gather_per_rank as _gather
+
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
 
@@ -95,16 +97,6 @@ class _Recorder:
         return ddp_gns_hook(state, bucket)
 
 
-def _gather(tensors):
-    """[[rank j's tensor p for p] for j]: all_gather each tensor (outside counted regions)."""
-    world = dist.get_world_size()
-    out = [[None] * len(tensors) for _ in range(world)]
-    for p, t in enumerate(tensors):
-        buf = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(buf, t.contiguous())
-        for j in range(world):
-            out[j][p] = buf[j]
-    return out
 
 
 def _est_tuple(e):
@@ -113,8 +105,6 @@ def _est_tuple(e):
     return (e.gns, e.noise, e.signal, e.valid)
 
 
-def _seq():
-    return dist.group.WORLD._get_sequence_number_for_group()
 
 
 def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, shift=None,

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _harness import collective_seq as _seq, gather_per_rank as _gather
+
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, ddp_gns_hook
 from gns_kernels.distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
@@ -106,19 +108,8 @@ class _Counter:
         dist.all_reduce = self._ar
 
 
-def _seq():
-    return dist.group.WORLD._get_sequence_number_for_group()
 
 
-def _gather(tensors):
-    world = dist.get_world_size()
-    out = [[None] * len(tensors) for _ in range(world)]
-    for p, t in enumerate(tensors):
-        buf = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(buf, t.contiguous())
-        for j in range(world):
-            out[j][p] = buf[j]
-    return out
 
 
 # The hooks correct the nuclear bias from eigenvalues alone (dof model 'columns', as

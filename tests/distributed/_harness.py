@@ -84,3 +84,25 @@ def run_world(module: str, fn_name: str, world: int, timeout: float = 150.0, **k
         if errors or failure is not None:
             raise AssertionError(f"{fn_name} on {world} ranks failed: {failure}\n" + "\n".join(errors))
         return results
+
+
+# ------------------------------------------------------------------ rank-side helpers
+def gather_per_rank(tensors):
+    """[[rank j's tensor p for p] for j]: all_gather each tensor (call outside counted regions)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    out = [[None] * len(tensors) for _ in range(world)]
+    for p, t in enumerate(tensors):
+        buf = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(buf, t.contiguous())
+        for j in range(world):
+            out[j][p] = buf[j]
+    return out
+
+
+def collective_seq() -> int:
+    """The default process group's collective sequence number (counts every collective)."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD._get_sequence_number_for_group()
