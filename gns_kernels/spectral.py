@@ -23,14 +23,13 @@ Public functions (re-exported as gns_kernels.gram / sqrt_trace / nuclear_stats):
 - ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])``.
 
 The heavy parts are torch.library custom ops with fake kernels (torch.compile keeps each
-as one opaque node): ``torch.ops.gns_kernels.gram_batched``, ``.psd_eigvalsh``,
+as one opaque node): ``torch.ops.gns_kernels.gram_list`` / ``.gram_batched``, ``.psd_eigvalsh``,
 ``.newton_sqrt_trace``. See docs/spectral.md for accuracy, cost and the method choice.
 """
 from __future__ import annotations
 
 import math
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -67,31 +66,21 @@ def _validate_requested(validate: bool) -> bool:
 
 
 # ----------------------------------------------------------------------------- threading
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-_POOL_SIZE = 0
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=True)
-            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gns_spectral")
-            _POOL_SIZE = n
-        return _POOL
-
-
 def _map_cpu(fn, items: list) -> list:
     """fn over items, one item per task on torch.get_num_threads() worker threads.
 
     LAPACK's eigvalsh at m <= ~1000 scales poorly with threads (measured 32 ms on one
-    thread, 22 ms on two at m = 768), so independent matrices on single-threaded workers
-    beat one multi-threaded call. The intra-op thread count is set to 1 for the duration
-    and restored afterwards (a process-wide setting: do not call concurrently with other
-    torch work that relies on it). Results are bitwise the same as a serial loop under
-    torch.set_num_threads(1).
+    thread, 22 ms on two at m = 768), and small GEMMs likewise, so independent matrices on
+    single-threaded workers beat one multi-threaded call. The intra-op thread count is set
+    to 1 for the duration and restored afterwards (a process-wide setting: do not call
+    concurrently with other torch work that relies on it). Results are bitwise the same as
+    a serial loop under torch.set_num_threads(1).
+
+    The workers live for one call only: idle threads that have run BLAS calls stay
+    registered with GNU OpenMP, which then counts more threads than CPUs and throttles its
+    spin-waiting, making every later multi-threaded LAPACK call in the process ~4x slower
+    (measured: float32 eigvalsh at m = 768 on 2 threads, 19 ms -> 78 ms while a persistent
+    pool of 2 such workers existed). Starting 2 threads per call costs ~0.1 ms.
     """
     n = torch.get_num_threads()
     if n <= 1 or len(items) <= 1:
@@ -99,42 +88,74 @@ def _map_cpu(fn, items: list) -> list:
     old = n
     torch.set_num_threads(1)
     try:
-        return list(_pool(min(n, len(items))).map(fn, items))
+        with ThreadPoolExecutor(max_workers=min(n, len(items)), thread_name_prefix="gns_spectral") as pool:
+            return list(pool.map(fn, items))
     finally:
         torch.set_num_threads(old)
 
 
 # ============================================================================== Gram
-_GRAM_BLOCK = 192  # CPU: row block of the upper-triangle blocked Gram
+_GRAM_BLOCK = 128  # CPU: row block of the upper-triangle blocked Gram
 
 
-def _gram_blocked(x: Tensor) -> Tensor:
-    """x (L, k, n) float32 -> x x^T (L, k, k), computing only upper-triangle blocks.
+def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
+    """out (k, k) <- x x^T for x (k, n) float32 (any strides), upper-triangle blocks only.
 
-    Blocks of ~192 rows: nb (nb + 1) / 2 of the nb^2 block products (10/16 of the FLOPs at
-    k = 768). Off-diagonal blocks are mirrored, diagonal blocks averaged with their
-    transpose, so the result is exactly symmetric. Per matrix, one GEMM per block pair:
-    measured here (MKL, 2 threads, one rank's 84 Grams of the 160M shapes) 0.505 s vs
-    0.716 s for full per-matrix GEMMs, while torch.bmm over the stacked batch (full or
-    blocked) took 0.71-1.06 s, so the batch is looped inside this one op call.
+    Blocks of ~128 rows: nb (nb + 1) / 2 of the nb^2 block products (10/16 of the FLOPs at
+    k = 768, 3/4 at k = 256), each written by torch.mm straight into its block of ``out``;
+    off-diagonal blocks are mirrored, diagonal blocks replaced by (blk + blk^T) / 2, so the
+    result is exactly symmetric. Measured here on one thread (bench/RESULTS.md): 768 x 768
+    6.1 ms vs 9.1 ms for the full GEMM, 768 x 2048 16.1 vs 24.4 ms, 256 x 1024 1.1 vs 1.4 ms.
     """
-    L, k, n = x.shape
+    k = x.shape[0]
     nb = max(1, -(-k // _GRAM_BLOCK))
-    out = x.new_empty(L, k, k)
-    edges = [i * k // nb for i in range(nb + 1)]
-    for l in range(L):
-        xl = x[l]
-        ol = out[l]
-        for i in range(nb):
-            xi = xl[edges[i]:edges[i + 1]]
-            for j in range(i, nb):
-                blk = xi @ xl[edges[j]:edges[j + 1]].T
-                if j == i:
-                    ol[edges[i]:edges[i + 1], edges[i]:edges[i + 1]] = 0.5 * (blk + blk.T)
-                else:
-                    ol[edges[i]:edges[i + 1], edges[j]:edges[j + 1]] = blk
-                    ol[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = blk.T
+    e = [i * k // nb for i in range(nb + 1)]
+    for i in range(nb):
+        xi = x[e[i]:e[i + 1]]
+        for j in range(i, nb):
+            blk = out[e[i]:e[i + 1], e[j]:e[j + 1]]
+            torch.mm(xi, x[e[j]:e[j + 1]].T, out=blk)
+            if j == i:
+                blk.copy_((blk + blk.T).mul_(0.5))
+            else:
+                out[e[j]:e[j + 1], e[i]:e[i + 1]].copy_(blk.T)
     return out
+
+
+def _gram_cpu(xs: Sequence[Tensor], col: bool) -> Tensor:
+    """Grams of equal-shape 2-D CPU tensors into one (L, k, k) float32 tensor, no stacked copy
+    of the inputs: one matrix per task on single-threaded workers (_map_cpu), which beats
+    multi-threaded GEMMs on the small blocks (measured 2 threads: 3.6 ms per 768 x 768 Gram
+    blocked in one call vs 3.1 ms per matrix on two single-threaded workers)."""
+    m, n = xs[0].shape
+    k = n if col else m
+    out = torch.empty((len(xs), k, k), dtype=torch.float32)
+
+    def one(l: int) -> None:
+        x = xs[l]
+        x = x if x.dtype == torch.float32 else x.float()
+        _gram_blocked_into(x.mT if col else x, out[l])
+
+    _map_cpu(one, list(range(len(xs))))
+    return out
+
+
+@torch.library.custom_op("gns_kernels::gram_list", mutates_args=())
+def gram_list(xs: list[Tensor], col: bool) -> Tensor:
+    """Grams in float32 of equal-shape 2-D tensors: xs[l] (m, n) -> out[l] = xs[l] xs[l]^T
+    (m, m), or xs[l]^T xs[l] (n, n) if col; out (L, k, k). Any floating input dtype, products
+    accumulated in float32. CPU: per matrix, upper-triangle blocks (_gram_cpu); other devices:
+    the stacked batch through gram_batched."""
+    if xs[0].device.type == "cpu":
+        return _gram_cpu(xs, col)
+    return gram_batched(torch.stack(xs), col)
+
+
+@gram_list.register_fake
+def _(xs: list[Tensor], col: bool) -> Tensor:
+    m, n = xs[0].shape
+    k = n if col else m
+    return xs[0].new_empty((len(xs), k, k), dtype=torch.float32)
 
 
 @torch.library.custom_op("gns_kernels::gram_batched", mutates_args=())
@@ -144,11 +165,8 @@ def gram_batched(x: Tensor, col: bool) -> Tensor:
     Any floating input dtype; products are accumulated in float32 (bf16/fp16 inputs are
     exact in float32, so this is the float32 Gram of the given values).
     """
-    xf = x if x.dtype == torch.float32 else x.float()
-    if col:
-        xf = xf.mT
-    if xf.device.type == "cpu":
-        return _gram_blocked(xf)
+    if x.device.type == "cpu":
+        return _gram_cpu(list(x.unbind(0)), col)
     if x.device.type == "cuda" and x.dtype != torch.float64:
         tg = _triton_gram()
         if tg is not None:  # upper-triangle tiles only, bf16/fp16 read natively
@@ -156,6 +174,9 @@ def gram_batched(x: Tensor, col: bool) -> Tensor:
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
         xt = x.mT if col else x
         return torch.bmm(xt, xt.mT, out_dtype=torch.float32)
+    xf = x if x.dtype == torch.float32 else x.float()
+    if col:
+        xf = xf.mT
     return torch.bmm(xf, xf.mT)
 
 
@@ -185,9 +206,10 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
     side: 'auto' (the smaller side: row when m <= n), 'row' or 'col'.
     Any floating dtype (bf16/fp16/fp32/fp64 gradients); the result is float32, accumulated
     in float32 (float64 inputs are rounded to float32 first). Tensors of equal shape, dtype
-    and device are stacked and computed with one batched op (torch.ops.gns_kernels.
-    gram_batched); on CPU only the upper-triangle blocks are multiplied and mirrored, on
-    CUDA a Triton kernel computes only upper-triangle tiles. Returns a list in input order.
+    and device go to one batched op call (torch.ops.gns_kernels.gram_list): on CPU without
+    stacking them, one matrix per single-threaded worker, only upper-triangle blocks
+    multiplied and mirrored; on CUDA stacked, a Triton kernel computing only upper-triangle
+    tiles. Returns a list in input order.
     """
     tensors = list(tensors)
     groups: dict[tuple, list[int]] = {}
@@ -202,11 +224,7 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
         groups.setdefault((tuple(g.shape), g.dtype, g.device, s), []).append(i)
     out: list[Tensor | None] = [None] * len(tensors)
     for (_, _, _, s), idx in groups.items():
-        if len(idx) == 1:
-            x = tensors[idx[0]].detach().unsqueeze(0)
-        else:
-            x = torch.stack([tensors[i].detach() for i in idx])
-        res = torch.ops.gns_kernels.gram_batched(x, s == "col")
+        res = torch.ops.gns_kernels.gram_list([tensors[i].detach() for i in idx], s == "col")
         for i, r in zip(idx, res.unbind(0)):
             out[i] = r
     return out  # type: ignore[return-value]

@@ -79,7 +79,7 @@ def test_gram_matches_reference_all_sides_and_groups(gen, dtype):
 
 
 def test_gram_auto_takes_smaller_side_and_blocks_are_symmetric(gen):
-    x = randn(gen, 3, 600, 513, dtype=torch.float32)  # > one CPU block (256): blocked path
+    x = randn(gen, 3, 600, 513, dtype=torch.float32)  # > one CPU block (128 rows): blocked path
     out = torch.ops.gns_kernels.gram_batched(x, True)
     assert out.shape == (3, 513, 513)
     assert torch.equal(out, out.mT)  # mirrored blocks: exactly symmetric
@@ -87,6 +87,47 @@ def test_gram_auto_takes_smaller_side_and_blocks_are_symmetric(gen):
     assert (out.double() - want).abs().max() <= 2e-6 * want.abs().max()
     shapes = [g.shape for g in gk.gram([x[0], x[0].T])]
     assert shapes == [(513, 513), (513, 513)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gram_list_strided_inputs_several_blocks(gen, threads):
+    # transposed and sliced views, k = 301 > 2 CPU blocks (128 rows), worker threads or not
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        base = randn(gen, 5, 420, 301, dtype=torch.float32)
+        xs = [base[i, :, :] for i in range(3)] + [base[3].T.T, base[4][:, :]]
+        for col in (False, True):
+            out = torch.ops.gns_kernels.gram_list(xs, col)
+            assert out.shape == ((5, 301, 301) if col else (5, 420, 420))
+            assert torch.equal(out, out.mT)  # mirrored blocks: exactly symmetric
+            for x, G in zip(xs, out):
+                want = ref.gram(x, "col" if col else "row")
+                assert (G.double() - want).abs().max() <= 2e-6 * want.abs().max()
+        xt = [x.T for x in xs]  # non-contiguous (n, m) views, rows strided
+        out = torch.ops.gns_kernels.gram_list(xt, False)
+        for x, G in zip(xt, out):
+            want = ref.gram(x, "row")
+            assert (G.double() - want).abs().max() <= 2e-6 * want.abs().max()
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_worker_threads_do_not_outlive_the_call(gen):
+    # idle BLAS worker threads make GNU OpenMP throttle its spinning: every later
+    # multi-threaded LAPACK call in the process got ~4x slower (spectral._map_cpu)
+    import threading
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        xs = [randn(gen, 200, 300, dtype=torch.float32) for _ in range(3)]
+        gk.gram(xs)
+        gk.sqrt_trace(torch.stack(gk.gram(xs)), "eigh")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("gns_spectral")]
 
 
 def test_gram_bf16_accumulates_in_float32(gen):
@@ -413,6 +454,8 @@ def test_opcheck(gen):
     x = randn(gen, 3, 9, 14, dtype=torch.float32)
     opcheck(torch.ops.gns_kernels.gram_batched, (x, False))
     opcheck(torch.ops.gns_kernels.gram_batched, (x.bfloat16(), True))
+    opcheck(torch.ops.gns_kernels.gram_list, (list(x.unbind(0)), False))
+    opcheck(torch.ops.gns_kernels.gram_list, ([x[0].bfloat16(), x[1].bfloat16()], True))
     A = torch.stack([rand_psd(gen, 9, 1e3, torch.float32) for _ in range(2)])
     opcheck(torch.ops.gns_kernels.psd_eigvalsh, (A, 2e-4))
     opcheck(torch.ops.gns_kernels.newton_sqrt_trace, (A, 25, 1e-6, None))
