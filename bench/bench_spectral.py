@@ -3,9 +3,12 @@
 One full S1 measurement on the paper's 160M Llama 3 shapes without embeddings
 (12 layers x (q, k, v, o: 768x768; gate, up: 2048x768; down: 768x2048)), R ranks
 (default 2), simulated in one process: every rank's local Grams (smaller side), the mean
-Gram, C = B/(R-1) (mean Gram - G G^T), tr(C^{1/2}) and ||G||_S1 per matrix.
+Gram, C = B/(R-1) (mean Gram - G G^T), tr(C^{1/2}) and ||G||_S1 per matrix. The mean
+gradient G itself is computed before the timed region for every peer: it is what DDP's
+gradient all-reduce gives each rank whether or not the GNS is measured.
 
-Peers, timed in the same process, interleaved, best of --repeat:
+Peers, timed in the same process, interleaved (gk, eager32, eager64, then again), best of
+--repeat:
   eager32  per-layer loop in float32: G_j @ G_j.T per rank, G @ G.T, eigvalsh(C) and
            eigvalsh(G G^T), clamp, sqrt, sum (the smaller side, as the paper's m <= n)
   eager64  the same loop in float64
@@ -43,16 +46,33 @@ def make_grads(layers: int, R: int, seed: int = 0) -> list[list[torch.Tensor]]:
     return [[torch.randn(*s, generator=g) for s in shapes] for _ in range(R)]
 
 
-def eager_loop(rank_grads, B: float, dtype) -> tuple[float, float]:
+def mean_gradients(rank_grads) -> list[torch.Tensor]:
+    """The mean gradient per layer: what DDP's gradient all-reduce hands every rank, with or
+    without a GNS measurement, so it is computed before the timed region of both peers."""
+    R = len(rank_grads)
+    return [sum(xs) / R for xs in zip(*rank_grads)]
+
+
+def allreduce_mean(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The Grams' all-reduce (mean over ranks) simulated in place in the first rank's
+    tensor, as the collective does; the same glue for every peer."""
+    out = ts[0]
+    for t in ts[1:]:
+        out.add_(t)
+    return out.div_(len(ts))
+
+
+def eager_loop(rank_grads, mean_grads, B: float, dtype) -> tuple[float, float]:
     R = len(rank_grads)
     scale = B / (R - 1)
     noise = signal = 0.0
     for p in range(len(rank_grads[0])):
         xs = [rg[p].to(dtype) for rg in rank_grads]
+        G = mean_grads[p].to(dtype)
         if xs[0].shape[0] > xs[0].shape[1]:
             xs = [x.T for x in xs]
-        mean_gram = sum(x @ x.T for x in xs) / R
-        G = sum(xs) / R
+            G = G.T
+        mean_gram = allreduce_mean([x @ x.T for x in xs])
         GG = G @ G.T
         C = scale * (mean_gram - GG)
         noise += torch.linalg.eigvalsh(C).clamp_min(0).sqrt().sum()
@@ -60,11 +80,10 @@ def eager_loop(rank_grads, B: float, dtype) -> tuple[float, float]:
     return float(noise), float(signal)
 
 
-def gk_measure(rank_grads, B: float, method: str = "eigh") -> tuple[float, float]:
+def gk_measure(rank_grads, mean_grads, B: float, method: str = "eigh") -> tuple[float, float]:
     R = len(rank_grads)
     local = [gk.gram(rg) for rg in rank_grads]  # each rank: its local Grams, batched by shape
-    mean_grams = [sum(gs) / R for gs in zip(*local)]
-    mean_grads = [sum(xs) / R for xs in zip(*rank_grads)]
+    mean_grams = [allreduce_mean(list(gs)) for gs in zip(*local)]  # as in eager_loop
     n, s = gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), method=method)
     return float(n.double().sum()), float(s.double().sum())
 
@@ -89,22 +108,40 @@ def timeit(fn, repeat: int, label: str | None = None) -> tuple[float, object]:
     return best, out
 
 
-def parts(rank_grads, B: float, repeat: int) -> dict:
+def interleaved(fns: dict, repeat: int) -> dict:
+    """{label: (best wall time, result)} with the peers run in turn, ``repeat`` rounds
+    (peer A, peer B, ..., then again), so load drifts on a shared machine hit all alike."""
+    best = {k: (math.inf, None) for k in fns}
+    for _ in range(repeat):
+        for label, fn in fns.items():
+            c = time.process_time()
+            t = time.perf_counter()
+            out = fn()
+            dt = time.perf_counter() - t
+            if dt < best[label][0]:
+                best[label] = (dt, out)
+                CPU_TIMES[label] = time.process_time() - c
+            print(f"  {label}: {dt:.3f} s wall", flush=True)
+    return best
+
+
+def parts(rank_grads, mean_grads, B: float, repeat: int) -> dict:
     """Gram part and sqrt-trace part separately (float32 eager vs gk)."""
     R = len(rank_grads)
 
     def eager_grams():
         out = []
         for p in range(len(rank_grads[0])):
-            xs = [rg[p] if rg[p].shape[0] <= rg[p].shape[1] else rg[p].T for rg in rank_grads]
-            out.append(sum(x @ x.T for x in xs) / R)
-            G = sum(xs) / R
+            tall = rank_grads[0][p].shape[0] > rank_grads[0][p].shape[1]
+            xs = [rg[p].T if tall else rg[p] for rg in rank_grads]
+            out.append(allreduce_mean([x @ x.T for x in xs]))
+            G = mean_grads[p].T if tall else mean_grads[p]
             out.append(G @ G.T)
         return out
 
     def gk_grams():
         local = [gk.gram(rg) for rg in rank_grads]
-        return gk.gram([sum(xs) / R for xs in zip(*rank_grads)]) + [sum(gs) / R for gs in zip(*local)]
+        return gk.gram(mean_grads) + [allreduce_mean(list(gs)) for gs in zip(*local)]
 
     t_eg, mats = timeit(eager_grams, repeat, "grams_eager32")
     t_gg, _ = timeit(gk_grams, repeat, "grams_gk")
@@ -170,16 +207,21 @@ def main(argv=None) -> int:
     res: dict = {"threads": torch.get_num_threads(), "layers": a.layers, "ranks": a.ranks,
                  "load_avg_start": os.getloadavg()}
     grads = make_grads(a.layers, a.ranks)
+    means = mean_gradients(grads)
     B = a.batch_size
-    gk_measure(grads, B)  # warm-up (thread pool, op registration)
-    t_gk, v_gk = timeit(lambda: gk_measure(grads, B), a.repeat, "gk")
-    t_e32, v_e32 = timeit(lambda: eager_loop(grads, B, torch.float32), a.repeat, "eager32")
+    gk_measure(grads, means, B)  # warm-up (op registration)
+    peers = {"gk": lambda: gk_measure(grads, means, B),
+             "eager32": lambda: eager_loop(grads, means, B, torch.float32)}
+    if not a.skip_eager64:
+        peers["eager64"] = lambda: eager_loop(grads, means, B, torch.float64)
+    best = interleaved(peers, a.repeat)
+    (t_gk, v_gk), (t_e32, v_e32) = best["gk"], best["eager32"]
     res.update(gk_s=t_gk, eager32_s=t_e32, speedup_vs_eager32=t_e32 / t_gk, gk_values=v_gk, eager32_values=v_e32)
     if not a.skip_eager64:
-        t_e64, v_e64 = timeit(lambda: eager_loop(grads, B, torch.float64), a.repeat, "eager64")
+        t_e64, v_e64 = best["eager64"]
         res.update(eager64_s=t_e64, speedup_vs_eager64=t_e64 / t_gk, eager64_values=v_e64,
                    rel_err_vs_eager64=[abs(x - y) / abs(y) for x, y in zip(v_gk, v_e64)])
-    res["parts"] = parts(grads, B, a.repeat)
+    res["parts"] = parts(grads, means, B, a.repeat)
     res["per_size"] = per_size([int(s) for s in a.sizes.split(",")], a.repeat)
     res["flops"] = flops(a.layers, a.ranks)
     res["cpu_time_s"] = dict(CPU_TIMES)

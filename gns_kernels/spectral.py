@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -122,40 +122,39 @@ def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def _gram_cpu(xs: Sequence[Tensor], col: bool) -> Tensor:
-    """Grams of equal-shape 2-D CPU tensors into one (L, k, k) float32 tensor, no stacked copy
+def _gram_cpu(xs: Sequence[Tensor], col: bool) -> list[Tensor]:
+    """Grams of equal-shape 2-D CPU tensors, float32, one (k, k) tensor each, no stacked copy
     of the inputs: one matrix per task on single-threaded workers (_map_cpu), which beats
     multi-threaded GEMMs on the small blocks (measured 2 threads: 3.6 ms per 768 x 768 Gram
-    blocked in one call vs 3.1 ms per matrix on two single-threaded workers)."""
+    blocked in one call vs 3.1 ms per matrix on two single-threaded workers). Separate
+    outputs rather than one (L, k, k) block: a fresh allocation of hundreds of MB is
+    page-faulted on every call (~0.45 ms per MB here), per-matrix ones are recycled."""
     m, n = xs[0].shape
     k = n if col else m
-    out = torch.empty((len(xs), k, k), dtype=torch.float32)
 
-    def one(l: int) -> None:
-        x = xs[l]
+    def one(x: Tensor) -> Tensor:
         x = x if x.dtype == torch.float32 else x.float()
-        _gram_blocked_into(x.mT if col else x, out[l])
+        return _gram_blocked_into(x.mT if col else x, torch.empty((k, k), dtype=torch.float32))
 
-    _map_cpu(one, list(range(len(xs))))
-    return out
+    return _map_cpu(one, list(xs))
 
 
 @torch.library.custom_op("gns_kernels::gram_list", mutates_args=())
-def gram_list(xs: list[Tensor], col: bool) -> Tensor:
+def gram_list(xs: list[Tensor], col: bool) -> list[Tensor]:
     """Grams in float32 of equal-shape 2-D tensors: xs[l] (m, n) -> out[l] = xs[l] xs[l]^T
-    (m, m), or xs[l]^T xs[l] (n, n) if col; out (L, k, k). Any floating input dtype, products
-    accumulated in float32. CPU: per matrix, upper-triangle blocks (_gram_cpu); other devices:
-    the stacked batch through gram_batched."""
+    (m, m), or xs[l]^T xs[l] (n, n) if col. Any floating input dtype, products accumulated
+    in float32. CPU: per matrix, upper-triangle blocks (_gram_cpu); other devices: the
+    stacked batch through gram_batched."""
     if xs[0].device.type == "cpu":
         return _gram_cpu(xs, col)
-    return gram_batched(torch.stack(xs), col)
+    return list(gram_batched(torch.stack(xs), col).unbind(0))
 
 
 @gram_list.register_fake
-def _(xs: list[Tensor], col: bool) -> Tensor:
+def _(xs: list[Tensor], col: bool) -> list[Tensor]:
     m, n = xs[0].shape
     k = n if col else m
-    return xs[0].new_empty((len(xs), k, k), dtype=torch.float32)
+    return [x.new_empty((k, k), dtype=torch.float32) for x in xs]
 
 
 @torch.library.custom_op("gns_kernels::gram_batched", mutates_args=())
@@ -166,7 +165,7 @@ def gram_batched(x: Tensor, col: bool) -> Tensor:
     exact in float32, so this is the float32 Gram of the given values).
     """
     if x.device.type == "cpu":
-        return _gram_cpu(list(x.unbind(0)), col)
+        return torch.stack(_gram_cpu(list(x.unbind(0)), col))
     if x.device.type == "cuda" and x.dtype != torch.float64:
         tg = _triton_gram()
         if tg is not None:  # upper-triangle tiles only, bf16/fp16 read natively
@@ -225,7 +224,7 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
     out: list[Tensor | None] = [None] * len(tensors)
     for (_, _, _, s), idx in groups.items():
         res = torch.ops.gns_kernels.gram_list([tensors[i].detach() for i in idx], s == "col")
-        for i, r in zip(idx, res.unbind(0)):
+        for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]
 
@@ -281,6 +280,56 @@ def _eig_batched(flat: Tensor, tol: float) -> Tensor:
             lam[idx] = torch.linalg.eigvalsh(x[idx].double())
     lam = lam * scale.double()[:, None]
     return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
+
+
+def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float) -> Tensor:
+    """float64 eigenvalues (k,) of S = scale * (A - B) (B None: scale * A), one CPU matrix.
+
+    The same method as _eig_batched (float32 eigvalsh of S / 2^e, float64 eigvalsh of the
+    same values when the error bound exceeds tol) without its batch temporaries: S is
+    formed once, scaled in place by scale / 2^e (exact: one rounding, as scale * (A - B)
+    then / 2^e, and no overflow of scale * (A - B)), and the lower triangle is used (no
+    symmetrization pass: A and B are symmetric). Non-finite input -> NaN eigenvalues.
+    """
+    k = A.shape[-1]
+    wide = A.dtype == torch.float64 or (B is not None and B.dtype == torch.float64)
+    dt = torch.float64 if wide else torch.float32
+    x = A.to(dt, copy=True) if B is None else torch.sub(A.to(dt), B.to(dt))
+    amax = float(torch.linalg.vector_norm(x, float("inf"))) * abs(scale)
+    if not math.isfinite(amax):
+        return torch.full((k,), math.nan, dtype=torch.float64)
+    if amax == 0.0:
+        return torch.zeros(k, dtype=torch.float64)
+    s2 = math.ldexp(1.0, math.frexp(amax)[1])
+    x.mul_(scale / s2)
+    try:
+        lam = torch.linalg.eigvalsh(x.float() if wide else x)
+    except torch.linalg.LinAlgError:  # float32 LAPACK non-convergence (see _eig_batched)
+        lam = torch.linalg.eigvalsh(x.double())
+    else:
+        bound, tr = _eig_error_bound(lam, k)
+        if float(bound) > tol * float(tr):
+            lam = torch.linalg.eigvalsh(x.double())
+    return lam.double() * s2
+
+
+@torch.library.custom_op("gns_kernels::psd_eigvalsh_list", mutates_args=())
+def _psd_eigvalsh_list_op(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float) -> Tensor:
+    """float64 eigenvalues (L, k) of S_l = scales[l] * (A[l] - B[l]) (B[l] None: scales[l] *
+    A[l]); every A[l], B[l] is k x k and symmetric (the lower triangle is used). Accuracy as
+    psd_eigvalsh. CPU: one matrix per single-threaded worker, S_l formed inside the worker
+    (no stacked copy of the inputs); other devices: stacked, then _eig_batched."""
+    if A[0].device.type == "cpu":
+        return torch.stack(_map_cpu(lambda l: _eig_cpu_one(A[l], B[l], scales[l], tol), list(range(len(A)))))
+    wide = any(a.dtype == torch.float64 for a in A) or any(b is not None and b.dtype == torch.float64 for b in B)
+    dt = torch.float64 if wide else torch.float32
+    mats = torch.stack([(a.to(dt) if b is None else a.to(dt) - b.to(dt)) * sc for a, b, sc in zip(A, B, scales)])
+    return _eig_batched(mats, tol)
+
+
+@_psd_eigvalsh_list_op.register_fake
+def _(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float) -> Tensor:
+    return A[0].new_empty((len(A), A[0].shape[-1]), dtype=torch.float64)
 
 
 def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
@@ -692,16 +741,12 @@ def nuclear_stats(
     for l in range(L):
         by_k.setdefault(mean_grams[l].shape[-1], []).extend([("n", l), ("s", l)])
     for k, items in by_k.items():
-        # C_l = scale * (mean_gram - D D^T) written straight into the stacked batch
-        mats = torch.empty((len(items), k, k), dtype=cdt, device=mean_grams[items[0][1]].device)
-        for i, (w, l) in enumerate(items):
-            if w == "n":
-                torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
-                mats[i].mul_(scale)
-            else:
-                mats[i].copy_(gg[l].detach())
         if meth == "eigh":
-            lam = torch.ops.gns_kernels.psd_eigvalsh(mats, float(EIGH_TOL))
+            # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
+            lam = torch.ops.gns_kernels.psd_eigvalsh_list(
+                [(mean_grams[l] if w == "n" else gg[l]).detach() for w, l in items],
+                [dd[l].detach() if w == "n" else None for w, l in items],
+                [float(scale) if w == "n" else 1.0 for w, l in items], float(EIGH_TOL))
             res = lam.clamp_min(0).sqrt().sum(-1)
             for i, (w, l) in enumerate(items):
                 if w == "n" and bias_correction:
@@ -713,14 +758,22 @@ def nuclear_stats(
                     noise[l] = res[i]
                 else:
                     signal[l] = res[i]
-        else:
-            it, ep = _check_newton_args(None, None)
-            # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F
-            # (its rounding level); signal Grams: relative to their own norm.
-            ref = torch.stack([
-                scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
-                else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref)
-            for i, (w, l) in enumerate(items):
-                (noise if w == "n" else signal)[l] = res[i]
+            continue
+        # newton: C_l = scale * (mean_gram - D D^T) written straight into the stacked batch
+        mats = torch.empty((len(items), k, k), dtype=cdt, device=mean_grams[items[0][1]].device)
+        for i, (w, l) in enumerate(items):
+            if w == "n":
+                torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
+                mats[i].mul_(scale)
+            else:
+                mats[i].copy_(gg[l].detach())
+        it, ep = _check_newton_args(None, None)
+        # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F
+        # (its rounding level); signal Grams: relative to their own norm.
+        ref = torch.stack([
+            scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
+            else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
+        res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref)
+        for i, (w, l) in enumerate(items):
+            (noise if w == "n" else signal)[l] = res[i]
     return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal])

@@ -99,9 +99,10 @@ def test_gram_list_strided_inputs_several_blocks(gen, threads):
         xs = [base[i, :, :] for i in range(3)] + [base[3].T.T, base[4][:, :]]
         for col in (False, True):
             out = torch.ops.gns_kernels.gram_list(xs, col)
-            assert out.shape == ((5, 301, 301) if col else (5, 420, 420))
-            assert torch.equal(out, out.mT)  # mirrored blocks: exactly symmetric
+            assert len(out) == 5
             for x, G in zip(xs, out):
+                assert G.shape == ((301, 301) if col else (420, 420))
+                assert torch.equal(G, G.T)  # mirrored blocks: exactly symmetric
                 want = ref.gram(x, "col" if col else "row")
                 assert (G.double() - want).abs().max() <= 2e-6 * want.abs().max()
         xt = [x.T for x in xs]  # non-contiguous (n, m) views, rows strided
@@ -336,6 +337,45 @@ def _stats_inputs(layers, shifts=None):
 SHAPES = [(12, 30), (30, 12), (12, 30), (17, 17), (40, 9), (3, 50), (64, 100)]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_psd_eigvalsh_list_matches_float64(gen, threads):
+    # eigenvalues of scales[l] * (A[l] - B[l]) vs float64 eigvalsh of the same values,
+    # m = 300 (one matrix per worker), a rank-deficient difference (float64 fallback), a
+    # float64 input, B = None, a zero matrix and a non-finite one (NaN row, others intact)
+    m = 300
+    X = randn(gen, m, 2 * m, dtype=torch.float32)
+    Y = randn(gen, m, 7, dtype=torch.float32)
+    A0 = gk.gram([X])[0]
+    B0 = (A0.double() - (Y.double() @ Y.double().T)).float()  # A0 - B0: rank 7 + rounding
+    A1 = rand_psd(gen, m, 1e4, torch.float64)
+    nan = A0.clone()
+    nan[3, 5] = math.nan
+    As = [A0, A0, A1, torch.zeros(m, m), nan]
+    Bs = [None, B0, None, None, None]
+    scales = [1e-20, 7.5, 3.0, 2.0, 1.0]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lam = torch.ops.gns_kernels.psd_eigvalsh_list(As, Bs, scales, sp.EIGH_TOL)
+    finally:
+        torch.set_num_threads(old)
+    assert lam.shape == (5, m) and lam.dtype == torch.float64
+    for i in range(4):
+        S = As[i].double() if Bs[i] is None else As[i].double() - Bs[i].double()
+        S = scales[i] * S
+        want = torch.linalg.eigvalsh(S)
+        got_tr = lam[i].clamp_min(0).sqrt().sum()
+        want_tr = want.clamp_min(0).sqrt().sum()
+        if i == 3:
+            assert torch.equal(lam[i], torch.zeros(m, dtype=torch.float64))
+            continue
+        assert abs(got_tr - want_tr) <= TOL * want_tr, i
+        assert (lam[i] - want).abs().max() <= 1e-4 * want.abs().max(), i
+    assert torch.isnan(lam[4]).all()
+
+
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("R", [2, 4])
 def test_nuclear_stats_matches_reference(gen, method, R):
@@ -458,6 +498,7 @@ def test_opcheck(gen):
     opcheck(torch.ops.gns_kernels.gram_list, ([x[0].bfloat16(), x[1].bfloat16()], True))
     A = torch.stack([rand_psd(gen, 9, 1e3, torch.float32) for _ in range(2)])
     opcheck(torch.ops.gns_kernels.psd_eigvalsh, (A, 2e-4))
+    opcheck(torch.ops.gns_kernels.psd_eigvalsh_list, ([A[0], A[1]], [None, 0.5 * A[0]], [2.0, 0.25], 2e-4))
     opcheck(torch.ops.gns_kernels.newton_sqrt_trace, (A, 25, 1e-6, None))
 
 
