@@ -282,54 +282,65 @@ def _eig_batched(flat: Tensor, tol: float) -> Tensor:
     return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
 
 
-def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float) -> Tensor:
-    """float64 eigenvalues (k,) of S = scale * (A - B) (B None: scale * A), one CPU matrix.
+def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bool) -> tuple[Tensor, bool]:
+    """(float64 eigenvalues (k,), solved in float64) of S = scale * (A - B) (B None: scale * A),
+    one CPU matrix.
 
     The same method as _eig_batched (float32 eigvalsh of S / 2^e, float64 eigvalsh of the
     same values when the error bound exceeds tol) without its batch temporaries: S is
     formed once, scaled in place by scale / 2^e (exact: one rounding, as scale * (A - B)
     then / 2^e, and no overflow of scale * (A - B)), and the lower triangle is used (no
-    symmetrization pass: A and B are symmetric). Non-finite input -> NaN eigenvalues.
+    symmetrization pass: A and B are symmetric). wide=True skips the float32 attempt (a
+    caller's hint that it would fall back: same result as the fallback, without its cost).
+    Non-finite input -> NaN eigenvalues.
     """
     k = A.shape[-1]
-    wide = A.dtype == torch.float64 or (B is not None and B.dtype == torch.float64)
-    dt = torch.float64 if wide else torch.float32
+    f64 = A.dtype == torch.float64 or (B is not None and B.dtype == torch.float64)
+    dt = torch.float64 if f64 else torch.float32
     x = A.to(dt, copy=True) if B is None else torch.sub(A.to(dt), B.to(dt))
     amax = float(torch.linalg.vector_norm(x, float("inf"))) * abs(scale)
     if not math.isfinite(amax):
-        return torch.full((k,), math.nan, dtype=torch.float64)
+        return torch.full((k,), math.nan, dtype=torch.float64), False
     if amax == 0.0:
-        return torch.zeros(k, dtype=torch.float64)
+        return torch.zeros(k, dtype=torch.float64), False
     s2 = math.ldexp(1.0, math.frexp(amax)[1])
     x.mul_(scale / s2)
+    if wide:
+        return torch.linalg.eigvalsh(x.double()) * s2, True
     try:
-        lam = torch.linalg.eigvalsh(x.float() if wide else x)
+        lam = torch.linalg.eigvalsh(x.float() if f64 else x)
     except torch.linalg.LinAlgError:  # float32 LAPACK non-convergence (see _eig_batched)
-        lam = torch.linalg.eigvalsh(x.double())
-    else:
-        bound, tr = _eig_error_bound(lam, k)
-        if float(bound) > tol * float(tr):
-            lam = torch.linalg.eigvalsh(x.double())
-    return lam.double() * s2
+        return torch.linalg.eigvalsh(x.double()) * s2, True
+    bound, tr = _eig_error_bound(lam, k)
+    if float(bound) > tol * float(tr):
+        return torch.linalg.eigvalsh(x.double()) * s2, True
+    return lam.double() * s2, False
 
 
 @torch.library.custom_op("gns_kernels::psd_eigvalsh_list", mutates_args=())
-def _psd_eigvalsh_list_op(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float) -> Tensor:
-    """float64 eigenvalues (L, k) of S_l = scales[l] * (A[l] - B[l]) (B[l] None: scales[l] *
-    A[l]); every A[l], B[l] is k x k and symmetric (the lower triangle is used). Accuracy as
-    psd_eigvalsh. CPU: one matrix per single-threaded worker, S_l formed inside the worker
-    (no stacked copy of the inputs); other devices: stacked, then _eig_batched."""
+def _psd_eigvalsh_list_op(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float,
+                          wide: list[bool]) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (L, k) float64 of S_l = scales[l] * (A[l] - B[l]) (B[l] None: scales[l] *
+    A[l]), and a bool (L,) telling which were solved in float64. Every A[l], B[l] is k x k
+    and symmetric (the lower triangle is used). Accuracy as psd_eigvalsh; wide[l] = True
+    solves S_l in float64 directly (the float32 attempt is skipped). CPU: one matrix per
+    single-threaded worker, S_l formed inside the worker (no stacked copy of the inputs);
+    other devices: stacked, then _eig_batched (the hint is not used)."""
     if A[0].device.type == "cpu":
-        return torch.stack(_map_cpu(lambda l: _eig_cpu_one(A[l], B[l], scales[l], tol), list(range(len(A)))))
-    wide = any(a.dtype == torch.float64 for a in A) or any(b is not None and b.dtype == torch.float64 for b in B)
-    dt = torch.float64 if wide else torch.float32
+        res = _map_cpu(lambda l: _eig_cpu_one(A[l], B[l], scales[l], tol, wide[l]), list(range(len(A))))
+        return torch.stack([r[0] for r in res]), torch.tensor([r[1] for r in res], dtype=torch.bool)
+    f64 = any(a.dtype == torch.float64 for a in A) or any(b is not None and b.dtype == torch.float64 for b in B)
+    dt = torch.float64 if f64 else torch.float32
     mats = torch.stack([(a.to(dt) if b is None else a.to(dt) - b.to(dt)) * sc for a, b, sc in zip(A, B, scales)])
-    return _eig_batched(mats, tol)
+    lam = _eig_batched(mats, tol)
+    return lam, torch.zeros(len(A), dtype=torch.bool, device=lam.device)
 
 
 @_psd_eigvalsh_list_op.register_fake
-def _(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float) -> Tensor:
-    return A[0].new_empty((len(A), A[0].shape[-1]), dtype=torch.float64)
+def _(A: list[Tensor], B: list[Optional[Tensor]], scales: list[float], tol: float,
+      wide: list[bool]) -> tuple[Tensor, Tensor]:
+    return (A[0].new_empty((len(A), A[0].shape[-1]), dtype=torch.float64),
+            A[0].new_empty((len(A),), dtype=torch.bool))
 
 
 def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
@@ -601,6 +612,8 @@ def nuclear_stats(
     dof_model: str = "columns",
     method: str = "auto",
     validate: bool = False,
+    eig_float64: Sequence[bool] | None = None,
+    eig_report: list | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per layer l: (noise tr(C_l^{1/2}), signal ||G_l||_S1); two float32 Tensor[L].
 
@@ -623,6 +636,12 @@ def nuclear_stats(
     method: sqrt-trace method for noise and signal ('auto' | 'eigh' | 'newton'), see
       sqrt_trace. With 'newton' the shift of C is relative to ||scale * mean_grams||_F
       (the subtraction's rounding level), not to ||C||_F.
+    eig_float64 (method 'eigh', CPU): per layer, True solves its two eigenproblems in float64
+      directly instead of float32 first. A cost hint only (the result is the one the
+      float64 fallback would give): gradient Grams that fell back last time (typically
+      rank-deficient ones: few tokens per sample) fall back again, and the float32 attempt
+      (~2/3 of the float64 cost at m = 256) is wasted. eig_report: a list, filled with one
+      bool per layer (either eigenproblem solved in float64) to feed the next call's hint.
     C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
     Layers are batched by Gram size (one stacked op per size). No host synchronization
     unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
@@ -733,6 +752,15 @@ def nuclear_stats(
         dd = [g for g in mean_grad_grams]
         gg = list(signal_grams) if signal_grams is not None else list(dd)
 
+    if eig_float64 is not None:
+        hint = list(eig_float64)
+        if len(hint) != L:
+            raise ValueError(f"eig_float64: expected {L} bools (one per layer), got {len(hint)}")
+    else:
+        hint = [False] * L
+    if eig_report is not None and not isinstance(eig_report, list):
+        raise ValueError(f"eig_report: expected a list to fill, got {type(eig_report).__name__}")
+
     # ---- C per layer; group noise and signal matrices by size, one sqrt-trace call each
     cdt = torch.float64 if any(A.dtype == torch.float64 for A in mean_grams) else torch.float32
     noise: list = [None] * L
@@ -740,13 +768,16 @@ def nuclear_stats(
     by_k: dict[int, list[tuple[str, int]]] = {}
     for l in range(L):
         by_k.setdefault(mean_grams[l].shape[-1], []).extend([("n", l), ("s", l)])
+    flagged: list[tuple[list, Tensor]] = []  # (items, solved-in-float64 flags) per size
     for k, items in by_k.items():
         if meth == "eigh":
             # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
-            lam = torch.ops.gns_kernels.psd_eigvalsh_list(
+            lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
                 [(mean_grams[l] if w == "n" else gg[l]).detach() for w, l in items],
                 [dd[l].detach() if w == "n" else None for w, l in items],
-                [float(scale) if w == "n" else 1.0 for w, l in items], float(EIGH_TOL))
+                [float(scale) if w == "n" else 1.0 for w, l in items], float(EIGH_TOL),
+                [bool(hint[l]) for w, l in items])
+            flagged.append((items, wide))
             res = lam.clamp_min(0).sqrt().sum(-1)
             for i, (w, l) in enumerate(items):
                 if w == "n" and bias_correction:
@@ -776,4 +807,10 @@ def nuclear_stats(
         res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref)
         for i, (w, l) in enumerate(items):
             (noise if w == "n" else signal)[l] = res[i]
+    if eig_report is not None:  # reads the flags (not traceable by torch.compile)
+        used64 = [False] * L
+        for items, wide in flagged:
+            for (w, l), f in zip(items, wide.tolist()):
+                used64[l] = used64[l] or f
+        eig_report[:] = used64
     return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal])

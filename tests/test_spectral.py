@@ -356,10 +356,17 @@ def test_psd_eigvalsh_list_matches_float64(gen, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        lam = torch.ops.gns_kernels.psd_eigvalsh_list(As, Bs, scales, sp.EIGH_TOL)
+        lam, used64 = torch.ops.gns_kernels.psd_eigvalsh_list(As, Bs, scales, sp.EIGH_TOL, [False] * 5)
+        lam_w, used64_w = torch.ops.gns_kernels.psd_eigvalsh_list(As, Bs, scales, sp.EIGH_TOL, [True] * 5)
     finally:
         torch.set_num_threads(old)
     assert lam.shape == (5, m) and lam.dtype == torch.float64
+    # the rank-7 difference falls back to float64; the well-conditioned Gram does not; the
+    # hint solves every finite nonzero matrix in float64 directly, with the fallback's result
+    assert used64.tolist() == [False, True, False, False, False]
+    assert used64_w.tolist() == [True, True, True, False, False]
+    assert torch.equal(lam_w[1], lam[1])
+    assert torch.equal(lam_w[3], lam[3])
     for i in range(4):
         S = As[i].double() if Bs[i] is None else As[i].double() - Bs[i].double()
         S = scales[i] * S
@@ -498,7 +505,8 @@ def test_opcheck(gen):
     opcheck(torch.ops.gns_kernels.gram_list, ([x[0].bfloat16(), x[1].bfloat16()], True))
     A = torch.stack([rand_psd(gen, 9, 1e3, torch.float32) for _ in range(2)])
     opcheck(torch.ops.gns_kernels.psd_eigvalsh, (A, 2e-4))
-    opcheck(torch.ops.gns_kernels.psd_eigvalsh_list, ([A[0], A[1]], [None, 0.5 * A[0]], [2.0, 0.25], 2e-4))
+    opcheck(torch.ops.gns_kernels.psd_eigvalsh_list, ([A[0], A[1]], [None, 0.5 * A[0]], [2.0, 0.25], 2e-4,
+                                                      [False, True]))
     opcheck(torch.ops.gns_kernels.newton_sqrt_trace, (A, 25, 1e-6, None))
 
 
@@ -549,3 +557,27 @@ def test_eigh_survives_float32_convergence_failure():
         assert float(noise[0]) == pytest.approx(want, rel=1e-3)
         assert float(signal[0]) == pytest.approx(float(ref.nuclear_norm(D)), rel=1e-3)
     assert failed > 0, "the float32 failure this test guards against no longer occurs here"
+
+
+def test_nuclear_stats_eig_float64_hint_and_report(gen):
+    # layer 0: sparse rows (rank-deficient: the float32 error bound fails, float64 fallback);
+    # layer 1: well-conditioned full-rank Gram (float32 accepted). The report says so, and
+    # the hint (skip the float32 attempt) gives the fallback's result bitwise.
+    A0, D0, _ = _sparse_row_covariance(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    X = [randn(gen, 40, 120, dtype=torch.float32) for _ in range(2)]
+    A1 = torch.stack(gk.gram(X)).mean(0)
+    D1 = torch.stack(X).mean(0)
+    report: list = []
+    n, s = gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_report=report)
+    assert report == [True, False]
+    n_h, s_h = gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_float64=report)
+    assert torch.equal(n_h[0], n[0]) and torch.equal(s_h[0], s[0])
+    for noise, signal in ((n, s), (n_h, s_h)):
+        for l, (A, D) in enumerate(((A0, D0), (A1, D1))):
+            C = 8.0 * (A.double() - D.double() @ D.double().T)
+            assert float(noise[l]) == pytest.approx(float(ref.sqrt_trace(C)), rel=TOL)
+            assert float(signal[l]) == pytest.approx(float(ref.nuclear_norm(D)), rel=TOL)
+    with pytest.raises(ValueError, match="eig_float64"):
+        gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_float64=[True])
+    with pytest.raises(ValueError, match="eig_report"):
+        gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_report=(1, 2))

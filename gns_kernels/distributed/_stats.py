@@ -19,18 +19,31 @@ Tensor = torch.Tensor
 
 def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
                          shifts: Optional[Sequence[Optional[Tensor]]], scale: float,
-                         bias_correction: bool, num_samples: int, batch_size: float):
-    """(noise Tensor[L], signal Tensor[L]) as spectral.nuclear_stats, or nan tensors."""
+                         bias_correction: bool, num_samples: int, batch_size: float,
+                         eig_memo: Optional[dict] = None, keys: Optional[Sequence] = None):
+    """(noise Tensor[L], signal Tensor[L]) as spectral.nuclear_stats, or nan tensors.
+
+    eig_memo / keys (one hashable per layer, e.g. id(param)): which layers needed float64
+    eigenproblems last time, passed as spectral.nuclear_stats(eig_float64=...) and updated
+    from its eig_report (identical on every rank: every rank solves the same matrices)."""
     nan = torch.full((len(mean_grams),), float("nan"))
     finite = all(bool(torch.isfinite(A).all()) for A in mean_grams) and all(
         bool(torch.isfinite(D).all()) for D in mean_grads)
     if not finite:
         return nan, nan
+    hint = report = None
+    if eig_memo is not None:
+        hint = [eig_memo.get(k, False) for k in keys]
+        report = []
     try:
-        return spectral.nuclear_stats(
+        out = spectral.nuclear_stats(
             list(mean_grams), list(mean_grads), scale=scale, shifts=shifts,
-            bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size)
+            bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
+            eig_float64=hint, eig_report=report)
     except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
         warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement is "
                       "marked invalid", RuntimeWarning, stacklevel=2)
         return nan, nan
+    if eig_memo is not None:
+        eig_memo.update(zip(keys, report))
+    return out

@@ -197,7 +197,8 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
         # non-finite gradients on some rank: nan, this measurement is invalid everywhere
         ctx.nuc[index] = nuclear_stats_or_nan(
             mean_grams, mean_grads, shifts if any_shift else None, ctx.scale,
-            st.bias_correction, ctx.num_samples, float(st.batch_size))
+            st.bias_correction, ctx.num_samples, float(st.batch_size),
+            eig_memo=st._eig_float64, keys=[id(e[2]) for e in plan])
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])

@@ -119,6 +119,9 @@ class GNSHookState:
         self.estimate_step: Optional[int] = None
         self._last_mean: dict[int, Tensor] = {}  # id(param) -> float32 mean gradient (shift="last")
         self._current = None  # per-backward measurement context (ddp.py)
+        # id(param) -> its nuclear eigenproblems needed float64 last measurement (a cost hint
+        # for spectral.nuclear_stats: skip the float32 attempt that would fall back again)
+        self._eig_float64: dict[int, bool] = {}
 
     # ---------------------------------------------------------------- schedule
     @property
