@@ -95,30 +95,30 @@ def _map_cpu(fn, items: list) -> list:
 
 
 # ============================================================================== Gram
-_GRAM_BLOCK = 128  # CPU: row block of the upper-triangle blocked Gram
+_GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
 
 
 def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
-    """out (k, k) <- x x^T for x (k, n) float32 (any strides), upper-triangle blocks only.
+    """out (k, k) <- x x^T for x (k, n) float32 (any strides), upper triangle only.
 
-    Blocks of ~128 rows: nb (nb + 1) / 2 of the nb^2 block products (10/16 of the FLOPs at
-    k = 768, 3/4 at k = 256), each written by torch.mm straight into its block of ``out``;
-    off-diagonal blocks are mirrored, diagonal blocks replaced by (blk + blk^T) / 2, so the
+    Row strips of ~64 rows: strip i is one GEMM x[rows_i] @ x[rows_i.start:]^T written
+    straight into out[rows_i, rows_i.start:] (the diagonal block and everything right of
+    it: (nb + 1) / (2 nb) of the FLOPs, 0.54 at k = 768); the part left of the diagonal is
+    mirrored from the strips above, the diagonal block replaced by (blk + blk^T) / 2, so the
     result is exactly symmetric. Measured here on one thread (bench/RESULTS.md): 768 x 768
-    6.1 ms vs 9.1 ms for the full GEMM, 768 x 2048 16.1 vs 24.4 ms, 256 x 1024 1.1 vs 1.4 ms.
+    6.8 ms vs 10.4 ms for the full GEMM, 768 x 2048 17.0 vs 25.7 ms, 256 x 1024 1.15 vs
+    1.52 ms (square blocks of 128 rows: 7.4, 18.1, 1.32 ms; fewer, longer GEMMs win).
     """
     k = x.shape[0]
     nb = max(1, -(-k // _GRAM_BLOCK))
     e = [i * k // nb for i in range(nb + 1)]
     for i in range(nb):
-        xi = x[e[i]:e[i + 1]]
-        for j in range(i, nb):
-            blk = out[e[i]:e[i + 1], e[j]:e[j + 1]]
-            torch.mm(xi, x[e[j]:e[j + 1]].T, out=blk)
-            if j == i:
-                blk.copy_((blk + blk.T).mul_(0.5))
-            else:
-                out[e[j]:e[j + 1], e[i]:e[i + 1]].copy_(blk.T)
+        a, b = e[i], e[i + 1]
+        torch.mm(x[a:b], x[a:].T, out=out[a:b, a:])
+        d = out[a:b, a:b]
+        d.copy_((d + d.T).mul_(0.5))
+        if b < k:
+            out[b:, a:b].copy_(out[a:b, b:].T)
     return out
 
 

@@ -79,7 +79,7 @@ def test_gram_matches_reference_all_sides_and_groups(gen, dtype):
 
 
 def test_gram_auto_takes_smaller_side_and_blocks_are_symmetric(gen):
-    x = randn(gen, 3, 600, 513, dtype=torch.float32)  # > one CPU block (128 rows): blocked path
+    x = randn(gen, 3, 600, 513, dtype=torch.float32)  # > one CPU strip (64 rows): blocked path
     out = torch.ops.gns_kernels.gram_batched(x, True)
     assert out.shape == (3, 513, 513)
     assert torch.equal(out, out.mT)  # mirrored blocks: exactly symmetric
@@ -91,7 +91,7 @@ def test_gram_auto_takes_smaller_side_and_blocks_are_symmetric(gen):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gram_list_strided_inputs_several_blocks(gen, threads):
-    # transposed and sliced views, k = 301 > 2 CPU blocks (128 rows), worker threads or not
+    # transposed and sliced views, k = 301: several CPU strips (64 rows), worker threads or not
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
