@@ -273,7 +273,7 @@ def _eig_batched(flat: Tensor, tol: float) -> Tensor:
         lam = torch.linalg.eigvalsh(x.double())
     else:
         bound, tr = _eig_error_bound(lam, m)
-        need = bound > tol * tr
+        need = ~(bound <= tol * tr)  # also NaN: float32 LAPACK can return NaN silently
         lam = lam.double()
         idx = need.nonzero().squeeze(-1)
         if idx.numel():
@@ -282,7 +282,8 @@ def _eig_batched(flat: Tensor, tol: float) -> Tensor:
     return torch.where(finite[:, None], lam, torch.full_like(lam, math.nan))
 
 
-def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bool) -> tuple[Tensor, bool]:
+def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bool,
+                 symmetrize: bool = False) -> tuple[Tensor, bool]:
     """(float64 eigenvalues (k,), solved in float64) of S = scale * (A - B) (B None: scale * A),
     one CPU matrix.
 
@@ -290,14 +291,17 @@ def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bo
     same values when the error bound exceeds tol) without its batch temporaries: S is
     formed once, scaled in place by scale / 2^e (exact: one rounding, as scale * (A - B)
     then / 2^e, and no overflow of scale * (A - B)), and the lower triangle is used (no
-    symmetrization pass: A and B are symmetric). wide=True skips the float32 attempt (a
-    caller's hint that it would fall back: same result as the fallback, without its cost).
+    symmetrization pass unless ``symmetrize``: A and B are symmetric). wide=True skips the
+    float32 attempt (a caller's hint that it would fall back: same result as the fallback,
+    without its cost).
     Non-finite input -> NaN eigenvalues.
     """
     k = A.shape[-1]
     f64 = A.dtype == torch.float64 or (B is not None and B.dtype == torch.float64)
     dt = torch.float64 if f64 else torch.float32
     x = A.to(dt, copy=True) if B is None else torch.sub(A.to(dt), B.to(dt))
+    if symmetrize:  # psd_eigvalsh's contract: (S + S^T) / 2
+        x = (x + x.mT).mul_(0.5)
     lo, hi = torch.aminmax(x)  # max |x_ij|; NaN propagates (18x faster than vector_norm(inf) here)
     amax = max(-float(lo), float(hi)) * abs(scale)
     if math.isnan(float(lo)) or math.isnan(float(hi)):
@@ -315,7 +319,7 @@ def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bo
     except torch.linalg.LinAlgError:  # float32 LAPACK non-convergence (see _eig_batched)
         return torch.linalg.eigvalsh(x.double()) * s2, True
     bound, tr = _eig_error_bound(lam, k)
-    if float(bound) > tol * float(tr):
+    if not float(bound) <= tol * float(tr):  # also NaN: float32 LAPACK can return NaN silently
         return torch.linalg.eigvalsh(x.double()) * s2, True
     return lam.double() * s2, False
 
@@ -352,10 +356,13 @@ def _psd_eigvalsh_impl(A: Tensor, tol: float) -> Tensor:
     flat = A.detach().reshape(-1, m, m)
     if flat.shape[0] == 0:
         return flat.new_empty((*batch, m), dtype=torch.float64)
-    if flat.device.type == "cpu" and m >= 32:
-        # independent matrices on single-threaded workers (see _map_cpu); one chunk per
-        # matrix for large m (balance), fewer larger chunks for small m (overhead)
-        n_chunks = flat.shape[0] if m >= 256 else min(flat.shape[0], torch.get_num_threads())
+    if flat.device.type == "cpu" and m >= 256:
+        # one matrix per single-threaded worker (see _map_cpu), without batch temporaries
+        res = _map_cpu(lambda a: _eig_cpu_one(a, None, 1.0, tol, False, symmetrize=True)[0], list(flat.unbind(0)))
+        out = torch.stack(res)
+    elif flat.device.type == "cpu" and m >= 32:
+        # independent chunks on single-threaded workers, one per thread (per-call overhead)
+        n_chunks = min(flat.shape[0], torch.get_num_threads())
         chunks = list(flat.chunk(n_chunks))
         out = torch.cat(_map_cpu(lambda c: _eig_batched(c, tol), chunks))
     else:

@@ -560,9 +560,9 @@ def test_eigh_survives_float32_convergence_failure():
 
 
 def test_nuclear_stats_eig_float64_hint_and_report(gen):
-    # layer 0: sparse rows (rank-deficient: the float32 error bound fails, float64 fallback);
-    # layer 1: well-conditioned full-rank Gram (float32 accepted). The report says so, and
-    # the hint (skip the float32 attempt) gives the fallback's result bitwise.
+    # layer 0: sparse rows (rank-deficient: the float32 error bound fails, or float32 LAPACK
+    # fails outright, float64 fallback); layer 1: well-conditioned full-rank Gram (float32
+    # accepted). The report says so; the hint (float64 directly) is as accurate.
     A0, D0, _ = _sparse_row_covariance(int(torch.randint(0, 2**31, (1,), generator=gen)))
     X = [randn(gen, 40, 120, dtype=torch.float32) for _ in range(2)]
     A1 = torch.stack(gk.gram(X)).mean(0)
@@ -571,7 +571,7 @@ def test_nuclear_stats_eig_float64_hint_and_report(gen):
     n, s = gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_report=report)
     assert report == [True, False]
     n_h, s_h = gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_float64=report)
-    assert torch.equal(n_h[0], n[0]) and torch.equal(s_h[0], s[0])
+    assert torch.equal(n_h[1], n[1]) and torch.equal(s_h[1], s[1])  # no hint: same path
     for noise, signal in ((n, s), (n_h, s_h)):
         for l, (A, D) in enumerate(((A0, D0), (A1, D1))):
             C = 8.0 * (A.double() - D.double() @ D.double().T)
@@ -581,3 +581,25 @@ def test_nuclear_stats_eig_float64_hint_and_report(gen):
         gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_float64=[True])
     with pytest.raises(ValueError, match="eig_report"):
         gk.nuclear_stats([A0, A1], [D0, D1], scale=8.0, eig_report=(1, 2))
+
+
+def test_eigh_float32_nan_output_takes_the_float64_path(gen, monkeypatch):
+    # float32 LAPACK can return NaN eigenvalues for a finite matrix without raising (seen on
+    # the sparse-row covariances above): the NaN error bound must trigger the fallback,
+    # never become the result
+    real = torch.linalg.eigvalsh
+
+    def nan_in_float32(x, *a, **k):
+        lam = real(x, *a, **k)
+        return torch.full_like(lam, math.nan) if x.dtype == torch.float32 else lam
+
+    A = torch.stack([rand_psd(gen, m, 1e3, torch.float32) for m in (300,) * 2])
+    B = torch.stack([rand_psd(gen, 40, 1e3, torch.float32) for _ in range(3)])
+    want_A, want_B = ref.sqrt_trace(A.double()), ref.sqrt_trace(B.double())
+    monkeypatch.setattr(torch.linalg, "eigvalsh", nan_in_float32)
+    for X, want in ((A, want_A), (B, want_B)):  # per-matrix path (m >= 256) and chunks
+        assert rel_err(sp.sqrt_trace(X, "eigh"), want) < TOL
+    lam, used64 = torch.ops.gns_kernels.psd_eigvalsh_list(list(A), [None, None], [1.0, 1.0], sp.EIGH_TOL,
+                                                          [False, False])
+    assert used64.tolist() == [True, True]
+    assert rel_err(lam.clamp_min(0).sqrt().sum(-1), want_A) < TOL
