@@ -651,7 +651,8 @@ def nuclear_stats(
       float64 fallback would give): gradient Grams that fell back last time (typically
       rank-deficient ones: few tokens per sample) fall back again, and the float32 attempt
       (~2/3 of the float64 cost at m = 256) is wasted. eig_report: a list, filled with one
-      bool per layer (either eigenproblem solved in float64) to feed the next call's hint.
+      bool per layer (either eigenproblem solved in float64) to feed the next call's hint
+      (CPU; on other devices the batched path ignores the hint and reports False).
     C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
     Layers are batched by Gram size (one stacked op per size). No host synchronization
     unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
