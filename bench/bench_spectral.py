@@ -84,6 +84,7 @@ def gk_measure(rank_grads, mean_grads, B: float, method: str = "eigh") -> tuple[
     R = len(rank_grads)
     local = [gk.gram(rg) for rg in rank_grads]  # each rank: its local Grams, batched by shape
     mean_grams = [allreduce_mean(list(gs)) for gs in zip(*local)]  # as in eager_loop
+    del local  # the other ranks' Grams: on their own ranks in a real run
     n, s = gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), method=method)
     return float(n.double().sum()), float(s.double().sum())
 
