@@ -198,7 +198,7 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
         ctx.nuc[index] = nuclear_stats_or_nan(
             mean_grams, mean_grads, shifts if any_shift else None, ctx.scale,
             st.bias_correction, ctx.num_samples, float(st.batch_size),
-            eig_memo=st._eig_float64, keys=[id(e[2]) for e in plan])
+            state=st, shapes=[e[2].shape for e in plan])
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])

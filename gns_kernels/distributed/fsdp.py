@@ -112,6 +112,7 @@ from .. import ops
 from .. import spectral
 from ..reference import gram_side
 from .state import GNSHookState
+from ._stats import nuclear_stats_hinted
 
 Tensor = torch.Tensor
 
@@ -433,13 +434,12 @@ def _define_reduce_scatter(base):
             others = [s_.shape[1] if s_.side == "row" else s_.shape[0] for s_ in mats]
             if bool(torch.isfinite(flat).all()):
                 st = ctx.state
-                keys = [id(s_.param) for s_ in mats]
-                report: list = []
-                noise, signal = spectral.nuclear_stats(
-                    mean_grams, mean_grad_grams=dd, scale=ctx.scale, bias_correction=st.bias_correction,
-                    num_samples=R, batch_size=float(st.batch_size), other_dims=others,
-                    eig_float64=[st._eig_float64.get(k_, False) for k_ in keys], eig_report=report)
-                st._eig_float64.update(zip(keys, report))
+                noise, signal = nuclear_stats_hinted(
+                    lambda hint, report: spectral.nuclear_stats(
+                        mean_grams, mean_grad_grams=dd, scale=ctx.scale, bias_correction=st.bias_correction,
+                        num_samples=R, batch_size=float(st.batch_size), other_dims=others,
+                        eig_float64=hint, eig_report=report),
+                    st, [s_.shape for s_ in mats])
                 ctx.nuc_noise += float(noise.double().sum())
                 ctx.nuc_signal += float(signal.double().sum())
             else:  # non-finite gradients on some rank: this measurement is invalid everywhere

@@ -181,7 +181,7 @@ class MicroBatchGNS(GNSHookState):
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
                                                      A, float(self._batch_size),
-                                                     eig_memo=self._eig_float64, keys=[id(p) for p in live])
+                                                     state=self, shapes=[p.shape for p in live])
                 n, s = float(noise.double().sum()), float(signal.double().sum())
             else:
                 n = s = float("nan")
