@@ -50,13 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--f1-rounds", type=int, default=4, help="rounds of F=1 steps (f1-rounds x f1-block steps)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="DDP gradient_as_bucket_view=True for every configuration (DDP then "
+                             "divides by R in a separate pass with or without a comm hook)")
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                         help="time the pieces of a measurement step")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the peak extra bytes of a measurement step")
     parser.add_argument("--configs", default="base,l1,s1",
-                        help="comma-separated configurations: base (plain DDP), py (DDP + torch's "
-                             "Python allreduce_hook: the cost of any Python comm hook), l1, s1")
+                        help="comma-separated configurations: base (plain DDP), cpp (DDP + torch's "
+                             "built-in C++ ALLREDUCE comm hook), py (DDP + torch's Python "
+                             "allreduce_hook: the cost of any Python comm hook), l1, s1")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
 
@@ -93,8 +97,11 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
         for name in names:
             torch.manual_seed(0)
             m = ByteTransformer(**bench_config())
-            d = DDP(m, bucket_cap_mb=cfg["bucket_cap_mb"])
-            if name == "py":  # torch's own Python default hook: the cost of any Python hook
+            d = DDP(m, bucket_cap_mb=cfg["bucket_cap_mb"],
+                    gradient_as_bucket_view=cfg.get("gradient_as_bucket_view", False))
+            if name == "cpp":  # torch's built-in C++ ALLREDUCE comm hook: a hook without Python
+                d._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+            elif name == "py":  # torch's own Python default hook: the cost of any Python hook
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
                 d.register_comm_hook(None, allreduce_hook)
@@ -310,13 +317,14 @@ def _fmt_table(res: dict, F: int) -> str:
     return "\n".join(lines)
 
 
-_LABELS = {"base": "DDP (built-in C++ all-reduce)", "py": "DDP + torch's Python allreduce_hook",
+_LABELS = {"base": "DDP (built-in C++ all-reduce)", "cpp": "DDP + torch's built-in C++ ALLREDUCE hook",
+           "py": "DDP + torch's Python allreduce_hook",
            "l1": "DDP + ddp_gns_hook l1", "s1": "DDP + ddp_gns_hook S1"}
 
 
 def _fmt_partial(t: dict, mean: dict, F: int) -> str:
     """Per-configuration means (any subset of configurations), relative to 'base'."""
-    names = [n for n in ("base", "py", "l1", "s1") if f"{n}_F1" in t]
+    names = [n for n in ("base", "cpp", "py", "l1", "s1") if f"{n}_F1" in t]
     lines = ["\n| configuration | F=1 s/step | vs base | F=%d s/step | vs base | steps (F=1 / F=%d) |" % (F, F),
              "|---|---|---|---|---|---|"]
     for n in names:
@@ -340,13 +348,15 @@ def run(args) -> int:
         return 2
     cfg = dict(configs=configs, local_batch=args.local_batch, context=args.context, every=args.every, rounds=args.rounds,
                f1_block=args.f1_block, f1_rounds=args.f1_rounds, warmup=args.warmup,
-               bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown, memory=args.memory)
+               bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown, memory=args.memory,
+               gradient_as_bucket_view=args.gradient_as_bucket_view)
     t0 = time.time()
     res = launch_ranks(_rank_main, cfg, args.ranks, args.timeout)
     wall = time.time() - t0
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.ranks} gloo ranks x 1 thread; model "
-          f"{res['params'] / 1e6:.2f}M params, local batch {args.local_batch} x {args.context} tokens")
+          f"{res['params'] / 1e6:.2f}M params, local batch {args.local_batch} x {args.context} tokens"
+          + (", gradient_as_bucket_view" if args.gradient_as_bucket_view else ""))
     print(_fmt_table(res, args.every))
     if "breakdown" in res:
         print("\nmeasurement-step pieces (rank 0, median of 5, seconds, summed over buckets):")
