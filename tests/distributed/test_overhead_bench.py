@@ -24,6 +24,7 @@ def _args(*argv):
     (["--warmup", "-1"], "--warmup"),
     (["--configs", "base,foo"], "--configs"),
     (["--configs", "l1,l1"], "--configs"),
+    (["--configs", "cpp,Py"], "--configs"),
 ])
 def test_bad_input_exits_2_with_message(argv, word, capsys):
     assert overhead.run(_args(*argv)) == 2
@@ -41,9 +42,11 @@ def test_table_means_and_overheads():
 
 
 def test_partial_table_with_python_hook_baseline():
-    res = {"times": {"base_F1": [1.0], "py_F1": [1.1], "l1_F1": [1.5],
-                     "base_F10": [1.0] * 10, "py_F10": [1.02] * 10, "l1_F10": [1.05] * 10}}
+    res = {"times": {"base_F1": [1.0], "cpp_F1": [1.2], "py_F1": [1.1], "l1_F1": [1.5],
+                     "base_F10": [1.0] * 10, "cpp_F10": [1.01] * 10, "py_F10": [1.02] * 10,
+                     "l1_F10": [1.05] * 10}}
     text = overhead._fmt_table(res, 10)
+    assert "| DDP + torch's built-in C++ ALLREDUCE hook | 1.2000 | +20.0% | 1.0100 | +1.0% | 1 / 10 |" in text
     assert "| DDP + torch's Python allreduce_hook | 1.1000 | +10.0% | 1.0200 | +2.0% | 1 / 10 |" in text
     assert "| DDP + ddp_gns_hook l1 | 1.5000 | +50.0% | 1.0500 | +5.0% | 1 / 10 |" in text
 
