@@ -46,6 +46,7 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
 
     import gns_kernels as gk
     from gns_kernels.demo.model import ByteTransformer, bench_config
+    from gns_kernels.demo.overhead import timed_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}",
@@ -68,23 +69,7 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
                 states[name] = st
             models[name] = m
             opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(1000 + rank)
-        pool = [torch.randint(0, 256, (cfg["local_batch"], cfg["context"] + 1), generator=gen) for _ in range(8)]
-        counter = [0]
-
-        def step(name, around_backward=None):
-            tok = pool[counter[0] % len(pool)]
-            counter[0] += 1
-            t0 = time.perf_counter()
-            opts[name].zero_grad(set_to_none=True)
-            loss = models[name](tok[:, :-1], tok[:, 1:])
-            if around_backward is None:
-                loss.backward()
-            else:
-                with around_backward():
-                    loss.backward()
-            opts[name].step()
-            return time.perf_counter() - t0
+        step = timed_step(models, opts, cfg, rank)
 
         for st in states.values():
             st.every = 1

@@ -111,23 +111,7 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
                 states[name] = st
             models[name], ddps[name] = m, d
             opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(1000 + rank)
-        pool = [torch.randint(0, 256, (cfg["local_batch"], cfg["context"] + 1), generator=gen) for _ in range(8)]
-        counter = [0]
-
-        def step(name, around_backward=None):
-            tok = pool[counter[0] % len(pool)]
-            counter[0] += 1
-            t0 = time.perf_counter()
-            opts[name].zero_grad(set_to_none=True)
-            loss = ddps[name](tok[:, :-1], tok[:, 1:])
-            if around_backward is None:
-                loss.backward()
-            else:
-                with around_backward():
-                    loss.backward()
-            opts[name].step()
-            return time.perf_counter() - t0
+        step = timed_step(ddps, opts, cfg, rank)
 
         for name in names:
             for st in states.values():
@@ -161,6 +145,34 @@ def _rank_main(rank: int, world: int, folder: str, cfg: dict) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def timed_step(models: dict, opts: dict, cfg: dict, rank: int):
+    """step(name, around_backward=None) -> seconds of one training step of configuration
+    ``name`` (zero_grad, forward, backward, optimizer step) on random byte tokens from a
+    pool of 8 batches of cfg["local_batch"] x cfg["context"] (seeded per rank, cycled
+    across all configurations). ``around_backward``: a zero-argument callable returning a
+    context manager entered around the backward (profiling). Shared by the DDP and FSDP2
+    overhead benches."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    pool = [torch.randint(0, 256, (cfg["local_batch"], cfg["context"] + 1), generator=gen) for _ in range(8)]
+    counter = [0]
+
+    def step(name, around_backward=None):
+        tok = pool[counter[0] % len(pool)]
+        counter[0] += 1
+        t0 = time.perf_counter()
+        opts[name].zero_grad(set_to_none=True)
+        loss = models[name](tok[:, :-1], tok[:, 1:])
+        if around_backward is None:
+            loss.backward()
+        else:
+            with around_backward():
+                loss.backward()
+        opts[name].step()
+        return time.perf_counter() - t0
+
+    return step
 
 
 def _buckets(model, cap_mb):
