@@ -199,8 +199,9 @@ class GNSHookState:
         """
         if num_samples < 2:
             raise ValueError(
-                "GNSHookState: measuring needs at least 2 samples, got a process group of 1 "
-                "rank; use gk.MicroBatchGNS (micro-batches as samples) on a single rank")
+                f"GNSHookState: measuring needs at least 2 samples, got {num_samples} (a process "
+                "group of 1 rank); on a single rank use gk.MicroBatchGNS (gradient-accumulation "
+                "micro-batches as samples) with DDP or on its own")
         return True
 
     def begin_sync(self, context=None) -> None:
