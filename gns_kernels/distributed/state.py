@@ -16,7 +16,7 @@ estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
 - ``estimate``: the GNSEstimate of the last measurement (None before the first),
   identical on every rank; ``estimate_step``: the k it was measured at.
 
-Shift (exact, see DESIGN.md "Cancellation"): var = mean_j (g^j - S)^2 - (g - S)^2 for any S
+Shift: var = mean_j (g^j - S)^2 - (g - S)^2 holds algebraically for any S
 identical on all ranks. ``shift`` may be
 
 - None: no shift;
