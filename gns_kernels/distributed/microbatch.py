@@ -71,7 +71,10 @@ class MicroBatchGNS(GNSHookState):
 
     ``micro_step()`` must follow every micro-batch's backward: it is what counts the
     micro-batches and optimizer steps. A second backward through the measured parameters
-    without ``micro_step()`` in between warns once (RuntimeWarning).
+    without ``micro_step()`` in between warns once (RuntimeWarning; a gradient hook on one
+    measured parameter counts the backward passes, removed when this object is deleted).
+    A weight that reentrant activation checkpointing accumulates several times in one
+    backward can trigger it spuriously; non-reentrant checkpointing does not.
 
     If ``micro_step()`` raises (e.g. a non-float32 ``.grad``), the error is raised once and
     the step it belongs to is not measured: the call still counts as that step's
@@ -113,9 +116,14 @@ class MicroBatchGNS(GNSHookState):
         self._backwards = 0
         self._warned_no_micro_step = False
         self._grad_hook = None
-        watched = next((p for p in self._params if p.requires_grad), None)
+        watched = next((p for p in self._params if p.requires_grad and p.is_leaf), None)
         if watched is not None:
             self._grad_hook = watched.register_post_accumulate_grad_hook(_backward_seen(self))
+
+    def __del__(self):
+        handle = getattr(self, "_grad_hook", None)
+        if handle is not None:
+            handle.remove()
 
     @property
     def micro_batches(self) -> int:

@@ -348,3 +348,15 @@ def test_estimate_carries_its_step():
     assert mb.estimate_step == 2
     if "step" in {f.name for f in dataclasses.fields(gk.GNSEstimate)}:
         assert mb.estimate.step == 2
+
+
+def test_deleted_micro_batch_gns_leaves_no_hook():
+    model = _net(8)
+    p = next(model.parameters())
+    before = len(p._post_accumulate_grad_hooks or {})
+    mb = MicroBatchGNS(model.parameters(), every=1, batch_size=4, micro_batches=2)
+    assert len(p._post_accumulate_grad_hooks or {}) == before + 1
+    del mb
+    import gc
+    gc.collect()
+    assert len(p._post_accumulate_grad_hooks or {}) == before
