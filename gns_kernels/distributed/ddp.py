@@ -41,7 +41,6 @@ extra memory is bounded by the largest bucket (``bucket_cap_mb``), never by the 
 and other steps hold nothing extra.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
-import warnings
 from typing import Optional
 
 import torch
@@ -88,11 +87,11 @@ class _Measurement:
             parts = [self.nuc[i] for i in sorted(self.nuc)]
             noise = sum(float(n.double().sum()) for n, _ in parts) if parts else 0.0
             signal = sum(float(s.double().sum()) for _, s in parts) if parts else 0.0
-            st._finish(self.num_samples, None, noise, signal, self.step)
+            st.record_measurement(self.num_samples, None, noise, signal, self.step)
         else:
             terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
             total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
-            st._finish(self.num_samples, total, None, None, self.step)
+            st.record_measurement(self.num_samples, total, None, None, self.step)
 
 
 def _segments(bucket, state: GNSHookState):
@@ -216,29 +215,19 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
     index = bucket.index()
     last = bucket.is_last()
     if index == 0:  # buckets are launched in index order: a new synchronized backward
-        state._current = None
-        micro = getattr(state, "_micro_for_sync", lambda: None)()
+        micro = state.micro_batches_for_sync()
+        ctx = None
         if state.is_measurement_step():
             world = group.size()
             samples = world * (micro.count if micro is not None else 1)
-            if samples >= 2:
+            if state.accepts_samples(samples):
                 ctx = _Measurement(state, world, samples)
                 ctx.micro = micro
-                state._current = ctx
-            elif hasattr(state, "_micro_for_sync"):
-                # one rank, one micro-batch this step (the batch may grow later): no sample
-                # variance exists; skip this measurement (estimate unchanged) and say so
-                warnings.warn("MicroBatchGNS: 1 rank x 1 micro-batch = 1 sample, this step is not "
-                              "measured (needs >= 2 samples)", RuntimeWarning, stacklevel=2)
-            else:
-                raise ValueError(
-                    "GNSHookState: measuring needs at least 2 samples, got a process group of 1 "
-                    "rank; use gk.MicroBatchGNS (micro-batches as samples) on a single rank")
-    ctx: Optional[_Measurement] = state._current
+        state.begin_sync(ctx)
+    ctx: Optional[_Measurement] = state.sync_context
     if ctx is None:
         if last:
-            state._step += 1
-            getattr(state, "_after_sync", lambda: None)()
+            state.end_sync()
         return _default_allreduce(group, buf)
 
     micro = ctx.micro
@@ -272,9 +261,7 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
     if not last:
         return fut
 
-    state._step += 1
-    state._current = None
-    getattr(state, "_after_sync", lambda: None)()
+    state.end_sync()
     futures = list(ctx.futures)
 
     def _finalize(all_done, buf=buf, ctx=ctx):

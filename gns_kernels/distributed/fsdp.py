@@ -102,7 +102,7 @@ replicate meshes, ``MicroBatchGNS``.
 """
 from __future__ import annotations
 
-import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -239,10 +239,10 @@ class _Measurement:
                 4, dtype=torch.float64, device=self.device)
             dist.all_reduce(terms, group=group)
             terms = terms.cpu()
-            st._finish(self.world, terms, None, None, self.step)
+            st.record_measurement(self.world, terms, None, None, self.step)
             return
         # nuclear: every param group finished its matrices after its reduce-scatter
-        st._finish(self.world, None, self.nuc_noise, self.nuc_signal, self.step)
+        st.record_measurement(self.world, None, self.nuc_noise, self.nuc_signal, self.step)
 
 
 def _define_reduce_scatter(base):
@@ -261,6 +261,9 @@ def _define_reduce_scatter(base):
             self.inner = inner
             self._stash: Optional[Tensor] = None  # 2n float32 buffer whose first n FSDP fills
             self._stash_output_seen = False
+            # the FSDPParams FSDP2 reduces in this backward (those with a gradient), noted by
+            # the param group's post_backward just before it calls foreach_reduce
+            self.with_grad: Optional[list] = None
 
         def allocate(self, size, *, dtype, device):
             """FSDP2 allocates the reduce-scatter input, then the output, then calls us.
@@ -290,18 +293,13 @@ def _define_reduce_scatter(base):
         # ------------------------------------------------------------------ internals
         def _fsdp_params(self, input_numel: int, world: int):
             """The FSDPParams this input holds: the whole group when the sizes add up (every
-            parameter got a gradient), else the caller's list (foreach_reduce's
-            ``fsdp_params``: only the parameters with a gradient)."""
+            parameter got a gradient), else those noted with a gradient (``with_grad``,
+            FSDP2's ``fsdp_params_with_grad``), checked against the input size."""
             fps = self._param_group.fsdp_params
-            if sum(torch.Size(fp.padded_sharded_param_size).numel() for fp in fps) * world == input_numel:
-                return fps
-            frame = sys._getframe(2)
-            while frame is not None:
-                cand = frame.f_locals.get("fsdp_params")
-                if isinstance(cand, list) and all(c in fps for c in cand) and sum(
+            for cand in (fps, self.with_grad):
+                if cand is not None and sum(
                         torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
                     return cand
-                frame = frame.f_back
             raise RuntimeError(
                 "attach_fsdp_gns: could not match the reduce-scatter input "
                 f"({input_numel} elements) to the parameters of FSDP param group "
@@ -485,12 +483,8 @@ class FSDPGNSHandle:
             st = self.state
             self._ctx = None
             self._group = group
-            if st.is_measurement_step():
-                world = group.size()
-                if world < 2:
-                    raise ValueError(
-                        "GNSHookState: measuring needs at least 2 samples, got a process group of 1 rank")
-                self._ctx = _Measurement(st, world)
+            if st.is_measurement_step() and st.accepts_samples(group.size()):
+                self._ctx = _Measurement(st, group.size())
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
             self._pending = True
         elif self._group is not group and self._ctx is not None and group.size() != self._ctx.world:
@@ -501,17 +495,48 @@ class FSDPGNSHandle:
         ctx, group = self._ctx, self._group
         self._pending = False
         self._ctx = None
-        st = self.state
-        st._step += 1
+        self.state.end_sync()
         if ctx is not None:
             ctx.finish(group)
 
     def remove(self) -> None:
         """Restore the reduce-scatter objects that were installed before attaching."""
         for rs in self.reduce_scatters:
-            rs._param_group._reduce_scatter_comm = rs.inner
+            pg = rs._param_group
+            pg._reduce_scatter_comm = rs.inner
+            pg.__dict__.pop("post_backward", None)  # the class's method again
         self.reduce_scatters = []
-        self.state._fsdp_handle = None
+        _ATTACHED.discard(self.state)
+
+
+# states attached to an FSDP2 model (one model per state at a time)
+_ATTACHED: "weakref.WeakSet[GNSHookState]" = weakref.WeakSet()
+
+
+def _note_grads(rs) -> None:
+    """Make ``rs``'s param group note, at the start of each post_backward, which of its
+    FSDPParams FSDP2 is about to reduce (by FSDP2's rule: an accumulated or new unsharded
+    gradient, or reduce_scatter_unused_params and requires_grad). The reduce-scatter input
+    carries only those; ``remove()`` drops the wrapper (an instance attribute)."""
+    pg = rs._param_group
+    post_backward = pg.post_backward
+
+    def noting_post_backward(*args, **kwargs):
+        rs.with_grad = [fp for fp in pg.fsdp_params if _has_grad(pg, fp)]
+        try:
+            return post_backward(*args, **kwargs)
+        finally:
+            rs.with_grad = None
+
+    pg.post_backward = noting_post_backward
+
+
+def _has_grad(pg, fp) -> bool:
+    if not hasattr(fp, "_unsharded_param"):
+        return False
+    if fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None:
+        return True
+    return bool(getattr(pg, "reduce_scatter_unused_params", False)) and fp.unsharded_param.requires_grad
 
 
 def _param_groups(module):
@@ -549,7 +574,7 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
         raise ValueError("state.shift: not supported with FSDP2 (the squares are formed from the full "
                          "local gradient before the reduce-scatter, so the shift would have to be the "
                          "full unsharded tensor on every rank); use shift=None")
-    if getattr(state, "_fsdp_handle", None) is not None:
+    if state in _ATTACHED:
         raise ValueError("state: already attached to an FSDP2 model; call handle.remove() first")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -577,7 +602,9 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
                 rs = GNSReduceScatter(handle, pg, pg._reduce_scatter_comm)
                 pg._reduce_scatter_comm = rs
                 handle.reduce_scatters.append(rs)
-    state._fsdp_handle = handle
+    for rs in handle.reduce_scatters:
+        _note_grads(rs)
+    _ATTACHED.add(state)
     return handle
 
 

@@ -43,6 +43,8 @@ of the step. Non-measurement steps only count micro-steps.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -50,7 +52,7 @@ import torch
 from .. import ops
 from .. import spectral
 from ._stats import nuclear_stats_or_nan
-from .state import GNSHookState
+from .state import GNSHookState, _unique
 
 Tensor = torch.Tensor
 
@@ -62,16 +64,29 @@ class MicroBatchGNS(GNSHookState):
 
     Args:
         params: the parameters whose ``.grad`` is read (and measured; for "nuclear" the
-            2-D ones).
-        geometry, every, batch_size, process_group, bias_correction: as GNSHookState.
+            2-D ones). A tensor listed twice (a tied weight) is one parameter.
+        geometry, every, batch_size, process_group, bias_correction: as GNSHookState
+            (``every`` defaults to 100).
         micro_batches: A, micro-batches per optimizer step on each rank (settable).
+
+    ``micro_step()`` must follow every micro-batch's backward: it is what counts the
+    micro-batches and optimizer steps. A second backward through the measured parameters
+    without ``micro_step()`` in between warns once (RuntimeWarning; a gradient hook on one
+    measured parameter counts the backward passes, removed when this object is deleted).
+    A weight that reentrant activation checkpointing accumulates several times in one
+    backward can trigger it spuriously; non-reentrant checkpointing does not.
+
+    If ``micro_step()`` raises (e.g. a non-float32 ``.grad``), the error is raised once and
+    the step it belongs to is not measured: the call still counts as that step's
+    micro-batch, the step ends at its A-th call as usual, and the next measurement step
+    measures normally.
     """
 
     def __init__(
         self,
         params: Iterable[Tensor],
         geometry: str = "l1",
-        every: int = 1,
+        every: int = 100,
         batch_size: Optional[float] = None,
         micro_batches: Optional[int] = None,
         process_group=None,
@@ -79,7 +94,7 @@ class MicroBatchGNS(GNSHookState):
     ):
         if isinstance(params, Tensor):
             raise TypeError("params: expected an iterable of parameters, got a single tensor")
-        plist = list(params)
+        plist = _unique(params)
         super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
                          params=plist, process_group=process_group,
                          bias_correction=bias_correction)
@@ -92,9 +107,23 @@ class MicroBatchGNS(GNSHookState):
         self.micro_batches = micro_batches
         self._count = 0
         self._synced = False
+        self._failed = False  # a micro_step of the current step raised: it is not measured
         self.prev: dict[int, Tensor] = {}
         self.sq: dict[int, Tensor] = {}
         self.gsum: dict[int, Tensor] = {}
+        # backward passes seen since the last micro_step() (a gradient hook on one
+        # measured parameter); 2 means micro_step() was left out
+        self._backwards = 0
+        self._warned_no_micro_step = False
+        self._grad_hook = None
+        watched = next((p for p in self._params if p.requires_grad and p.is_leaf), None)
+        if watched is not None:
+            self._grad_hook = watched.register_post_accumulate_grad_hook(_backward_seen(self))
+
+    def __del__(self):
+        handle = getattr(self, "_grad_hook", None)
+        if handle is not None:
+            handle.remove()
 
     @property
     def micro_batches(self) -> int:
@@ -144,30 +173,44 @@ class MicroBatchGNS(GNSHookState):
             ops.accumulate_sq_multi([g for _, g in live], [self.prev[id(p)] for p, _ in live],
                                     [self.sq[id(p)] for p, _ in live])
 
-    def _reset(self) -> None:
-        self._count = 0
-        self._synced = False
+    def _drop_buffers(self) -> None:
         self.prev.clear()
         self.sq.clear()
         self.gsum.clear()
 
+    def _reset(self) -> None:
+        self._count = 0
+        self._synced = False
+        self._failed = False
+        self._drop_buffers()
+
     def micro_step(self) -> None:
         """Call after each micro-batch's backward (all A of them, see the module docstring)."""
+        self._backwards = 0
         self._count += 1
         if self._synced:  # DDP: the synchronized backward's hook took this micro-batch
-            if self._count != self._micro_batches:
+            count = self._count
+            self._reset()
+            if count != self._micro_batches:
                 raise RuntimeError(
-                    f"MicroBatchGNS: the synchronized backward was micro-step {self._count} of the "
+                    f"MicroBatchGNS: the synchronized backward was micro-step {count} of the "
                     f"step, but micro_batches is {self._micro_batches}")
-            self._reset()
             return
-        if self.is_measurement_step():
-            self._accumulate()
-        if self._count == self._micro_batches:
-            if self.is_measurement_step():
-                self._measure_local()
-            self._step += 1
-            self._reset()
+        last = self._count >= self._micro_batches
+        try:
+            if not self._failed and self.is_measurement_step():
+                self._accumulate()
+                if last:
+                    self._measure_local()
+        except BaseException:
+            # this step is not measured; the error is the caller's, raised once
+            self._failed = True
+            self._drop_buffers()
+            raise
+        finally:
+            if last:  # the step's A micro-batches are done, measured or not
+                self.advance_step()
+                self._reset()
 
     def _measure_local(self) -> None:
         A = self._micro_batches
@@ -185,39 +228,84 @@ class MicroBatchGNS(GNSHookState):
                 n, s = float(noise.double().sum()), float(signal.double().sum())
             else:
                 n = s = float("nan")
-            self._finish(A, None, n, s)
+            self.record_measurement(A, None, n, s, self.step)
         else:
             qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
             terms = ops.variance_norms_multi([self._grad(p).view(-1) for p in live], qs, scale)
-            self._finish(A, terms.double(), None, None)
+            self.record_measurement(A, terms.double(), None, None, self.step)
+
+    def _backward_seen(self) -> None:
+        self._backwards += 1
+        if self._backwards >= 2 and not self._warned_no_micro_step:
+            self._warned_no_micro_step = True
+            warnings.warn(
+                "MicroBatchGNS: a second backward pass without micro_step() in between; call "
+                "mb.micro_step() after every micro-batch's backward (without it no micro-batch "
+                "is counted and nothing is measured)", RuntimeWarning, stacklevel=2)
 
     # -------------------------------------------------------------- DDP hook side
-    def _micro_for_sync(self):
-        """Called by ddp_gns_hook at the first bucket of a synchronized backward."""
+    def micro_batches_for_sync(self):
+        """The accumulator of this rank's micro-batches for the synchronized backward's
+        hook (None when this step is not measured or has one micro-batch). Raises
+        RuntimeError (and drops the step's accumulation) when the synchronized backward
+        is not the A-th micro-batch."""
         if self._count + 1 != self._micro_batches:
+            count = self._count
+            self._reset()
             raise RuntimeError(
-                f"MicroBatchGNS: synchronized backward after {self._count} micro-steps, expected "
+                f"MicroBatchGNS: synchronized backward after {count} micro-steps, expected "
                 f"{self._micro_batches - 1} (call micro_step() after every micro-batch backward, "
                 "the first micro_batches-1 of them under ddp.no_sync())")
         if self._count == 0 or not self.is_measurement_step():
             return None
-        return _SyncMicro(self, self._count + 1)
+        return _SyncMicro(self, self._count + 1, invalid=self._failed)
 
-    def _after_sync(self) -> None:
+    def accepts_samples(self, num_samples: int) -> bool:
+        """False (with a RuntimeWarning) for 1 rank x 1 micro-batch: that step is not
+        measured (the batch may grow later), the estimate is unchanged."""
+        if num_samples < 2:
+            warnings.warn("MicroBatchGNS: 1 rank x 1 micro-batch = 1 sample, this step is not "
+                          "measured (needs >= 2 samples)", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def end_sync(self) -> None:
+        super().end_sync()
         self._synced = True
 
 
-class _SyncMicro:
-    """The last micro-batch of a rank, taken from the bucket inside the DDP hook."""
+def _backward_seen(mb: MicroBatchGNS):
+    """Gradient hook counting backward passes (holds the MicroBatchGNS weakly)."""
+    ref = weakref.ref(mb)
 
-    def __init__(self, owner: MicroBatchGNS, A: int):
+    def hook(_param) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._backward_seen()
+
+    return hook
+
+
+class _SyncMicro:
+    """The last micro-batch of a rank, taken from the bucket inside the DDP hook.
+
+    ``invalid``: a micro_step of this step raised on this rank, so its statistics are
+    lost: the rank sends NaN statistics (its gradients are sent unchanged), which makes
+    the measurement invalid on every rank through the all-reduce, with the same payload
+    and sample count as the other ranks.
+    """
+
+    def __init__(self, owner: MicroBatchGNS, A: int, invalid: bool = False):
         self.owner = owner
         self.count = A
+        self.invalid = invalid
 
     def accumulate_last(self, p: Tensor, flat_grad: Tensor) -> None:
         o = self.owner
         o._buffers(p)
         ops.accumulate_sq(flat_grad, o.prev[id(p)].view(-1), o.sq[id(p)].view(-1))
+        if self.invalid:
+            o.sq[id(p)].fill_(float("nan"))
 
     @property
     def sq(self):
@@ -230,4 +318,6 @@ class _SyncMicro:
         acc = o.gsum[id(p)]
         acc = G if acc is None else acc.add_(G)
         o.gsum[id(p)] = acc
+        if self.invalid:
+            acc.fill_(float("nan"))
         return acc.mul_(self.count)

@@ -16,7 +16,7 @@ estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
 - ``estimate``: the GNSEstimate of the last measurement (None before the first),
   identical on every rank; ``estimate_step``: the k it was measured at.
 
-Shift (exact, see DESIGN.md "Cancellation"): var = mean_j (g^j - S)^2 - (g - S)^2 for any S
+Shift: var = mean_j (g^j - S)^2 - (g - S)^2 holds algebraically for any S
 identical on all ranks. ``shift`` may be
 
 - None: no shift;
@@ -29,6 +29,7 @@ identical on all ranks. ``shift`` may be
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable, Mapping, Optional, Union
 
@@ -43,12 +44,33 @@ GEOMETRIES = ("l2", "l1", "nuclear")
 ShiftSpec = Union[None, str, Mapping, Callable]
 
 
+def _estimate_has_step() -> bool:
+    from ..estimators import GNSEstimate
+    return "step" in {f.name for f in dataclasses.fields(GNSEstimate)}
+
+
+_HAS_STEP_FIELD = _estimate_has_step()
+
+
 def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
+
+
+def _unique(params: Iterable[Tensor]) -> list:
+    """The parameters in order, each tensor once (by identity: a tied weight passed twice
+    is one parameter with one gradient)."""
+    out, seen = [], set()
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{i}]: expected a parameter tensor, got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def _check_batch_size(value) -> float:
@@ -64,11 +86,13 @@ class GNSHookState:
 
     Args:
         geometry: "l2", "l1" or "nuclear" (the optimizer's geometry).
-        every: F >= 1, measure at optimizer steps k with k % F == 0.
+        every: F >= 1, measure at optimizer steps k with k % F == 0 (default 100, the
+            paper's F and ``gk.AdaptiveBatchSize``'s default).
         batch_size: global batch size B (examples per optimizer step); settable.
         shift: None, "last", {param: tensor} or callable(param) -> tensor | None.
-        params: iterable of parameters to measure (default: all the hook sees). For
-            "nuclear" only the 2-D ones are used (as gk.estimate does).
+        params: iterable of parameters to measure (default: all the hook sees; a tensor
+            listed twice, e.g. a tied weight, counts once). For "nuclear" only the 2-D
+            ones are used (as gk.estimate does).
         process_group: the data-parallel group (default: the default group).
         bias_correction: as gk.estimate (default True: the c4 l1 correction and the
             spectral ops' nuclear correction; False: the paper's raw estimators).
@@ -77,7 +101,7 @@ class GNSHookState:
     def __init__(
         self,
         geometry: str = "l1",
-        every: int = 1,
+        every: int = 100,
         batch_size: Optional[float] = None,
         shift: ShiftSpec = None,
         params: Optional[Iterable[Tensor]] = None,
@@ -103,10 +127,7 @@ class GNSHookState:
         if params is not None:
             if isinstance(params, Tensor):
                 raise TypeError("params: expected an iterable of parameters, got a single tensor")
-            plist = list(params)
-            for i, p in enumerate(plist):
-                if not isinstance(p, Tensor):
-                    raise TypeError(f"params[{i}]: expected a parameter tensor, got {type(p).__name__}")
+            plist = _unique(params)
             self._param_ids = {id(p) for p in plist}
             if not self._param_ids:
                 raise ValueError("params: expected at least one parameter, got an empty iterable")
@@ -152,6 +173,68 @@ class GNSHookState:
         """True when optimizer step k (default: the next one, ``self.step``) measures."""
         k = self._step if step is None else step
         return k % self.every == 0
+
+    def advance_step(self) -> None:
+        """k += 1: one optimizer step (a synchronized backward) is done."""
+        self._step += 1
+
+    # ---------------------------------------------------------------- hook protocol
+    # What ddp_gns_hook and attach_fsdp_gns call, in this order, per synchronized backward:
+    # micro_batches_for_sync() and accepts_samples(S) at its start (a measurement step),
+    # begin_sync(context), sync_context while its buckets / param groups are reduced,
+    # end_sync() once the last one is launched, record_measurement(...) when the
+    # statistics are final. MicroBatchGNS overrides the first two and end_sync().
+    def micro_batches_for_sync(self):
+        """Micro-batch statistics the synchronized backward's hook adds to each bucket.
+
+        None here: each rank's gradient is one sample. ``MicroBatchGNS`` returns the
+        accumulator of its rank's micro-batches (an object with ``count`` = A).
+        """
+        return None
+
+    def accepts_samples(self, num_samples: int) -> bool:
+        """Whether a measurement with ``num_samples`` samples S can be made this step.
+
+        Raises ValueError for S < 2: one rank of a GNSHookState can never measure.
+        """
+        if num_samples < 2:
+            raise ValueError(
+                f"GNSHookState: measuring needs at least 2 samples, got {num_samples} (a process "
+                "group of 1 rank); on a single rank use gk.MicroBatchGNS (gradient-accumulation "
+                "micro-batches as samples) with DDP or on its own")
+        return True
+
+    def begin_sync(self, context=None) -> None:
+        """Start of a synchronized backward: ``context`` is the hook's measurement in
+        progress (None: this backward is not measured)."""
+        self._current = context
+
+    @property
+    def sync_context(self):
+        """The context given to ``begin_sync`` for the synchronized backward in progress."""
+        return self._current
+
+    def end_sync(self) -> None:
+        """The last bucket / param group of the synchronized backward is launched: the
+        step is counted (``step`` += 1) and the context dropped."""
+        self._current = None
+        self.advance_step()
+
+    def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
+                           nuc_signal, step: int) -> None:
+        """Turn the summed statistics of the measurement of optimizer step ``step`` into
+        ``estimate`` (identical on every rank) and set ``estimate_step`` = ``step``.
+
+        l_terms: float64 Tensor[4], [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] over
+            the measured parameters (l1 / l2; None for nuclear);
+        nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
+            (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear).
+        The estimate carries ``step`` as well when GNSEstimate has a ``step`` field.
+        """
+        self._finish(num_samples, l_terms, nuc_noise, nuc_signal, step)
+        est = self.estimate
+        if est is not None and _HAS_STEP_FIELD:
+            self.estimate = dataclasses.replace(est, step=step)
 
     # ---------------------------------------------------------------- parameters
     def measures(self, param: Tensor) -> bool:

@@ -233,6 +233,46 @@ def run_many(rank, world, *, scenarios):
     return out
 
 
+class _LoggingMicroBatchGNS(MicroBatchGNS):
+    """Logs the public hook-protocol calls the DDP hook makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def micro_batches_for_sync(self):
+        self.calls.append(("micro_batches_for_sync", self.step))
+        return super().micro_batches_for_sync()
+
+    def accepts_samples(self, num_samples):
+        self.calls.append(("accepts_samples", self.step, num_samples))
+        return super().accepts_samples(num_samples)
+
+    def end_sync(self):
+        self.calls.append(("end_sync", self.step))
+        super().end_sync()
+
+    def record_measurement(self, num_samples, l_terms, nuc_noise, nuc_signal, step):
+        self.calls.append(("record_measurement", step, num_samples))
+        super().record_measurement(num_samples, l_terms, nuc_noise, nuc_signal, step)
+
+
+def _protocol_calls(rank, A=2, steps=3):
+    model = _model(torch.float32)
+    ddp = DDP(model)
+    mb = _LoggingMicroBatchGNS(list(model.parameters()), geometry="l2", every=2,
+                               batch_size=LOCAL_BATCH * A, micro_batches=A)
+    ddp.register_comm_hook(mb, ddp_gns_hook)
+    for step in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        for a in range(A):
+            x, y = _batch(rank, step, a, torch.float32)
+            with (ddp.no_sync() if a < A - 1 else contextlib.nullcontext()):
+                _loss(ddp, x, y, 1.0 / A).backward()
+            mb.micro_step()
+    return mb.calls
+
+
 def run_one_rank_edges(rank, world):
     """One rank: MicroBatchGNS with 1 micro-batch skips (warns), GNSHookState raises."""
     import warnings
@@ -249,6 +289,7 @@ def run_one_rank_edges(rank, world):
         mb.micro_step()
     out = {"warned": [str(w.message) for w in caught if "1 sample" in str(w.message)],
            "estimate": mb.estimate, "step": mb.step}
+    out["protocol"] = _protocol_calls(rank)
     plain = DDP(_model(torch.float32))
     plain.register_comm_hook(GNSHookState("l1", batch_size=LOCAL_BATCH), ddp_gns_hook)
     try:
@@ -257,3 +298,56 @@ def run_one_rank_edges(rank, world):
     except Exception as exc:  # the hook's ValueError, surfaced by DDP
         out["error"] = str(exc)
     return out
+
+
+def run_micro_failure(rank, world, *, A=3, steps=3, fail_rank=1):
+    """MicroBatchGNS as the DDP hook state; on ``fail_rank`` the first micro_step of step 0
+    raises (a simulated out-of-memory in the accumulation op). Runs the same steps with a
+    second, failure-free model for comparison; returns per step the estimates and the
+    largest gradient difference between the two runs."""
+    from gns_kernels import ops
+
+    def run(fail: bool):
+        model = _model(torch.float32)
+        ddp = DDP(model)
+        mb = MicroBatchGNS(list(model.parameters()), geometry="l1", every=1,
+                           batch_size=LOCAL_BATCH * world * A, micro_batches=A)
+        ddp.register_comm_hook(mb, ddp_gns_hook)
+        real = ops.accumulate_sq_multi
+        armed = [fail]
+
+        def flaky(*args, **kwargs):
+            if armed[0]:
+                armed[0] = False
+                raise RuntimeError("out of memory (simulated)")
+            return real(*args, **kwargs)
+
+        ops.accumulate_sq_multi = flaky
+        records, raised = [], 0
+        try:
+            for step in range(steps):
+                ddp.zero_grad(set_to_none=True)
+                for a in range(A):
+                    x, y = _batch(rank, step, a, torch.float32)
+                    with (ddp.no_sync() if a < A - 1 else contextlib.nullcontext()):
+                        _loss(ddp, x, y, 1.0 / A).backward()
+                    try:
+                        mb.micro_step()
+                    except RuntimeError as exc:
+                        assert "simulated" in str(exc)
+                        raised += 1
+                records.append({"est": _est_tuple(mb.estimate), "estimate_step": mb.estimate_step,
+                                "step": mb.step,
+                                "grads": [p.grad.detach().clone() for p in model.parameters()]})
+        finally:
+            ops.accumulate_sq_multi = real
+        return records, raised
+
+    failed, raised = run(rank == fail_rank)
+    clean, _ = run(False)
+    out = []
+    for f, c in zip(failed, clean):
+        diff = max(float((a - b).abs().max()) for a, b in zip(f["grads"], c["grads"]))
+        out.append({"est": f["est"], "clean_est": c["est"], "estimate_step": f["estimate_step"],
+                    "step": f["step"], "grad_diff": diff})
+    return {"records": out, "raised": raised}

@@ -236,6 +236,12 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "plain_calls": plain_calls.calls,
             "hooked_calls": hooked_calls.calls,
         })
+    twice = None
+    if after_remove:  # a state drives one model at a time
+        try:
+            attach_fsdp_gns(hooked, state)
+        except ValueError as exc:
+            twice = str(exc)
     handle.remove()
     after = None
     if after_remove:  # one more backward: plain FSDP2 again, the state untouched
@@ -247,7 +253,11 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             _loss(hooked, x, y).backward()
         comms = [type(pg._reduce_scatter_comm).__name__ for m in hooked.modules()
                  if hasattr(m, "_get_fsdp_state") for pg in m._get_fsdp_state()._fsdp_param_groups]
-        after = {"calls": calls.calls, "step_unchanged": state.step == step_before, "comms": comms}
+        wrapped = [m.__class__.__name__ for m in hooked.modules() if hasattr(m, "_get_fsdp_state")
+                   for pg in m._get_fsdp_state()._fsdp_param_groups if "post_backward" in vars(pg)]
+        attach_fsdp_gns(hooked, state).remove()  # attachable again after remove()
+        after = {"calls": calls.calls, "step_unchanged": state.step == step_before, "comms": comms,
+                 "twice": twice, "wrapped_after_remove": wrapped}
     return {"after_remove": after, "records": records, "groups": groups, "names": names, "packed_in_place": handle.packed_in_place,
             "placements": [str(p.placements[0]) for p in hp_all],
             "unused_grad_is_none": all(p.grad is None for n, p in zip(names, hp_all) if n.startswith("d."))}

@@ -179,3 +179,28 @@ def test_one_rank_one_sample_skips_or_raises():
     assert res["warned"] and res["estimate"] is None and res["step"] == 1
     # a GNSHookState on one rank can never measure: a clear error
     assert res["error"] is not None and "at least 2 samples" in res["error"]
+    # the hook drives the state through its public methods, in the documented order
+    # (every=2, 3 steps of A=2 micro-batches on one rank: S = 2 at steps 0 and 2)
+    assert [tuple(c) for c in res["protocol"]] == [
+        ("micro_batches_for_sync", 0), ("accepts_samples", 0, 2), ("end_sync", 0),
+        ("record_measurement", 0, 2),
+        ("micro_batches_for_sync", 1), ("end_sync", 1),
+        ("micro_batches_for_sync", 2), ("accepts_samples", 2, 2), ("end_sync", 2),
+        ("record_measurement", 2, 2)]
+
+
+def test_micro_step_failure_on_one_rank_is_invalid_everywhere_then_recovers():
+    res = run_world("_ddp_scenarios", "run_micro_failure", 2)
+    assert [r["raised"] for r in res] == [0, 1]  # raised once, on the failing rank only
+    for r in res:
+        recs = r["records"]
+        assert [rec["step"] for rec in recs] == [1, 2, 3]
+        assert [rec["estimate_step"] for rec in recs] == [0, 1, 2]
+        for rec in recs:  # the gradients are those of the failure-free run
+            assert rec["grad_diff"] == 0.0
+        gns, noise, signal, valid = recs[0]["est"]
+        assert valid is False and math.isnan(gns)  # step 0: invalid on every rank
+        assert recs[0]["clean_est"][3] is True
+        for rec in recs[1:]:  # later steps: as if nothing had failed
+            assert rec["est"][3] is True and rec["est"] == rec["clean_est"]
+    assert _same(res[0]["records"][0]["est"], res[1]["records"][0]["est"])

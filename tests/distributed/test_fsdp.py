@@ -237,6 +237,8 @@ def test_remove_restores_plain_fsdp2(request):
         assert after["step_unchanged"]
         assert after["calls"] == rank_res["records"][1]["plain_calls"]  # same shapes, no extras
         assert after["comms"] and "GNSReduceScatter" not in after["comms"]
+        assert after["twice"] is not None and "already attached" in after["twice"]
+        assert after["wrapped_after_remove"] == []  # FSDP2's own post_backward again
 
 
 @pytest.mark.parametrize("world,name", [(2, "l1_nan"), (2, "nuclear_nan"), (4, "l1_nan")])

@@ -214,3 +214,149 @@ def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch):
             mb.micro_step()
     assert mb.estimate.valid is False and math.isnan(mb.estimate.gns)
     assert mb.step == 1
+
+
+def _run_step(model, mb, step, A, b, before_last=None):
+    """One optimizer step of A micro-batches; ``before_last(model)`` runs just before the
+    A-th micro_step()."""
+    xs, ys = _micro_batches(step, A, b)
+    model.zero_grad(set_to_none=True)
+    for a in range(A):
+        (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+        if a == A - 1 and before_last is not None:
+            before_last(model)
+        mb.micro_step()
+    return xs, ys
+
+
+@pytest.mark.parametrize("fail_at", [4, 2])
+def test_failed_micro_step_raises_once_then_measures(fail_at, monkeypatch):
+    # A = 4, batch 6 per micro-batch: micro_step() raises at call fail_at of step 0 (an
+    # out-of-memory in the accumulation op); the error is raised once, step 0 is not
+    # measured, and the next steps measure and match gk.estimate
+    from gns_kernels import ops
+
+    A, b = 4, 6
+    model, ref_model = _net(4), _net(4)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=A * b, micro_batches=A)
+    real = ops.accumulate_sq_multi
+    calls = [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "accumulate_sq_multi", flaky)
+    xs, ys = _micro_batches(0, A, b)
+    model.zero_grad(set_to_none=True)
+    raised = 0
+    for a in range(A):
+        (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+        try:
+            mb.micro_step()
+        except RuntimeError as e:
+            assert "simulated" in str(e)
+            raised += 1
+    assert raised == 1 and calls[0] == fail_at  # no accumulation after the failure
+    assert mb.step == 1 and mb.count == 0 and mb.estimate is None
+    assert not mb.prev and not mb.sq
+    for step in (1, 2):
+        xs, ys = _run_step(model, mb, step, A, b)
+        ref = gk.estimate(_sample_grads(ref_model, xs, ys), batch_size=A * b, geometry="l1")
+        assert mb.step == step + 1 and mb.estimate_step == step and mb.estimate.valid
+        assert _rel(mb.estimate.gns, ref.gns) <= TOL["l1"]
+
+
+def test_tied_weight_listed_twice_counts_once():
+    torch.manual_seed(5)
+    emb = torch.nn.Linear(9, 9, bias=False)
+    head = torch.nn.Linear(9, 9)
+    head.weight = emb.weight  # tied
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = emb, head
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.emb(x)))
+
+    model = Tied()
+    unique = list(model.parameters())  # weight, bias: the tied weight once
+    assert len(unique) == 2
+    listed = [emb.weight, head.weight, head.bias]  # the tied weight passed explicitly twice
+    A, b = 3, 4
+    g = torch.Generator().manual_seed(9)
+    xs, ys = torch.randn(A, b, 9, generator=g), torch.randn(A, b, 9, generator=g)
+    samples = []
+    for x, y in zip(xs, ys):
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        samples.append([p.grad.clone() for p in unique])
+    for geometry in ("l1", "l2", "nuclear"):
+        mb = MicroBatchGNS(listed, geometry=geometry, every=1, batch_size=A * b, micro_batches=A)
+        model.zero_grad(set_to_none=True)
+        for a in range(A):
+            (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+            mb.micro_step()
+        ref = gk.estimate(samples, batch_size=A * b, geometry=geometry, **ESTIMATE_KW)
+        assert mb.estimate.valid and ref.valid
+        assert _rel(mb.estimate.gns, ref.gns) <= TOL[geometry], geometry
+    st = GNSHookState("l1", batch_size=4, params=listed)
+    assert st.measures(emb.weight) and st.measures(head.bias)
+
+
+def test_missing_micro_step_warns_once():
+    A, b = 2, 3
+    model = _net(6)
+    mb = MicroBatchGNS(model.parameters(), geometry="l2", every=1, batch_size=A * b, micro_batches=A)
+    xs, ys = _micro_batches(0, A, b)
+    with pytest.warns(RuntimeWarning, match=r"micro_step\(\)") as rec:
+        for _ in range(3):  # README's loop without mb.micro_step(): nothing would be measured
+            model.zero_grad(set_to_none=True)
+            for a in range(A):
+                (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
+    assert len([w for w in rec if "micro_step" in str(w.message)]) == 1
+    assert mb.estimate is None and mb.step == 0
+    # the correct loop never warns
+    ok = MicroBatchGNS(model.parameters(), geometry="l2", every=1, batch_size=A * b, micro_batches=A)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            _run_step(model, ok, step, A, b)
+    assert ok.estimate_step == 1
+
+
+def test_every_defaults_match_the_controller():
+    controller_every = inspect.signature(gk.AdaptiveBatchSize).parameters["every"].default
+    model = _net()
+    assert GNSHookState("l1", batch_size=4).every == controller_every == 100
+    assert MicroBatchGNS(model.parameters(), batch_size=4, micro_batches=2).every == controller_every
+
+
+def test_estimate_carries_its_step():
+    import dataclasses
+
+    A, b = 2, 3
+    model = _net(7)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=2, batch_size=A * b, micro_batches=A)
+    for step in range(3):
+        _run_step(model, mb, step, A, b)
+    assert mb.estimate_step == 2
+    if "step" in {f.name for f in dataclasses.fields(gk.GNSEstimate)}:
+        assert mb.estimate.step == 2
+
+
+def test_deleted_micro_batch_gns_leaves_no_hook():
+    model = _net(8)
+    p = next(model.parameters())
+    before = len(p._post_accumulate_grad_hooks or {})
+    mb = MicroBatchGNS(model.parameters(), every=1, batch_size=4, micro_batches=2)
+    assert len(p._post_accumulate_grad_hooks or {}) == before + 1
+    del mb
+    import gc
+    gc.collect()
+    assert len(p._post_accumulate_grad_hooks or {}) == before
