@@ -103,8 +103,9 @@ def nuclear_stats(
       (the subtraction's rounding level), not to ||C||_F.
     eig_hints (method 'eigh', CPU): a gns_kernels.spectral.EigHints keyed by the shape of
       mean_grads[l]: hinted layers are solved in float64 directly, and what each layer
-      needed is recorded into it (applied at its apply()). Reads the solver's flags (not
-      traceable by torch.compile); leave None there.
+      needed is recorded into it (applied at its apply(); nothing is recorded when the
+      'newton' method is used). Reads the solver's flags (not traceable by
+      torch.compile); leave None there.
     C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
     A layer with k = 0 (an empty side) contributes noise 0 and signal 0.
     Layers are batched by Gram size (one op call per size). No host synchronization
@@ -135,6 +136,8 @@ def nuclear_stats(
         if not isinstance(D, Tensor) or D.dim() != 2:
             raise ValueError(f"mean_grads[{l}]: expected a 2-D tensor, got "
                              f"{tuple(D.shape) if isinstance(D, Tensor) else type(D).__name__}")
+        if not D.is_floating_point():
+            raise ValueError(f"mean_grads[{l}]: expected a floating dtype, got {D.dtype}")
         m, n = D.shape
         if m == n == k:
             s = "col" if side == "col" else "row"
@@ -312,7 +315,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref, False)
         for i, (w, l) in enumerate(items):
             (noise if w == "n" else signal)[l] = res[i]
-    if eig_hints is not None:  # reads the flags
+    if eig_hints is not None and meth == "eigh":  # reads the flags; newton tells nothing
         used64 = [False] * L
         for items, wide in flagged:
             for (w, l), f in zip(items, wide.tolist()):

@@ -76,3 +76,12 @@ def test_nuclear_stats_eig_hints_record_and_use(gen):
                                 eig_hints=h2)
     h2.apply()
     assert h2.state_dict() == {"256x256": True, "40x120": False}
+
+
+def test_newton_method_records_nothing(gen):
+    h = sp.EigHints({"40x120": True})
+    X = [randn(gen, 40, 120, dtype=torch.float32) for _ in range(2)]
+    gk.nuclear_stats([torch.stack(gk.gram(X)).mean(0)], [torch.stack(X).mean(0)], scale=2.0, method="newton",
+                     eig_hints=h)
+    h.apply()
+    assert h.state_dict() == {"40x120": True}

@@ -182,3 +182,46 @@ def test_nuclear_stats_rejects_bad_input(gen):
         gk.nuclear_stats([A2], [D], scale=1.0, validate=True)
     with pytest.raises(ValueError, match=r"mean_grad_grams\[0\].*symmetric"):
         sp.nuclear_stats_from_grams([A], [A2], scale=1.0, validate=True)
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_nuclear_noise_depends_on_the_gram_side_unless_r_is_2(gen, R):
+    # the package's definition is the smaller side; the column side agrees only for R = 2
+    B = 4 * R
+    layers = samples(gen, R, [(6, 10)])
+    smp = [x.float() for x in layers[0]]
+    D = torch.stack(smp).mean(0)
+    row = torch.stack(gk.gram(smp, side="row")).mean(0)
+    col = torch.stack(gk.gram(smp, side="col")).mean(0)
+    n_row, s_row = gk.nuclear_stats([row], [D], scale=B / (R - 1))
+    n_col, s_col = gk.nuclear_stats([col], [D], scale=B / (R - 1))
+    rn, rs = ref.nuclear_stats(layers, B)
+    assert rel_err(n_row, rn) < TOL and rel_err(s_row, rs) < TOL  # the smaller side is the oracle's
+    assert rel_err(s_col, s_row) < TOL  # the signal is side-independent
+    if R == 2:
+        assert rel_err(n_col, n_row) < TOL
+    else:
+        assert rel_err(n_col, n_row) > 1e-2
+
+
+def test_nuclear_stats_bitwise_the_same_on_1_and_2_threads(gen):
+    R, B = 3, 24
+    layers = samples(gen, R, SHAPES + [(300, 260)])
+    mean_grams, mean_grads = stats_inputs(layers)
+    old = torch.get_num_threads()
+    out = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out.append(gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1)))
+            out.append(gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), bias_correction=True,
+                                        num_samples=R, batch_size=B))
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(out[:2], out[2:]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_nuclear_stats_rejects_integer_gradients():
+    with pytest.raises(ValueError, match=r"mean_grads\[0\].*floating"):
+        gk.nuclear_stats([torch.eye(2)], [torch.ones(2, 3, dtype=torch.int64)], scale=1.0)
