@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 __all__ = ["nuclear_stats", "nuclear_stats_from_grams"]
 
 
-def _check_common(L: int, scale, bias_correction, num_samples, method: str, eig_hints) -> None:
+def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -> None:
     if not isinstance(bias_correction, bool):
         raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
     if bias_correction and num_samples is None:
@@ -126,7 +126,7 @@ def nuclear_stats(
             raise ValueError(f"shifts: expected {L} entries (tensor or None), got {len(shifts)}")
     if side not in ("auto", "row", "col"):
         raise ValueError(f"side: expected 'auto', 'row' or 'col', got {side!r}")
-    _check_common(L, scale, bias_correction, num_samples, method, eig_hints)
+    _check_common(scale, bias_correction, num_samples, method, eig_hints)
 
     sides: list[str] = []
     others: list[int | None] = []
@@ -218,7 +218,7 @@ def nuclear_stats_from_grams(
         signal_grams = list(signal_grams)
         if len(signal_grams) != L:
             raise ValueError(f"signal_grams: expected {L} tensors, got {len(signal_grams)}")
-    _check_common(L, scale, bias_correction, num_samples, method, eig_hints)
+    _check_common(scale, bias_correction, num_samples, method, eig_hints)
     if shapes is not None:
         shapes = [tuple(int(d) for d in s) for s in shapes]
         if len(shapes) != L:
