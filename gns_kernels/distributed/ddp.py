@@ -197,7 +197,7 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
         ctx.nuc[index] = nuclear_stats_or_nan(
             mean_grams, mean_grads, shifts if any_shift else None, ctx.scale,
             st.bias_correction, ctx.num_samples, float(st.batch_size),
-            state=st, shapes=[e[2].shape for e in plan])
+            hints=st.eig_hints)
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])

@@ -53,12 +53,12 @@ Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 
     dim 1 instead and every measured matrix is natural (no extra payload).
   Right after the group's reduce-scatter ONE all-reduce of the group's local Grams and
   mean-gradient Gram partials (two k x k float32 matrices per measured matrix,
-  k = min(m, n)) finishes its statistics: ``spectral.nuclear_stats(mean_grams,
-  mean_grad_grams=...)`` gives tr(C^{1/2}) and ||G||_S1 per matrix, identical on every
+  k = min(m, n)) finishes its statistics: ``spectral.nuclear_stats_from_grams(mean_grams,
+  mean_grad_grams, ...)`` gives tr(C^{1/2}) and ||G||_S1 per matrix, identical on every
   rank, and only their sums are kept, so the Grams of one param group (one layer) are
   alive at a time, not the whole model's (the paper's Table 10: O(m_l^2) per layer).
-  Bias correction uses other_dims = the dimension not on the Gram side, as
-  ``ddp_gns_hook`` does.
+  Bias correction uses the dimension not on the Gram side (from the parameter shape),
+  as ``ddp_gns_hook`` does.
 
 When the statistics are final: the first reduce-scatter of a synchronized backward
 queues an autograd-engine final callback (``Variable._execution_engine.queue_callback``).
@@ -110,9 +110,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
-from ..reference import gram_side
 from .state import GNSHookState
-from ._stats import nuclear_stats_hinted
 
 Tensor = torch.Tensor
 
@@ -184,7 +182,7 @@ def _layout(fsdp_params, world: int, state: GNSHookState):
             if not seg.measured:
                 continue
             m, n = seg.shape
-            seg.side = gram_side((m, n), "auto")
+            seg.side = spectral.smaller_side((m, n))
             # col Gram sums over rows: row blocks (dim 0) are natural; row Gram: column blocks
             want = 0 if seg.side == "col" else 1
             seg.natural = seg.dim == want
@@ -429,15 +427,12 @@ def _define_reduce_scatter(base):
             dist.all_reduce(flat, group=group)
             mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
             dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
-            others = [s_.shape[1] if s_.side == "row" else s_.shape[0] for s_ in mats]
             if bool(torch.isfinite(flat).all()):
                 st = ctx.state
-                noise, signal = nuclear_stats_hinted(
-                    lambda hint, report: spectral.nuclear_stats(
-                        mean_grams, mean_grad_grams=dd, scale=ctx.scale, bias_correction=st.bias_correction,
-                        num_samples=R, batch_size=float(st.batch_size), other_dims=others,
-                        eig_float64=hint, eig_report=report),
-                    st, [s_.shape for s_ in mats])
+                noise, signal = spectral.nuclear_stats_from_grams(
+                    mean_grams, dd, scale=ctx.scale, bias_correction=st.bias_correction,
+                    num_samples=R, batch_size=float(st.batch_size), shapes=[s_.shape for s_ in mats],
+                    eig_hints=st.eig_hints)
                 ctx.nuc_noise += float(noise.double().sum())
                 ctx.nuc_signal += float(signal.double().sum())
             else:  # non-finite gradients on some rank: this measurement is invalid everywhere

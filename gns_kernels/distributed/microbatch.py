@@ -224,7 +224,7 @@ class MicroBatchGNS(GNSHookState):
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
                                                      A, float(self._batch_size),
-                                                     state=self, shapes=[p.shape for p in live])
+                                                     hints=self.eig_hints)
                 n, s = float(noise.double().sum()), float(signal.double().sum())
             else:
                 n = s = float("nan")

@@ -35,6 +35,8 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
+from ..spectral.hints import EigHints
+
 Tensor = torch.Tensor
 
 __all__ = ["GNSHookState", "GEOMETRIES"]
@@ -140,15 +142,9 @@ class GNSHookState:
         self.estimate_step: Optional[int] = None
         self._last_mean: dict[int, Tensor] = {}  # id(param) -> float32 mean gradient (shift="last")
         self._current = None  # per-backward measurement context (ddp.py)
-        # nuclear cost hint for spectral.nuclear_stats(eig_float64=...): parameter shape
-        # ("768x256") -> some matrix of that shape needed float64 eigenproblems at the last
-        # measurement that saw it (skip the float32 attempt that would fall back again).
-        # Updated only when a measurement finishes (_eig_seen collects it meanwhile), so a
-        # measurement's hints do not depend on the bucket order, and checkpointed: the
-        # hinted path gives float64 results where float32 might have been accepted, so a
-        # resumed run must see the same hints to reproduce the same numbers.
-        self._eig_float64: dict[str, bool] = {}
-        self._eig_seen: dict[str, bool] = {}
+        # nuclear eigensolver cost hints by parameter shape (spectral.EigHints), applied
+        # when a measurement finishes and checkpointed (a resumed run reproduces the numbers)
+        self.eig_hints = EigHints()
 
     # ---------------------------------------------------------------- schedule
     @property
@@ -286,8 +282,7 @@ class GNSHookState:
         """
         from ._estimate import estimate_from_sums
 
-        self._eig_float64.update(self._eig_seen)
-        self._eig_seen = {}
+        self.eig_hints.apply()
         self.estimate = estimate_from_sums(
             self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
             self.bias_correction,
@@ -299,7 +294,7 @@ class GNSHookState:
         """Schedule, configuration and the nuclear eigensolver hints, to resume (the estimate
         and a 'last' shift are not kept)."""
         return {"step": self._step, "every": self.every, "batch_size": self._batch_size,
-                "geometry": self.geometry, "eig_float64": dict(self._eig_float64)}
+                "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         for key in ("step", "every", "batch_size", "geometry"):
@@ -310,12 +305,8 @@ class GNSHookState:
         self.every = _check_positive_int("every", sd["every"])
         self.step = sd["step"]
         self.batch_size = sd["batch_size"]
-        hints = sd.get("eig_float64", {})  # absent in checkpoints written before it existed
-        if not isinstance(hints, dict) or not all(isinstance(k, str) and isinstance(v, bool)
-                                                  for k, v in hints.items()):
-            raise ValueError(f"state_dict: eig_float64: expected a dict of shape string -> bool, got {hints!r}")
-        self._eig_float64 = dict(hints)
-        self._eig_seen = {}
+        # absent in checkpoints written before the hints existed
+        self.eig_hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
 
     def __repr__(self) -> str:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "

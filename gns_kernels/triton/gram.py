@@ -21,23 +21,17 @@ Output: float32 (L, K, K), contiguous.
 The kernel is a gns_kernels.triton._runtime.DualKernel: CUDA tensors run the compiled
 kernel, CPU tensors Triton's interpreter (tests, tests/triton/test_gram.py). It calls only
 Triton builtins (no tl.zeros / tl.cdiv, which are standard-library JIT functions), the
-restriction DualKernel documents. Ahead-of-time compilation for sm_80 / sm_90:
-``python -m gns_kernels.triton.gram`` (registers and spills, see bench/RESULTS.md).
+restriction DualKernel documents. Ahead-of-time compilation for sm_80 / sm_90 (registers,
+spills, PTX statistics): ``python tools/gram_aot.py`` in the source tree (bench/RESULTS.md).
 """
 from __future__ import annotations
-
-import argparse
-import json
-import os
-import subprocess
-import sys
 
 import torch
 import triton.language as tl
 
 from ._runtime import dual_kernel
 
-__all__ = ["gram_upper", "BLOCK", "BLOCK_N", "NUM_WARPS", "compile_aot", "aot_isolated"]
+__all__ = ["gram_upper", "BLOCK", "BLOCK_N", "NUM_WARPS"]
 
 BLOCK = 64  # output tile edge
 BLOCK_N = 16  # reduction slab width
@@ -123,68 +117,3 @@ def gram_upper(x: torch.Tensor, col: bool = False, block: int = BLOCK, block_n: 
         num_warps=NUM_WARPS, BLOCK=block, BLOCK_N=block_n,
     )
     return out
-
-
-# ----------------------------------------------------------------------------- AOT
-def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
-    """triton.compile the kernel for each (arch, dtype) without a GPU; registers/spills/PTX stats.
-
-    Must run in a process whose triton was imported without TRITON_INTERPRET=1 (use
-    aot_isolated() from test processes).
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from ._aot import _res_usage, _spills, ptx_stats
-
-    kern = _gram_upper_kernel.jit
-    align = [["tt.divisibility", 16]]
-    attrs = {(kern.arg_names.index("x_ptr"),): align, (kern.arg_names.index("out_ptr"),): align}
-    results = []
-    for dt in dtypes:
-        sig = {"x_ptr": f"*{dt}", "out_ptr": "*fp32", "K": "i32", "N": "i32", "T": "i32",
-               "stride_xl": "i32", "stride_xk": "i32", "stride_xn": "i32", "stride_ol": "i32",
-               "stride_oi": "i32", "BLOCK": "constexpr", "BLOCK_N": "constexpr"}
-        consts = {"BLOCK": BLOCK, "BLOCK_N": BLOCK_N}
-        for cap in archs:
-            src = ASTSource(kern, sig, constexprs=consts, attrs=attrs)
-            ck = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": NUM_WARPS, "enable_fp_fusion": True})
-            ptx = ck.asm["ptx"]
-            st = ptx_stats(ptx)
-            res = {"kernel": "gram_upper", "variant": dt, "arch": f"sm_{cap}",
-                   "num_warps": ck.metadata.num_warps, "shared_bytes_meta": ck.metadata.shared,
-                   "ptx_bytes": len(ptx), "cubin_bytes": len(ck.asm["cubin"]),
-                   "mma": ptx.count("mma.sync") + ptx.count("wgmma"),
-                   "fma_f32": ptx.count("fma.rn.f32"), **st}
-            res.update(_res_usage(ck.asm["cubin"]))
-            res.update(_spills(ptx, st["target"] or f"sm_{cap}"))
-            results.append(res)
-    return results
-
-
-def aot_isolated(timeout: float = 600) -> list[dict]:
-    """compile_aot() in a fresh interpreter without TRITON_INTERPRET; returns its results."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "gns_kernels.triton.gram", "--json"],
-                       capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"gram AOT compilation failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="AOT-compile the Triton Gram kernel for sm_80/sm_90")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    res = compile_aot()
-    if a.json:
-        print(json.dumps(res))
-    else:
-        for r in res:
-            print(r)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -86,9 +86,10 @@ def test_one_process_matches_estimate_over_micro_batches(geometry, bias_correcti
         if geometry == "nuclear" and step == 0:
             # rank-deficient Grams (3 examples per sample): float64 eigenproblems, remembered
             # per parameter shape, so the step-2 measurement above takes the hinted path
-            assert set(mb._eig_float64) == {"19x11", "7x19", "3x7"}
-            assert any(mb._eig_float64.values())
-            assert mb.state_dict()["eig_float64"] == mb._eig_float64
+            hints = mb.eig_hints.state_dict()
+            assert set(hints) == {"19x11", "7x19", "3x7"}
+            assert any(hints.values())
+            assert mb.state_dict()["eig_float64"] == hints
 
 
 @pytest.mark.parametrize("geometry", ["l1", "nuclear"])
@@ -147,14 +148,14 @@ def test_state_schedule_and_resume():
     # the nuclear eigensolver hints travel with the checkpoint (a resumed run reproduces the
     # same numbers); checkpoints without them load with none
     nuc = GNSHookState("nuclear", batch_size=8)
-    nuc._eig_float64 = {"256x1024": True, "256x256": False}
+    nuc.eig_hints.load_state_dict({"256x1024": True, "256x256": False})
     sd = nuc.state_dict()
     nuc2 = GNSHookState("nuclear", batch_size=8)
     nuc2.load_state_dict(sd)
-    assert nuc2._eig_float64 == {"256x1024": True, "256x256": False}
+    assert nuc2.eig_hints.state_dict() == {"256x1024": True, "256x256": False}
     del sd["eig_float64"]
     nuc2.load_state_dict(sd)
-    assert nuc2._eig_float64 == {}
+    assert nuc2.eig_hints.state_dict() == {}
     with pytest.raises(ValueError, match="eig_float64"):
         nuc2.load_state_dict({**sd, "eig_float64": {"256x256": 1}})
 

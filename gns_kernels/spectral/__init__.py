@@ -1,0 +1,48 @@
+"""Nuclear (S1) statistics: batched Grams, tr(A_+^{1/2}), per-layer noise and signal.
+
+Public functions (gram / sqrt_trace / nuclear_stats are re-exported as gns_kernels.*):
+
+- ``gram(tensors, side="auto") -> list[Tensor]``: float32 Grams G G^T or G^T G, one
+  batched op call per group of equal shapes (grams.py).
+- ``sqrt_trace(A, method="auto") -> Tensor[...]``: tr(A_+^{1/2}) = sum_i sqrt(max(lambda_i,
+  0)) of symmetric A, by "eigh" (eigh.py: float32 eigvalsh with a per-matrix float64
+  fallback chosen by an a-posteriori error bound) or "newton" (newton.py: positive part by
+  the Newton-Schulz sign iteration, then coupled Newton-Schulz with a relative shift; no
+  host synchronization) (trace.py).
+- ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])`` and
+  ``nuclear_stats_from_grams(mean_grams, mean_grad_grams, scale, ...)`` for FSDP2, where
+  only the Gram of the mean gradient exists (nuclear.py).
+- ``EigHints``: the per-shape float64 cost hint of the eigenvalue path (hints.py).
+- ``psd_eigvalsh(A)``: float64 eigenvalues accurate enough for sqrt-traces (eigh.py).
+
+The heavy parts are torch.library custom ops with fake kernels (torch.compile keeps each
+as one opaque node): ``torch.ops.gns_kernels.gram_list`` / ``.gram_batched``,
+``.psd_eigvalsh`` / ``.psd_eigvalsh_list``, ``.newton_sqrt_trace``. See docs/spectral.md
+for accuracy, cost and the method choice.
+"""
+from __future__ import annotations
+
+from .eigh import EIGH_TOL, psd_eigvalsh
+from .grams import gram, gram_batched, gram_list, smaller_side
+from .hints import EigHints, shape_key
+from .newton import NEWTON_EPS, NEWTON_MAX_ITERS, newton_min_iters, sign_iters
+from .nuclear import nuclear_stats, nuclear_stats_from_grams
+from .trace import sqrt_trace
+
+__all__ = [
+    "gram",
+    "gram_list",
+    "gram_batched",
+    "smaller_side",
+    "sqrt_trace",
+    "nuclear_stats",
+    "nuclear_stats_from_grams",
+    "EigHints",
+    "shape_key",
+    "psd_eigvalsh",
+    "newton_min_iters",
+    "sign_iters",
+    "NEWTON_EPS",
+    "NEWTON_MAX_ITERS",
+    "EIGH_TOL",
+]

@@ -1,0 +1,179 @@
+"""Gram matrices G G^T / G^T G in float32: ``gram`` and its ops ``gram_list`` / ``gram_batched``.
+
+Side names: 'row' is G G^T (m x m) of a 2-D G (m x n), 'col' is G^T G (n x n); 'auto' is
+the smaller side (row when m <= n), the side every nuclear statistic of this package uses.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._workers import _map_cpu
+
+Tensor = torch.Tensor
+
+_GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
+_SIDES = ("auto", "row", "col")
+
+
+def smaller_side(shape: Sequence[int]) -> str:
+    """'row' (G G^T, m x m) when m <= n, else 'col' (G^T G, n x n), for a shape (..., m, n)."""
+    m, n = shape[-2], shape[-1]
+    return "row" if m <= n else "col"
+
+
+def resolve_side(shape: Sequence[int], side: str) -> str:
+    """side ('auto' | 'row' | 'col') -> 'row' or 'col'; 'auto' is smaller_side(shape)."""
+    if side not in _SIDES:
+        raise ValueError(f"side: expected 'auto', 'row' or 'col', got {side!r}")
+    return smaller_side(shape) if side == "auto" else side
+
+
+def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
+    """out (k, k) <- x x^T for x (k, n) float32 (any strides); returns out.
+
+    Row strips of about _GRAM_BLOCK rows: strip i is one GEMM x[rows_i] @ x[rows_i.start:]^T
+    written straight into out[rows_i, rows_i.start:] (the diagonal block and everything to
+    its right: (nb + 1) / (2 nb) of the full product's FLOPs for nb strips). The part left
+    of the diagonal is copied, transposed, from the strips above, and each diagonal block
+    is replaced by (blk + blk^T) / 2, so the result is exactly symmetric.
+    """
+    k = x.shape[0]
+    nb = max(1, -(-k // _GRAM_BLOCK))
+    e = [i * k // nb for i in range(nb + 1)]
+    for i in range(nb):
+        a, b = e[i], e[i + 1]
+        torch.mm(x[a:b], x[a:].T, out=out[a:b, a:])
+        d = out[a:b, a:b]
+        d.copy_((d + d.T).mul_(0.5))
+        if b < k:
+            out[b:, a:b].copy_(out[a:b, b:].T)
+    return out
+
+
+def _gram_cpu(xs: Sequence[Tensor], col: bool) -> list[Tensor]:
+    """Grams of equal-shape 2-D CPU tensors, float32, one separate (k, k) tensor each.
+
+    No stacked copy of the inputs: one matrix per task on single-threaded workers
+    (_map_cpu), each converted to float32 (if needed) and multiplied by
+    _gram_blocked_into into its own freshly allocated output.
+    """
+    m, n = xs[0].shape
+    k = n if col else m
+
+    def one(x: Tensor) -> Tensor:
+        x = x if x.dtype == torch.float32 else x.float()
+        out = torch.empty((k, k), dtype=torch.float32)
+        if x.shape[1 if not col else 0] == 0:  # empty reduction dimension: a zero Gram
+            return out.zero_()
+        return _gram_blocked_into(x.mT if col else x, out)
+
+    return _map_cpu(one, list(xs))
+
+
+@torch.library.custom_op("gns_kernels::gram_list", mutates_args=())
+def gram_list(xs: list[Tensor], col: bool) -> list[Tensor]:
+    """Grams in float32 of equal-shape 2-D tensors: xs[l] (m, n) -> out[l] = xs[l] xs[l]^T
+    (m, m), or xs[l]^T xs[l] (n, n) if col. Any floating input dtype, products accumulated
+    in float32. CPU: per matrix, upper-triangle strips (_gram_cpu); other devices: the
+    stacked batch through gram_batched."""
+    if xs[0].device.type == "cpu":
+        return _gram_cpu(xs, col)
+    return list(gram_batched(torch.stack(xs), col).unbind(0))
+
+
+@gram_list.register_fake
+def _(xs: list[Tensor], col: bool) -> list[Tensor]:
+    m, n = xs[0].shape
+    k = n if col else m
+    return [x.new_empty((k, k), dtype=torch.float32) for x in xs]
+
+
+@torch.library.custom_op("gns_kernels::gram_batched", mutates_args=())
+def gram_batched(x: Tensor, col: bool) -> Tensor:
+    """Batched Gram in float32: x (L, m, n) -> x x^T (L, m, m), or x^T x (L, n, n) if col.
+
+    Any floating input dtype; products are accumulated in float32 (bf16/fp16 inputs are
+    exact in float32, so this is the float32 Gram of the given values).
+    CPU: per matrix, upper-triangle strips; CUDA: the Triton upper-triangle kernel
+    (gns_kernels.triton.gram) when triton is importable, else torch.bmm.
+    """
+    if x.device.type == "cpu":
+        if x.shape[0] == 0:
+            k = x.shape[-1] if col else x.shape[-2]
+            return x.new_empty((0, k, k), dtype=torch.float32)
+        return torch.stack(_gram_cpu(list(x.unbind(0)), col))
+    if x.device.type == "cuda" and x.dtype != torch.float64:
+        tg = _triton_gram()
+        if tg is not None:  # upper-triangle tiles only, bf16/fp16 read natively
+            return tg(x, col)
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        xt = x.mT if col else x
+        return torch.bmm(xt, xt.mT, out_dtype=torch.float32)
+    xf = x if x.dtype == torch.float32 else x.float()
+    if col:
+        xf = xf.mT
+    return torch.bmm(xf, xf.mT)
+
+
+@gram_batched.register_fake
+def _(x: Tensor, col: bool) -> Tensor:
+    k = x.shape[-1] if col else x.shape[-2]
+    return x.new_empty((x.shape[0], k, k), dtype=torch.float32)
+
+
+_TRITON_GRAM: list = []
+
+
+def _triton_gram():
+    """gns_kernels.triton.gram.gram_upper, or None without triton (imported on first CUDA use)."""
+    if not _TRITON_GRAM:
+        try:
+            from ..triton.gram import gram_upper
+        except ImportError:
+            gram_upper = None
+        _TRITON_GRAM.append(gram_upper)
+    return _TRITON_GRAM[0]
+
+
+def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
+    """Per 2-D tensor G (m x n): its Gram G G^T ('row', m x m) or G^T G ('col', n x n).
+
+    side: 'auto' (the smaller side: row when m <= n), 'row' or 'col'.
+    Any floating dtype (bf16/fp16/fp32/fp64 gradients); the result is float32, accumulated
+    in float32 (float64 inputs are rounded to float32 first). Tensors of equal shape, dtype
+    and device go to one batched op call (torch.ops.gns_kernels.gram_list): on CPU without
+    stacking them, one matrix per single-threaded worker, only upper-triangle strips
+    multiplied and mirrored; on CUDA stacked, a Triton kernel computing only upper-triangle
+    tiles. A zero-size side gives a 0 x 0 Gram; an empty reduction dimension a zero Gram.
+    Returns a list in input order.
+    """
+    tensors = list(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(tensors):
+        if not isinstance(g, Tensor):
+            raise ValueError(f"tensors[{i}]: expected a torch.Tensor, got {type(g).__name__}")
+        if g.dim() != 2:
+            raise ValueError(f"tensors[{i}]: expected a 2-D tensor (m, n), got shape {tuple(g.shape)}")
+        if not g.is_floating_point():
+            raise ValueError(f"tensors[{i}]: expected a floating dtype, got {g.dtype}")
+        s = resolve_side(g.shape, side)
+        groups.setdefault((tuple(g.shape), g.dtype, g.device, s), []).append(i)
+    out: list[Tensor | None] = [None] * len(tensors)
+    for (_, _, _, s), idx in groups.items():
+        res = torch.ops.gns_kernels.gram_list([tensors[i].detach() for i in idx], s == "col")
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out  # type: ignore[return-value]
+
+
+def grams_on_sides(tensors: Sequence[Tensor], sides: Sequence[str]) -> list[Tensor]:
+    """gram() of each tensor on its own side ('row' / 'col'), batched by shape per side."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    for s in ("row", "col"):
+        idx = [i for i, si in enumerate(sides) if si == s]
+        if idx:
+            for i, G in zip(idx, gram([tensors[i] for i in idx], side=s)):
+                out[i] = G
+    return out  # type: ignore[return-value]

@@ -1,0 +1,174 @@
+"""tr(A_+^{1/2}) by matrix iterations (matmuls only, no host synchronization): op
+``gns_kernels::newton_sqrt_trace``.
+
+A_+ = max(A, 0) is the positive part of symmetric A (its negative eigenvalues set to 0):
+the same definition as the eigenvalue path, sum_i sqrt(max(lambda_i, 0)).
+
+1. Scale: x = A / (2^e f) with 2^e a power of two near max|A_ij| (exact, in A's own
+   precision: no underflow of float64 inputs far below float32's range) and
+   f = ||A / 2^e||_F, so ||x||_F = 1 and spec(x) in [-1, 1]; then float32.
+2. Positive part (``project=True``): the Newton-Schulz sign iteration
+   X0 = x, X <- X (3I - X^2) / 2 (Higham, Functions of Matrices, 5.22) takes every
+   eigenvalue t of x with |t| >= eps / 2 to within 1e-7 of sign(t) in sign_iters(eps)
+   steps; |x| = x X and x_+ = (x + |x|) / 2. Without it (``project=False``, for inputs
+   that are PSD up to rounding, e.g. a covariance formed by a subtraction) negative
+   eigenvalues below -eps are not clamped: the guard below only keeps the result finite.
+3. Coupled Newton-Schulz on M = x_+ + e I (Higham eq. 6.35):
+   Y0 = M, Z0 = I, T = (3I - Z Y)/2, Y <- Y T, Z <- T Z;  Y -> M^{1/2}, Z -> M^{-1/2}.
+   Guard: per matrix the iterate is frozen (torch.where, no sync) once
+   r = ||Z Y - I||_F exceeds (1 + 1e-3) min(previous r) or is non-finite; for positive
+   definite M, r decreases monotonically in exact arithmetic, so the guard acts only past
+   convergence (rounding-level wobble).
+4. Undo the shift spectrally: with W = e Z^2 (eigenvalues w = e/(lambda + e) in (0, 1]),
+   sqrt(lambda) = sqrt(lambda + e) sqrt(1 - w) ~ y q(w), q = Taylor polynomial of
+   sqrt(1 - w) to w^5 plus a w^6 term making q(1) = 0. Eigenvalues >= 3 e keep their
+   square root to ~0.23 w^6 (5e-5 at 3 e); exact zeros give 0, and float32 rounding noise
+   +-delta around them ~2.7 delta / sqrt(e) (signed) instead of sqrt(delta): the shift is
+   a soft threshold at e ||A||_F.
+Result: sqrt(2^e f) tr(Y q(W)), float64 for float64 input, else float32.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+NEWTON_EPS = 1e-6  # default relative shift (of A / ||A||_F); docs/spectral.md gives the trade-off
+NEWTON_EPS_RANGE = (1e-6, 1e-2)
+NEWTON_MAX_ITERS = 200
+_FREEZE_SLACK = 1e-3  # guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
+_CONVERGED = 1e-7  # scalar convergence target of newton_min_iters and sign_iters
+
+
+def newton_min_iters(eps: float = NEWTON_EPS) -> int:
+    """Smallest iteration count allowed for relative shift ``eps``: the coupled
+    Newton-Schulz product p = y z of an eigenvalue eps/2 (eps halved by rounding noise)
+    reaches 1 - 1e-7 (scalar recursion p <- p (3 - p)^2 / 4). 22 at eps = 1e-6."""
+    p, k = eps / 2.0, 0
+    while 1.0 - p > _CONVERGED and k < NEWTON_MAX_ITERS:
+        p = p * (3.0 - p) ** 2 / 4.0
+        k += 1
+    return k
+
+
+def sign_iters(eps: float = NEWTON_EPS) -> int:
+    """Iterations of the Newton-Schulz sign step (positive part) for relative shift ``eps``:
+    the scalar recursion s <- s (3 - s^2) / 2 takes s = eps/2 to within 1e-7 of 1.
+    40 at eps = 1e-6."""
+    s, k = eps / 2.0, 0
+    while 1.0 - s > _CONVERGED and k < NEWTON_MAX_ITERS:
+        s = s * (3.0 - s * s) / 2.0
+        k += 1
+    return k
+
+
+def check_newton_args(iters: int | None, eps: float | None) -> tuple[int, float]:
+    """(iters, eps) with defaults (newton_min_iters(eps) + 3, NEWTON_EPS), validated."""
+    eps = NEWTON_EPS if eps is None else float(eps)
+    if not (NEWTON_EPS_RANGE[0] <= eps <= NEWTON_EPS_RANGE[1]):
+        raise ValueError(f"eps: expected a relative shift in [{NEWTON_EPS_RANGE[0]:g}, "
+                         f"{NEWTON_EPS_RANGE[1]:g}], got {eps!r}")
+    kmin = newton_min_iters(eps)
+    if iters is None:
+        iters = kmin + 3
+    if isinstance(iters, bool) or int(iters) != iters or not (kmin <= iters <= NEWTON_MAX_ITERS):
+        raise ValueError(f"iters: expected an integer in [{kmin}, {NEWTON_MAX_ITERS}] for eps={eps:g}, "
+                         f"got {iters!r}")
+    return int(iters), eps
+
+
+# q(w) ~ sqrt(1 - w): Taylor coefficients to w^5, the w^6 coefficient makes q(1) = 0.
+_Q_COEFFS = (1.0, -1 / 2, -1 / 8, -1 / 16, -5 / 128, -7 / 256)
+_Q_COEFFS = _Q_COEFFS + (-sum(_Q_COEFFS),)
+
+
+def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor) -> Tensor:
+    """tr(Y q(W)), W = e Z^2 (module docstring, step 4); Horner in W. Shape (B,)."""
+    W = e * torch.bmm(Z, Z)
+    Q = _Q_COEFFS[-1] * W + _Q_COEFFS[-2] * eye
+    for c in reversed(_Q_COEFFS[:-2]):
+        Q = torch.bmm(W, Q) + c * eye
+    return (Y * Q.mT).sum((-2, -1))
+
+
+def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """(x float32 (B, m, m) symmetric with ||x||_F = 1, c float64 (B, 1, 1)) with x = A / c.
+
+    c = 2^e f: 2^e a power of two near max|A_ij| (exact division in A's precision, float32
+    for half inputs), then f = ||A / 2^e||_F. Zero matrices: c = 1, x = 0. Non-finite
+    matrices give a non-finite x."""
+    a = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    a = 0.5 * (a + a.mT)
+    amax = a.abs().amax((-2, -1), keepdim=True)
+    ok = torch.isfinite(amax) & (amax > 0)
+    p2 = torch.ldexp(torch.ones_like(amax), torch.frexp(torch.where(ok, amax, torch.ones_like(amax))).exponent)
+    a = a / p2
+    f = torch.linalg.matrix_norm(a, keepdim=True)
+    f = torch.where(f > 0, f, torch.ones_like(f))
+    return (a / f).float(), p2.double() * f.double()
+
+
+def _positive_part(x: Tensor, eps: float, eye: Tensor) -> Tensor:
+    """x_+ = (x + x sign(x)) / 2 for symmetric x with spec(x) in [-1, 1] (module step 2)."""
+    X = x
+    for _ in range(sign_iters(eps)):
+        X = torch.bmm(X, 1.5 * eye - 0.5 * torch.bmm(X, X))
+    H = torch.bmm(x, X)
+    return 0.5 * x + 0.25 * (H + H.mT)
+
+
+def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
+                 project: bool = True) -> Tensor:
+    """tr(A_+^{1/2}) of A (B, m, m), m >= 1 (module docstring). ref_norm (B,), optional: a
+    Frobenius norm the rounding noise of A is relative to (e.g. the operands of the
+    subtraction that formed A); the shift becomes eps * max(ref_norm, ||A||_F), i.e. the
+    relative shift eps * ref_norm / ||A||_F clamped to [eps, 1]. Returns shape (B,)."""
+    m = A.shape[-1]
+    x, c = _normalize(A.detach())
+    e = torch.full((x.shape[0], 1, 1), eps, dtype=x.dtype, device=x.device)
+    if ref_norm is not None:
+        rel = ref_norm.detach().reshape(-1, 1, 1).to(device=x.device, dtype=torch.float64) / c
+        e = (eps * rel).clamp(eps, 1.0).float()
+        e = torch.where(torch.isfinite(e), e, torch.full_like(e, eps))
+    eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(x)
+    if project:
+        x = _positive_part(x, eps, eye)
+    Y = x + e * eye
+    Z = eye.clone()
+    rmin = torch.full_like(e, float("inf"))
+    active = torch.ones_like(e, dtype=torch.bool)
+    for _ in range(iters):
+        P = torch.bmm(Z, Y)
+        r = torch.linalg.matrix_norm(P - eye, keepdim=True)
+        active = active & torch.isfinite(r) & (r <= rmin * (1.0 + _FREEZE_SLACK))
+        rmin = torch.where(active, torch.minimum(rmin, r), rmin)
+        T = 1.5 * eye - 0.5 * P
+        Y = torch.where(active, torch.bmm(Y, T), Y)
+        Z = torch.where(active, torch.bmm(T, Z), Z)
+    out = _shift_correction(Y, Z, e, eye).double() * c.reshape(-1).sqrt()
+    return out if A.dtype == torch.float64 else out.float()
+
+
+_NEWTON_CHUNK = 16  # matrices per batched iteration: bounds the workspace (~8 x 16 x m^2 floats)
+
+
+@torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
+def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
+               project: bool = True) -> Tensor:
+    """tr(A_+^{1/2}) per matrix of A (..., m, m) by _newton_impl, in chunks of _NEWTON_CHUNK
+    matrices; shape (...), float64 for float64 A, else float32. m = 0 gives 0."""
+    m = A.shape[-1]
+    out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
+    if A.numel() == 0:
+        return A.new_zeros(A.shape[:-2], dtype=out_dtype)
+    flat = A.reshape(-1, m, m)
+    refs = None if ref_norm is None else ref_norm.reshape(-1)
+    outs = [_newton_impl(flat[i:i + _NEWTON_CHUNK], iters, eps,
+                         None if refs is None else refs[i:i + _NEWTON_CHUNK], project)
+            for i in range(0, flat.shape[0], _NEWTON_CHUNK)]
+    return torch.cat(outs).reshape(A.shape[:-2])
+
+
+@_newton_op.register_fake
+def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True) -> Tensor:
+    return A.new_empty(A.shape[:-2], dtype=torch.float64 if A.dtype == torch.float64 else torch.float32)

@@ -1,0 +1,324 @@
+"""Per-layer nuclear (S1) statistics from reduced Grams: noise tr(C^{1/2}) and signal ||G||_S1.
+
+Notation: per layer a gradient matrix G (m x n), samples j = 1..R (ranks, or ranks x
+micro-batches), each the mean gradient over B/R examples, and an optional shift S
+identical on all samples.
+
+    Gram side      'row' (m x m) or 'col' (n x n); the package uses the smaller side
+                   (row when m <= n), k = min(m, n)
+    covariance     C = scale * (mean_j (G^j - S)(G^j - S)^T - D D^T) on that side,
+                   D = mean_j G^j - S, scale = B/(R-1)
+    noise          tr(C^{1/2})     (units: gradient units x sqrt(examples))
+    signal         ||G||_S1 = tr((G G^T)^{1/2}) = tr((G^T G)^{1/2})   (gradient units)
+
+The signal is the same on both sides. The noise is not in general: C_row and C_col have
+the same nonzero eigenvalues only for R = 2 (then C = scale/2 E E^T with E = G^1 - G^2 on
+the row side, and scale/2 E^T E on the column side); for R > 2 the two sides differ, and
+this package's definition is the smaller side. (The paper's analysis does not fix a side.)
+
+Entry points: ``nuclear_stats`` (mean gradients D given: DDP, MicroBatchGNS, single
+process) and ``nuclear_stats_from_grams`` (only the Gram D D^T given: FSDP2, where each
+rank holds a shard of D).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ._checks import check_square, validate_requested, validate_symmetric
+from .eigh import EIGH_TOL
+from .grams import grams_on_sides
+from .hints import EigHints
+from .newton import check_newton_args
+from .trace import resolve_method
+
+Tensor = torch.Tensor
+
+__all__ = ["nuclear_stats", "nuclear_stats_from_grams"]
+
+
+def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -> None:
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
+    if bias_correction and num_samples is None:
+        raise ValueError("num_samples: bias_correction=True needs the number of samples R")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite number (B/(R-1)), got {scale!r}")
+    if method not in ("auto", "eigh", "newton"):
+        raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
+    if eig_hints is not None and not isinstance(eig_hints, EigHints):
+        raise ValueError(f"eig_hints: expected a gns_kernels.spectral.EigHints, got {type(eig_hints).__name__}")
+
+
+def _check_gram(A, name: str) -> int:
+    check_square(A, name)
+    if A.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D k x k matrix, got shape {tuple(A.shape)}")
+    return A.shape[-1]
+
+
+def _merge_other_dims(other_dims, others: list, L: int) -> list:
+    if other_dims is None:
+        return others
+    other_dims = list(other_dims)
+    if len(other_dims) != L:
+        raise ValueError(f"other_dims: expected {L} entries, got {len(other_dims)}")
+    return [o if o is not None else d for o, d in zip(other_dims, others)]
+
+
+def nuclear_stats(
+    mean_grams: Sequence[Tensor],
+    mean_grads: Sequence[Tensor],
+    scale: float = 1.0,
+    shifts: Sequence[Tensor | None] | None = None,
+    *,
+    side: str = "auto",
+    bias_correction: bool = False,
+    num_samples: int | None = None,
+    batch_size: float | None = None,
+    other_dims: Sequence[int | None] | None = None,
+    dof_model: str = "columns",
+    method: str = "auto",
+    validate: bool = False,
+    eig_hints: EigHints | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per layer l: (noise tr(C_l^{1/2}), signal ||G_l||_S1); two float32 Tensor[L].
+
+    C_l = scale * (mean_grams[l] - D_l D_l^T) on the Gram side of mean_grams[l] (k x k):
+      mean_grams[l]  mean over samples of the (shifted) local Grams, k x k, e.g. the
+                     all-reduced output of gram() divided by R;
+      mean_grads[l]  D_l = mean over samples of G^j - S_l, 2-D (m x n). The side is that
+                     of mean_grams[l] (k == m: row, k == n: col; ``side`` only breaks the
+                     tie of a square matrix whose Grams were taken on the column side);
+      shifts[l]      S_l or None: the signal is ||D_l + S_l||_S1.
+    scale = B/(R-1) (global batch over samples minus one).
+    bias_correction: False (default: the paper's raw tr(C^{1/2})) or True: the noise is
+      gns_kernels.bias.nuclear_sqrt_trace_corrected(eigenvalues of C, num_samples,
+      batch_size, other_dim=other_dims[l] (default: the other side of mean_grads[l]),
+      dof_model=dof_model); needs num_samples (R) and uses eigenvalues (method 'eigh').
+    method: sqrt-trace method for noise and signal ('auto' | 'eigh' | 'newton'), see
+      sqrt_trace. With 'newton' the shift of C is relative to ||scale * mean_grams||_F
+      (the subtraction's rounding level), not to ||C||_F.
+    eig_hints (method 'eigh', CPU): a gns_kernels.spectral.EigHints keyed by the shape of
+      mean_grads[l]: hinted layers are solved in float64 directly, and what each layer
+      needed is recorded into it (applied at its apply(); nothing is recorded when the
+      'newton' method is used). Reads the solver's flags (not traceable by
+      torch.compile); leave None there.
+    C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
+    A layer with k = 0 (an empty side) contributes noise 0 and signal 0.
+    Layers are batched by Gram size (one op call per size). No host synchronization
+    unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
+    finiteness and symmetry. Non-finite inputs give NaN for that layer.
+    """
+    mean_grams = list(mean_grams)
+    L = len(mean_grams)
+    if mean_grads is None:
+        raise ValueError("mean_grads: expected one 2-D tensor per mean_grams entry, got None "
+                         "(with only the Gram of the mean gradient use nuclear_stats_from_grams)")
+    mean_grads = list(mean_grads)
+    if len(mean_grads) != L:
+        raise ValueError(f"mean_grads: expected {L} tensors (one per mean_grams entry), got {len(mean_grads)}")
+    if shifts is not None:
+        shifts = list(shifts)
+        if len(shifts) != L:
+            raise ValueError(f"shifts: expected {L} entries (tensor or None), got {len(shifts)}")
+    if side not in ("auto", "row", "col"):
+        raise ValueError(f"side: expected 'auto', 'row' or 'col', got {side!r}")
+    _check_common(scale, bias_correction, num_samples, method, eig_hints)
+
+    sides: list[str] = []
+    others: list[int | None] = []
+    for l, A in enumerate(mean_grams):
+        k = _check_gram(A, f"mean_grams[{l}]")
+        D = mean_grads[l]
+        if not isinstance(D, Tensor) or D.dim() != 2:
+            raise ValueError(f"mean_grads[{l}]: expected a 2-D tensor, got "
+                             f"{tuple(D.shape) if isinstance(D, Tensor) else type(D).__name__}")
+        if not D.is_floating_point():
+            raise ValueError(f"mean_grads[{l}]: expected a floating dtype, got {D.dtype}")
+        m, n = D.shape
+        if m == n == k:
+            s = "col" if side == "col" else "row"
+        elif m == k:
+            s = "row"
+        elif n == k:
+            s = "col"
+        else:
+            raise ValueError(f"mean_grams[{l}]: {k}x{k} does not match either side of mean_grads[{l}] "
+                             f"of shape {(m, n)}")
+        sides.append(s)
+        others.append(n if s == "row" else m)
+        if shifts is not None and shifts[l] is not None and tuple(shifts[l].shape) != (m, n):
+            raise ValueError(f"shifts[{l}]: expected shape {(m, n)} like mean_grads[{l}], got "
+                             f"{tuple(shifts[l].shape)}")
+    others = _merge_other_dims(other_dims, others, L)
+    if L == 0:
+        z = torch.zeros(0, dtype=torch.float32)
+        return z, z.clone()
+
+    if validate_requested(validate):
+        for l in range(L):
+            validate_symmetric(mean_grams[l], f"mean_grams[{l}]")
+            if not bool(torch.isfinite(mean_grads[l]).all()):
+                raise ValueError(f"mean_grads[{l}]: contains non-finite values")
+
+    # D D^T and G G^T (G = D + S), batched by shape
+    dd = grams_on_sides(mean_grads, sides)
+    gg = list(dd)
+    shifted = [l for l in range(L) if shifts is not None and shifts[l] is not None]
+    if shifted:
+        gs = grams_on_sides([mean_grads[l].float() + shifts[l].float() for l in shifted],
+                            [sides[l] for l in shifted])
+        for l, G in zip(shifted, gs):
+            gg[l] = G
+    shapes = [tuple(D.shape) for D in mean_grads]
+    return _solve(mean_grams, dd, gg, float(scale), others, resolve_method(method, mean_grams[0].device),
+                  bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes)
+
+
+def nuclear_stats_from_grams(
+    mean_grams: Sequence[Tensor],
+    mean_grad_grams: Sequence[Tensor],
+    scale: float = 1.0,
+    *,
+    signal_grams: Sequence[Tensor] | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    bias_correction: bool = False,
+    num_samples: int | None = None,
+    batch_size: float | None = None,
+    other_dims: Sequence[int | None] | None = None,
+    dof_model: str = "columns",
+    method: str = "auto",
+    validate: bool = False,
+    eig_hints: EigHints | None = None,
+) -> tuple[Tensor, Tensor]:
+    """nuclear_stats when only the Gram of the mean gradient exists (FSDP2: each rank holds
+    a shard of D). Two float32 Tensor[L].
+
+    mean_grams[l]       mean over samples of the (shifted) local Grams, k x k;
+    mean_grad_grams[l]  D_l D_l^T on the same side, k x k (D_l = mean shifted gradient;
+                        under sharding, the sum of the shards' Grams);
+    signal_grams[l]     the Gram of G_l = D_l + S_l on the same side, or None when no shift
+                        was used (the signal then uses mean_grad_grams[l]);
+    shapes[l]           the parameter shape (m, n) of layer l, one side equal to k: the
+                        key of eig_hints (required with it) and the default other_dims
+                        (the side that is not k).
+    Everything else as nuclear_stats.
+    """
+    mean_grams = list(mean_grams)
+    L = len(mean_grams)
+    if mean_grad_grams is None:
+        raise ValueError("mean_grad_grams: expected one k x k Gram per mean_grams entry, got None")
+    mean_grad_grams = list(mean_grad_grams)
+    if len(mean_grad_grams) != L:
+        raise ValueError(f"mean_grad_grams: expected {L} tensors, got {len(mean_grad_grams)}")
+    if signal_grams is not None:
+        signal_grams = list(signal_grams)
+        if len(signal_grams) != L:
+            raise ValueError(f"signal_grams: expected {L} tensors, got {len(signal_grams)}")
+    _check_common(scale, bias_correction, num_samples, method, eig_hints)
+    if shapes is not None:
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        if len(shapes) != L:
+            raise ValueError(f"shapes: expected {L} parameter shapes, got {len(shapes)}")
+    elif eig_hints is not None:
+        raise ValueError("shapes: eig_hints needs the parameter shape of every layer")
+    others: list[int | None] = []
+    for l, A in enumerate(mean_grams):
+        k = _check_gram(A, f"mean_grams[{l}]")
+        for name, lst in (("mean_grad_grams", mean_grad_grams), ("signal_grams", signal_grams)):
+            if lst is not None and (not isinstance(lst[l], Tensor) or tuple(lst[l].shape) != (k, k)):
+                got = tuple(lst[l].shape) if isinstance(lst[l], Tensor) else type(lst[l]).__name__
+                raise ValueError(f"{name}[{l}]: expected shape {(k, k)} like mean_grams[{l}], got {got}")
+        if shapes is not None:
+            if len(shapes[l]) != 2 or k not in shapes[l]:
+                raise ValueError(f"shapes[{l}]: expected a 2-D shape with one side {k} like mean_grams[{l}], "
+                                 f"got {shapes[l]}")
+            m, n = shapes[l]
+            others.append(n if m == k else m)
+        else:
+            others.append(None)
+    others = _merge_other_dims(other_dims, others, L)
+    if L == 0:
+        z = torch.zeros(0, dtype=torch.float32)
+        return z, z.clone()
+    if validate_requested(validate):
+        for l in range(L):
+            validate_symmetric(mean_grams[l], f"mean_grams[{l}]")
+            validate_symmetric(mean_grad_grams[l], f"mean_grad_grams[{l}]")
+            if signal_grams is not None:
+                validate_symmetric(signal_grams[l], f"signal_grams[{l}]")
+    gg = signal_grams if signal_grams is not None else mean_grad_grams
+    return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
+                  resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
+                  batch_size, dof_model, eig_hints, shapes)
+
+
+def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
+           bias_correction: bool, num_samples, batch_size, dof_model: str,
+           eig_hints: EigHints | None, shapes: list | None) -> tuple[Tensor, Tensor]:
+    """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
+    Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call."""
+    L = len(mean_grams)
+    if bias_correction:
+        meth = "eigh"
+    hint = eig_hints.lookup(shapes) if eig_hints is not None else [False] * L
+    cdt = torch.float64 if any(A.dtype == torch.float64 for A in mean_grams) else torch.float32
+    noise: list = [None] * L
+    signal: list = [None] * L
+    by_k: dict[int, list[tuple[str, int]]] = {}
+    for l in range(L):
+        k = mean_grams[l].shape[-1]
+        if k == 0:  # an empty side: no noise, no signal
+            noise[l] = signal[l] = torch.zeros((), dtype=torch.float32, device=mean_grams[l].device)
+            continue
+        by_k.setdefault(k, []).extend([("n", l), ("s", l)])
+    flagged: list[tuple[list, Tensor]] = []  # (items, solved-in-float64 flags) per size
+    for k, items in by_k.items():
+        if meth == "eigh":
+            # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
+            lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
+                [(mean_grams[l] if w == "n" else gg[l]).detach() for w, l in items],
+                [dd[l].detach() if w == "n" else None for w, l in items],
+                [scale if w == "n" else 1.0 for w, l in items], float(EIGH_TOL),
+                [bool(hint[l]) for w, l in items])
+            flagged.append((items, wide))
+            res = lam.clamp_min(0).sqrt().sum(-1)
+            for i, (w, l) in enumerate(items):
+                if w == "n" and bias_correction:
+                    from ..bias import nuclear_sqrt_trace_corrected
+
+                    noise[l] = nuclear_sqrt_trace_corrected(
+                        lam[i], int(num_samples), batch_size, other_dim=others[l], dof_model=dof_model)
+                elif w == "n":
+                    noise[l] = res[i]
+                else:
+                    signal[l] = res[i]
+            continue
+        # newton: C_l = scale * (mean_gram - D D^T) written straight into the stacked batch
+        mats = torch.empty((len(items), k, k), dtype=cdt, device=mean_grams[items[0][1]].device)
+        for i, (w, l) in enumerate(items):
+            if w == "n":
+                torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
+                mats[i].mul_(scale)
+            else:
+                mats[i].copy_(gg[l].detach())
+        it, ep = check_newton_args(None, None)
+        # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F (its
+        # rounding level); signal Grams: relative to their own norm. Both are PSD up to
+        # rounding, which the shift absorbs: no positive-part projection.
+        ref = torch.stack([
+            scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
+            else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
+        res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref, False)
+        for i, (w, l) in enumerate(items):
+            (noise if w == "n" else signal)[l] = res[i]
+    if eig_hints is not None and meth == "eigh":  # reads the flags; newton tells nothing
+        used64 = [False] * L
+        for items, wide in flagged:
+            for (w, l), f in zip(items, wide.tolist()):
+                used64[l] = used64[l] or f
+        eig_hints.record(shapes, used64)
+    return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal])

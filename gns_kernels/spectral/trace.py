@@ -1,0 +1,67 @@
+"""``sqrt_trace``: tr(A_+^{1/2}) of symmetric matrices by eigenvalues or by Newton-Schulz."""
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_square, validate_requested, validate_symmetric
+from .eigh import EIGH_TOL
+from .newton import check_newton_args
+
+Tensor = torch.Tensor
+
+METHODS = ("auto", "eigh", "newton")
+
+
+def resolve_method(method: str, device: torch.device) -> str:
+    """'auto' -> 'eigh' on CPU, 'newton' elsewhere (docs/spectral.md); others validated."""
+    if method not in METHODS:
+        raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
+    if method != "auto":
+        return method
+    return "eigh" if device.type == "cpu" else "newton"
+
+
+def sqrt_trace(
+    A: Tensor,
+    method: str = "auto",
+    *,
+    iters: int | None = None,
+    eps: float | None = None,
+    tol: float = EIGH_TOL,
+    validate: bool = False,
+) -> Tensor:
+    """tr(A_+^{1/2}) = sum_i sqrt(max(lambda_i, 0)) for symmetric A of shape (..., m, m).
+
+    A is symmetrized as (A + A^T)/2; negative eigenvalues count as 0 (A_+ is the positive
+    part of A) with either method.
+    method:
+      'eigh'   float32 eigvalsh of A / 2^e (2^e near max|A_ij|), recomputed in float64 for
+               each matrix whose a-posteriori error bound exceeds ``tol`` (relative).
+               Within 1e-3 of float64 eigvalsh of the same input.
+      'newton' matmul iterations in float32 (gns_kernels.spectral.newton): the positive
+               part by the Newton-Schulz sign iteration (sign_iters(eps) steps), then
+               coupled Newton-Schulz, ``iters`` fixed iterations (default
+               newton_min_iters(eps) + 3 = 25; allowed [newton_min_iters(eps), 200]) on
+               A_+/||A||_F + eps I, the shift undone spectrally; no host sync.
+               Eigenvalues below ~eps ||A||_F (float32 rounding noise included) are
+               suppressed: on a float32 input that is rank-deficient only up to rounding
+               this is closer to the exact value than float64 eigvalsh of the rounded
+               input. Within 1e-3 of tr(|A|^{1/2}) (for PSD A: of the result) of float64
+               eigvalsh.
+      'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
+    Returns float64 for float64 input, else float32; shape (...). Non-finite matrices give
+    NaN; empty matrices (m = 0) give 0. validate=True (or env GNS_KERNELS_VALIDATE=1)
+    checks finiteness and symmetry first (host sync).
+    """
+    check_square(A, "A")
+    meth = resolve_method(method, A.device)
+    if validate_requested(validate):
+        validate_symmetric(A, "A")
+    out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
+    if A.numel() == 0:
+        return A.new_zeros(A.shape[:-2], dtype=out_dtype)
+    if meth == "eigh":
+        lam = torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
+        return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
+    it, ep = check_newton_args(iters, eps)
+    return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep, None, True).to(out_dtype)
