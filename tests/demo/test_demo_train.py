@@ -10,6 +10,7 @@ import pytest
 
 from gns_kernels.cli import main
 from gns_kernels.demo import train
+from gns_kernels.demo.loop import build_optimizers
 from gns_kernels.demo.train import METRIC_COLUMNS, compare_table
 
 REQUIRED = ["step", "samples", "lr", "batch_size", "gns_raw", "gns_ema", "train_loss", "val_loss"]
@@ -79,7 +80,7 @@ def test_geometry_defaults_match_geometry_for():
     m = ByteTransformer(dim=16, n_layers=1, n_heads=2, mlp_hidden=16, context=8)
     for name in train.OPTIMIZERS:
         cfg = train.DemoConfig(optimizer=name)
-        opts, measured = train._build_optimizers(cfg, m)
+        opts, measured = build_optimizers(cfg, m)
         assert cfg.resolved_geometry() == gk.geometry_for(opts)
         assert cfg.resolved_theta() == (0.3 if cfg.resolved_geometry() == "l2" else 0.6)
         if name in ("muon", "specsgd"):
