@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import random
+import re
 
 import numpy as np
 import torch
@@ -79,8 +80,11 @@ def load_checkpoint(path: str, map_location=None) -> dict:
     try:
         ck = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise DemoError(f"--resume: {path} holds objects other than tensors and plain containers "
-                        f"and is not loaded ({_refusal_reason(exc)})") from None
+        reason = _refusal_reason(exc)
+        if "GLOBAL" in reason:  # a class or function the allow-list refuses: code or objects
+            raise DemoError(f"--resume: {path} holds objects other than tensors and plain "
+                            f"containers and is not loaded ({reason})") from None
+        raise DemoError(f"--resume: {path} is not a readable checkpoint ({reason})") from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise DemoError(f"--resume: {path} is not a readable checkpoint ({exc})") from None
     if not isinstance(ck, dict) or "config" not in ck or "rng" not in ck or "step" not in ck:
@@ -89,12 +93,20 @@ def load_checkpoint(path: str, map_location=None) -> dict:
 
 
 def _refusal_reason(exc: Exception) -> str:
-    """The line of torch's weights_only refusal that names what was refused."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for ln in lines:
-        if "GLOBAL" in ln or "Unsupported" in ln or "WeightsUnpickler" in ln:
-            return ln
-    return lines[-1] if lines else type(exc).__name__
+    """What torch's weights_only refusal refused: "GLOBAL <name>" when the file names a
+    class or function, else the specific line of the message (its other lines are
+    generic advice)."""
+    text = str(exc)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    if m:
+        return f"GLOBAL {m.group(1)} is not allowed"
+    m = re.search(r"WeightsUnpickler error:[ \t]*(\S[^\n]*)", text)
+    if m:
+        return m.group(1).strip()
+    generic = ("Weights only load failed", "Please file an issue", "Check the documentation", "(")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    specific = [ln for ln in lines if not ln.startswith(generic)]
+    return specific[0] if specific else (lines[-1] if lines else type(exc).__name__)
 
 
 def check_belongs(ck: dict, config: dict, folder: str, ranks: int) -> None:

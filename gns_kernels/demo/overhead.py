@@ -304,7 +304,7 @@ def launch_ranks(rank_main, cfg: dict, world: int, timeout: float, label: str = 
                 if p.is_alive():
                     p.terminate()
                     p.join(10)
-        return torch.load(os.path.join(folder, "result.pt"), weights_only=False)
+        return torch.load(os.path.join(folder, "result.pt"), weights_only=True)
 
 
 def _fmt_table(res: dict, F: int) -> str:
