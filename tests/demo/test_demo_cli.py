@@ -1,0 +1,223 @@
+"""`gns-kernels demo` in the launching process (nothing spawned): every bad input exits 2
+with one line before a rank starts, the run folder is never shared by two runs, help
+shows defaults, rank failures are reported by their first cause, a missing matplotlib
+is said in one line."""
+import json
+import os
+import time
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gns_kernels.cli import main
+from gns_kernels.demo import launch, rundir
+from gns_kernels.demo.checkpoint import rng_state
+from gns_kernels.demo.config import DemoConfig, DemoError
+
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("gns-kernels demo: error:")
+    return err[0]
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path):
+    """One training file (m0.py) and one validation file (m12.py) of 40 bytes each."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for name in ("m0.py", "m12.py"):
+        (root / name).write_text("x = 1\n" * 6 + "pass\n" * 0 + "y=2\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-batch-size", "60"], "--max-batch-size 60 must be a multiple of --multiple-of 16"),
+    (["--adam-lr", "-1"], "--adam-lr must be a finite number > 0, got -1.0"),
+    (["--adam-lr", "nan"], "--adam-lr must be a finite number > 0, got nan"),
+    (["--adam-lr", "inf"], "--adam-lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
+    (["--lr-warmup", "nan"], "--lr-warmup must be in [0, 1), got nan"),
+    (["--theta", "nan"], "--theta must be > 0, got nan"),
+    (["--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
+    (["--timeout", "inf"], "--timeout must be a finite number > 0, got inf"),
+    (["--stop-at-step", "0"], "--stop-at-step must be >= 1, got 0"),
+])
+def test_bad_numbers_exit_2_one_line(argv, needle, capsys, tmp_path):
+    assert main(["demo", *argv, "--out", str(tmp_path / "o")]) == 2
+    assert needle in _error_line(capsys)
+    assert not os.path.exists(tmp_path / "o" / "config.json")   # nothing was started
+
+
+def test_context_longer_than_corpus(tiny_corpus, capsys, tmp_path):
+    rc = main(["demo", "--corpus", tiny_corpus, "--context", "64", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    line = _error_line(capsys)
+    assert "--context 64 is longer than the corpus's training text (41 bytes" in line
+    assert not os.path.exists(tmp_path / "o" / "config.json")
+
+
+def _resume_folder(tmp_path, config: dict, ck_config: dict | None = None):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    ck = {"model": {}, "rng": [rng_state(), rng_state()], "step": 5,
+          "config": config if ck_config is None else ck_config}
+    torch.save(ck, str(folder / "checkpoint.pt"))
+    return folder
+
+
+def test_resume_unknown_key_in_config(capsys, tmp_path):
+    cfg = asdict(DemoConfig())
+    cfg["learning_rate"] = 0.1
+    folder = _resume_folder(tmp_path, cfg)
+    assert main(["demo", "--resume", str(folder)]) == 2
+    line = _error_line(capsys)
+    assert "config.json: unknown key(s) learning_rate" in line
+
+
+def test_resume_config_not_json(capsys, tmp_path):
+    folder = _resume_folder(tmp_path, asdict(DemoConfig()))
+    (folder / "config.json").write_text("{not json")
+    assert main(["demo", "--resume", str(folder)]) == 2
+    assert "config.json is not readable JSON" in _error_line(capsys)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(capsys, tmp_path):
+    a = DemoConfig(samples=480, out=str(tmp_path / "run"))
+    b = DemoConfig(samples=960, out=str(tmp_path / "run"))
+    folder = _resume_folder(tmp_path, asdict(b), ck_config=asdict(a))
+    assert main(["demo", "--resume", str(folder)]) == 2
+    line = _error_line(capsys)
+    assert "belong to different runs (samples: checkpoint 480 vs config.json 960)" in line
+
+
+def test_resume_and_overwrite_exclude_each_other(capsys, tmp_path):
+    folder = _resume_folder(tmp_path, asdict(DemoConfig()))
+    assert main(["demo", "--resume", str(folder), "--overwrite"]) == 2
+    assert "--overwrite" in _error_line(capsys)
+
+
+def test_non_empty_out_is_refused(capsys, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"run A")
+    assert main(["demo", "--out", str(out)]) == 2
+    line = _error_line(capsys)
+    assert "is not empty (checkpoint.pt)" in line and "--overwrite" in line and "--resume" in line
+    assert (out / "checkpoint.pt").read_bytes() == b"run A"
+    assert main(["demo", "--compare", "--out", str(out)]) == 2
+    assert "is not empty" in _error_line(capsys)
+
+
+def test_overwrite_deletes_only_the_demo_files(tmp_path):
+    out = tmp_path / "o"
+    (out / "small").mkdir(parents=True)
+    for name in ("checkpoint.pt", "checkpoint.pt.tmp", "metrics.csv", "config.json", "summary.json",
+                 "notes.txt", "small/metrics.csv", "small/mine.txt"):
+        (out / name).write_text("x")
+    rundir.prepare_out_dir(str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == ["notes.txt", "small"]
+    assert os.listdir(out / "small") == ["mine.txt"]
+    # an empty or new folder is fine without --overwrite
+    assert rundir.prepare_out_dir(str(tmp_path / "new")) == str(tmp_path / "new")
+    assert rundir.prepare_out_dir(str(tmp_path / "new")) == str(tmp_path / "new")
+
+
+def test_overwrite_then_failure_leaves_nothing_to_resume(capsys, tmp_path):
+    """Run A's checkpoint is gone as soon as run B takes the folder with --overwrite, so a
+    run B that dies before its first checkpoint cannot be resumed with A's weights."""
+    out = tmp_path / "o"
+    folder = _resume_folder(tmp_path, asdict(DemoConfig(out=str(out))))
+    os.rename(folder, out)
+    rc = main(["demo", "--overwrite", "--samples", "960", "--corpus", str(tmp_path / "missing"),
+               "--out", str(out)])
+    assert rc == 2 and "corpus folder not found" in _error_line(capsys)
+    assert main(["demo", "--resume", str(out)]) == 2
+    assert "no checkpoint.pt and no config.json there" in _error_line(capsys)
+
+
+def test_help_shows_defaults_and_stop_at_step(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--stop-at-step" in text and "--overwrite" in text and "--timeout" in text
+    assert "B_0, global sequences per step (default: 16)" in text
+    assert "(default: 300.0)" not in text and "None: 300" in text
+    assert "`" not in text
+
+
+# -- failure reports ----------------------------------------------------------------------
+def _report(folder, rank, t, exc):
+    launch._write_failure(str(folder), rank, exc)
+    path = folder / f"rank{rank}.json"
+    data = json.loads(path.read_text())
+    data["time"] = t
+    path.write_text(json.dumps(data))
+
+
+def test_the_earliest_failure_is_reported(tmp_path, capsys):
+    _report(tmp_path, 0, 200.0, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+    _report(tmp_path, 1, 100.0, ValueError("the real cause\nspans two lines"))
+    first = launch.first_failure(str(tmp_path))
+    assert first["rank"] == 1 and first["type"] == "ValueError"
+    launch._report_failure(RuntimeError("process 0 terminated"), str(tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("gns-kernels demo: error: rank 1 failed first: ValueError: the real cause "
+                       "spans two lines")
+    assert any("Traceback" in ln or "ValueError" in ln for ln in err[:-1])
+
+
+def test_a_demo_error_in_a_rank_is_exit_2(tmp_path):
+    _report(tmp_path, 0, 100.0, DemoError("disk full while writing /x/checkpoint.pt"))
+    with pytest.raises(DemoError, match="^disk full while writing /x/checkpoint.pt$"):
+        launch._report_failure(RuntimeError("process 0 terminated"), str(tmp_path))
+
+
+def test_no_report_falls_back_to_the_exception(tmp_path, capsys):
+    launch._report_failure(RuntimeError("process 1 terminated with signal SIGKILL"), str(tmp_path))
+    assert capsys.readouterr().err.strip() == (
+        "gns-kernels demo: error: a training process failed: process 1 terminated with signal SIGKILL")
+
+
+@pytest.mark.distributed
+def test_process_group_timeout_applies(tmp_path):
+    """Rank 0 alone: joining the group fails after --timeout seconds (not torch's 30
+    minutes) and the failure report says so."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    threads = torch.get_num_threads()
+    store = dist.TCPStore(launch.HOST, 0, None, True, timeout=timedelta(seconds=2),
+                          wait_for_workers=False)
+    cfg = DemoConfig(timeout=2.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception):
+            launch._spawn_worker(0, 2, store.port, cfg, None, None, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert time.monotonic() - t0 < 120          # i.e. the 2 s timeout, not the 30 min default
+    report = launch.first_failure(str(tmp_path))
+    assert report["rank"] == 0 and "timeout" in report["message"].lower()
+    assert not dist.is_initialized()
+
+
+def test_missing_matplotlib_is_said_in_one_line(monkeypatch, tmp_path, capsys):
+    from gns_kernels.demo import plots, summary
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
+    cfg = DemoConfig(out=str(tmp_path), quiet=True)
+    ctrl = SimpleNamespace(batch_size=16, gns_ema=None, lr_multiplier=1.0, num_measurements=0,
+                           num_skipped=0)
+    corpus = SimpleNamespace(root="/c", train=torch.zeros(10), val=torch.zeros(5))
+    res = summary.finish(cfg, 3, 48, 2.0, 2.0, ctrl, 16, "nuclear", 0.6, 1.0, corpus)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["plot.png skipped: matplotlib is not installed (pip install matplotlib, or "
+                   "the package's 'demo' extra)"]
+    assert res["plot"] is None and not os.path.exists(tmp_path / "plot.png")
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
