@@ -1,6 +1,7 @@
 """`gns-kernels demo`: bad input, a short 2-rank run (CSV, batch growth per Algorithm 1,
 plot.png), resume continuing the same trajectory, the --compare table."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -134,6 +135,21 @@ def test_short_two_rank_run(full_run):
         else:
             assert B[k + 1] == B[k], k                     # no measurement or warm-up: frozen
     assert grew and B[-1] > B[0]
+    # the controller's inputs are logged: its EMA of noise and signal (beta 0.9, started at
+    # the first valid measurement) recomputed from them gives the logged gns_ema
+    N = M = None
+    for r in rows:
+        if r["noise"] != "":
+            assert r["gns_raw"] != ""
+            assert float(r["gns_raw"]) == pytest.approx(float(r["noise"]) / float(r["signal"]),
+                                                        rel=1e-6)
+            n, m = float(r["noise"]), float(r["signal"])
+            N, M = (n, m) if N is None else (0.9 * N + 0.1 * n, 0.9 * M + 0.1 * m)
+        else:
+            assert r["gns_raw"] == ""
+        if N is not None:
+            assert float(r["gns_ema"]) == pytest.approx(N / M, rel=1e-6)
+    assert N is not None
     for k in range(warm + 1):
         assert B[k] == 8
     # LR multiplier sqrt(B/B0) recorded after each step
@@ -158,10 +174,18 @@ def test_plot_is_a_png(full_run):
     assert img[..., :3].std() > 0.01                      # not a blank canvas
 
 
-@pytest.mark.distributed
-def test_resume_continues_same_trajectory(full_run, small_corpus, tmp_path):
-    out = str(tmp_path / "interrupted")
+@pytest.fixture(scope="module")
+def stopped_run(small_corpus, tmp_path_factory):
+    """RUN interrupted after 5 steps (--stop-at-step); tests copy it before resuming."""
+    out = str(tmp_path_factory.mktemp("run") / "stopped")
     assert main(["demo", *RUN, "--corpus", small_corpus, "--out", out, "--stop-at-step", "5"]) == 0
+    return out
+
+
+@pytest.mark.distributed
+def test_resume_continues_same_trajectory(full_run, stopped_run, tmp_path):
+    out = str(tmp_path / "interrupted")
+    shutil.copytree(stopped_run, out)
     _, part = _rows(out)
     assert len(part) == 5 and os.path.exists(os.path.join(out, "checkpoint.pt"))
     assert not os.path.exists(os.path.join(out, "summary.json"))
@@ -172,6 +196,46 @@ def test_resume_continues_same_trajectory(full_run, small_corpus, tmp_path):
     for a, b in zip(resumed, full):
         for key in ("step", "samples", "batch_size", "lr", "gns_raw", "gns_ema", "train_loss", "val_loss"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.distributed
+def test_resume_does_not_mix_two_runs(full_run, small_corpus, tmp_path, capsys):
+    """Run A finished in DIR; run B (other --samples) in the same DIR is refused; had B
+    written its config.json beside A's checkpoint before dying, --resume refuses the pair."""
+    folder = str(tmp_path / "dir")
+    shutil.copytree(full_run, folder)
+    before = open(os.path.join(folder, "metrics.csv")).read()
+    assert main(["demo", *RUN, "--samples", "960", "--corpus", small_corpus, "--out", folder]) == 2
+    assert "is not empty" in _error_line(capsys)
+    conf = os.path.join(folder, "config.json")
+    with open(conf) as fh:
+        b = json.load(fh)
+    b["samples"] = 960
+    with open(conf, "w") as fh:
+        json.dump(b, fh)
+    assert main(["demo", "--resume", folder]) == 2
+    line = _error_line(capsys)
+    assert "checkpoint.pt and config.json belong to different runs" in line
+    assert "samples: checkpoint 480 vs config.json 960" in line
+    assert open(os.path.join(folder, "metrics.csv")).read() == before
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_is_reported_by_its_own_error(stopped_run, tmp_path, capsys):
+    """Rank 1 alone fails (its RNG state in the checkpoint is corrupt); rank 0 then loses
+    its peer. The last line names rank 1's error, not rank 0's lost connection."""
+    import torch
+    folder = str(tmp_path / "bad")
+    shutil.copytree(stopped_run, folder)
+    path = os.path.join(folder, "checkpoint.pt")
+    ck = torch.load(path, weights_only=True)
+    ck["rng"][1]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(ck, path)
+    assert main(["demo", "--resume", folder, "--timeout", "60"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gns-kernels demo: error: rank 1 failed first: RuntimeError: ")
+    assert "RNG state size to be 3" in err[-1]
+    assert "set_rng_state" in "\n".join(err[:-1])           # rank 1's traceback precedes it
 
 
 def _metrics(vals, step_every=1):
