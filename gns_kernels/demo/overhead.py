@@ -1,7 +1,7 @@
 """`gns-kernels bench overhead`: step-time cost of the DDP GNS hook (the paper's Table 9).
 
 DDP on R CPU ranks (gloo, started by this command; one thread per rank), the Llama-style
-byte model of issue 7 (4 layers, width 256, 4 heads, MLP 1024, vocabulary 256, context
+byte model (4 layers, width 256, 4 heads, MLP 1024, vocabulary 256, context
 128; gns_kernels.demo.model.bench_config), random byte tokens, AdamW. Three identical
 models train side by side in the same process group:
 
@@ -16,7 +16,7 @@ machine load hit all of them alike. F = 100: ``--rounds`` x F steps per configur
 one-in-F measurement step; use --rounds >= 10 for >= 10 F steps). F = 1:
 ``--f1-rounds`` x ``--f1-block`` steps per configuration, all measuring.
 Reported: mean s/step per configuration and F, the overhead in %, and the cost of one
-measurement step (F=1 minus baseline) and that cost / 100.
+measurement step (F=1 minus baseline) and that cost / F (amortized over F steps).
 
 ``--breakdown`` times the pieces of one measurement step in isolation (rank 0, same
 buckets): packing (square_pack / Grams), the all-reduce of the larger payload vs the plain
@@ -322,8 +322,8 @@ def _fmt_table(res: dict, F: int) -> str:
     for name, label in (("l1", "l1"), ("s1", "S1")):
         cost = mean[f"{name}_F1"] - b1
         lines.append(f"\nOne {label} measurement step costs {cost:+.4f} s over the F=1 baseline "
-                     f"({100 * cost / b1:+.1f}%); / 100 = {cost / 100:+.6f} s/step "
-                     f"({100 * cost / 100 / b1:+.2f}% at F=100, amortized).")
+                     f"({100 * cost / b1:+.1f}%); / {F} = {cost / F:+.6f} s/step "
+                     f"({100 * cost / F / b1:+.2f}% at F={F}, amortized).")
     if "py_F1" in t:
         lines.append(_fmt_partial(t, mean, F))
     return "\n".join(lines)
