@@ -39,7 +39,11 @@ from datetime import timedelta
 import torch
 
 
+QUICK = dict(every=10, rounds=1, f1_block=2, f1_rounds=1, warmup=1, breakdown=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (gloo processes), >= 2")
     parser.add_argument("--local-batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence (<= 128)")
@@ -63,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "allreduce_hook: the cost of any Python comm hook), l1, s1")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short check that the bench runs, not a measurement: sets "
+                             + " ".join(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool)
+                                        else f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+                                        for k, v in QUICK.items()))
 
 
 def _validate(args) -> None:
@@ -347,6 +356,8 @@ def _fmt_partial(t: dict, mean: dict, F: int) -> str:
 
 
 def run(args) -> int:
+    if getattr(args, "quick", False):
+        args = argparse.Namespace(**{**vars(args), **QUICK})
     try:
         _validate(args)
     except ValueError as exc:

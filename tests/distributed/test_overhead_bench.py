@@ -70,3 +70,20 @@ def test_tiny_real_run(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "| 1 | 1 |" in out and "| 2 | 2 |" in out and "peak bytes of the hook" in out
+
+
+def test_quick_sets_a_short_run(monkeypatch, capsys):
+    seen = {}
+
+    def fake_launch(rank_main, cfg, world, timeout):
+        seen.update(cfg)
+        t = {f"{n}_F{f}": [1.0] * (cfg["rounds"] * f if f > 1 else cfg["f1_rounds"] * cfg["f1_block"])
+             for n in cfg["configs"] for f in (1, cfg["every"])}
+        return {"times": t, "estimates": {}, "params": 10}
+
+    monkeypatch.setattr(overhead, "launch_ranks", fake_launch)
+    assert overhead.run(_args("--quick", "--no-memory")) == 0
+    assert (seen["every"], seen["rounds"], seen["f1_block"], seen["f1_rounds"], seen["warmup"],
+            seen["breakdown"]) == (10, 1, 2, 1, 1, False)
+    out = capsys.readouterr().out
+    assert "| 10 | 10 |" in out and "at F=10, amortized" in out
