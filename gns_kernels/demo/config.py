@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from ..estimators import GEOMETRIES
+
 OPTIMIZERS = ("muon", "specsgd", "signum", "signsgd", "adamw", "sgd", "msgd")
-GEOMETRIES = ("l2", "l1", "nuclear")
 COMPOSITES = ("muon", "specsgd")
 # main learning rate per optimizer (the AdamW part of the composites uses --adam-lr)
 DEFAULT_LR = {"muon": 0.02, "specsgd": 0.02, "signum": 1e-3, "signsgd": 3e-4,
@@ -72,10 +73,11 @@ class DemoConfig:
 
     # -- derived ---------------------------------------------------------------------------
     def resolved_geometry(self) -> str:
+        """--geometry, else gk.geometry_for of the optimizer classes the run builds."""
         if self.geometry is not None:
             return self.geometry
-        return {"muon": "nuclear", "specsgd": "nuclear", "signum": "l1", "signsgd": "l1",
-                "adamw": "l1", "sgd": "l2", "msgd": "l2"}[self.optimizer]
+        from ..optim import geometry_for
+        return geometry_for(optimizer_classes(self.optimizer))
 
     def resolved_theta(self) -> float:
         if self.theta is not None:
@@ -98,6 +100,18 @@ class DemoConfig:
         if self.warmup is not None:
             return self.warmup
         return int(math.ceil(self.lr_warmup * self.samples / self.initial_batch_size))
+
+
+def optimizer_classes(name: str) -> list[type]:
+    """The optimizer classes of --optimizer `name` (main first; the composites add AdamW
+    for the embedding, head and norm gains). demo/loop.py builds exactly these."""
+    import torch
+
+    from ..optim import SignSGD, Signum, SpecSGD
+    return {"muon": [torch.optim.Muon, torch.optim.AdamW],
+            "specsgd": [SpecSGD, torch.optim.AdamW],
+            "signum": [Signum], "signsgd": [SignSGD], "adamw": [torch.optim.AdamW],
+            "sgd": [torch.optim.SGD], "msgd": [torch.optim.SGD]}[name]
 
 
 def config_from_dict(data, source: str) -> DemoConfig:

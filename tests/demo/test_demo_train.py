@@ -74,19 +74,27 @@ def test_bad_out_and_corpus(capsys, tmp_path):
     assert "--resume" in _error_line(capsys)
 
 
-def test_geometry_defaults_match_geometry_for():
-    import torch
-    import gns_kernels as gk
+def test_built_optimizers_are_the_configured_classes():
+    """The geometry comes from gk.geometry_for(optimizer_classes(name)); the run must build
+    exactly those classes (in that order), and measure the composites on the hidden 2-D
+    weights only."""
+    from gns_kernels.demo.config import optimizer_classes
     from gns_kernels.demo.model import ByteTransformer
     m = ByteTransformer(dim=16, n_layers=1, n_heads=2, mlp_hidden=16, context=8)
+    expected = {"muon": "nuclear", "specsgd": "nuclear", "signum": "l1", "signsgd": "l1",
+                "adamw": "l1", "sgd": "l2", "msgd": "l2"}
+    assert set(expected) == set(train.OPTIMIZERS)
     for name in train.OPTIMIZERS:
         cfg = train.DemoConfig(optimizer=name)
         opts, measured = build_optimizers(cfg, m)
-        assert cfg.resolved_geometry() == gk.geometry_for(opts)
-        assert cfg.resolved_theta() == (0.3 if cfg.resolved_geometry() == "l2" else 0.6)
+        assert [type(o) for o in opts] == optimizer_classes(name)
+        assert cfg.resolved_geometry() == expected[name]
+        assert cfg.resolved_theta() == (0.3 if expected[name] == "l2" else 0.6)
         if name in ("muon", "specsgd"):
-            assert isinstance(opts[0], (torch.optim.Muon, gk.SpecSGD))
             assert {id(p) for p in measured} == {id(p) for p in m.hidden_matrices()}
+        else:
+            assert measured is None
+    assert train.DemoConfig(optimizer="muon", geometry="l1").resolved_geometry() == "l1"
 
 
 def _rows(folder):
