@@ -84,11 +84,9 @@ def launch(cfg: DemoConfig, resume_from: str | None = None) -> dict | None:
         _torchrun_worker(cfg, corpus, resume_from)
         return _result(cfg)
     _prepare_folder(cfg)
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    timeout = timedelta(seconds=cfg.timeout)
-    store = dist.TCPStore(HOST, 0, None, True, timeout=timeout, wait_for_workers=False)
+    store = open_store(cfg.timeout)
     errors = tempfile.mkdtemp(prefix="gns_demo_errors_")
     try:
         mp.spawn(_spawn_worker, args=(cfg.ranks, store.port, cfg, corpus, resume_from, errors),
@@ -100,6 +98,15 @@ def launch(cfg: DemoConfig, resume_from: str | None = None) -> dict | None:
         shutil.rmtree(errors, ignore_errors=True)
         del store
     return _result(cfg)
+
+
+def open_store(timeout: float):
+    """The rendezvous store of a spawned run, served by this process on a port the system
+    picks (port 0) and holds until the store is deleted; the ranks connect to its .port."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
 
 
 def first_failure(folder: str) -> dict | None:
@@ -116,7 +123,19 @@ def first_failure(folder: str) -> dict | None:
 
 
 def _report_failure(exc: BaseException, folder: str) -> None:
+    from torch.multiprocessing.spawn import ProcessExitedException
+
     first = first_failure(folder)
+    if isinstance(exc, ProcessExitedException):
+        # a rank ended without a Python exception (killed by a signal, or exited): it was
+        # the first to end, and the reports of the others are the consequence
+        how = (f"was killed by signal {exc.signal_name}" if exc.signal_name
+               else f"exited with status {exc.exit_code} without an error message")
+        if first is not None:
+            print(f"(then rank {first['rank']}: {first['type']}: {first['message']})",
+                  file=sys.stderr)
+        print(f"gns-kernels demo: error: rank {exc.error_index} {how}", file=sys.stderr)
+        return
     if first is None:  # no rank could report: killed by a signal, or died at start-up
         last = str(exc).strip().splitlines()
         print(f"gns-kernels demo: error: a training process failed: {last[-1] if last else exc}",

@@ -185,16 +185,41 @@ def test_no_report_falls_back_to_the_exception(tmp_path, capsys):
         "gns-kernels demo: error: a training process failed: process 1 terminated with signal SIGKILL")
 
 
+def test_a_killed_rank_is_named_before_the_consequences(tmp_path, capsys):
+    from torch.multiprocessing.spawn import ProcessExitedException
+    _report(tmp_path, 0, 100.0, RuntimeError("[gloo] Connection closed by peer"))
+    exc = ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1,
+                                 error_pid=4242, exit_code=-9, signal_name="SIGKILL")
+    launch._report_failure(exc, str(tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "gns-kernels demo: error: rank 1 was killed by signal SIGKILL"
+    assert err[0] == "(then rank 0: RuntimeError: [gloo] Connection closed by peer)"
+
+
+@pytest.mark.distributed
+def test_the_store_holds_its_port(tmp_path):
+    """The launcher's store binds port 0 and keeps the port: nothing else can take it
+    before the ranks connect (the race of picking a free port, closing it, handing it on)."""
+    import socket
+    import torch.distributed as dist
+    from datetime import timedelta
+    store = launch.open_store(5.0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with pytest.raises(OSError):
+            s.bind((launch.HOST, store.port))
+    client = dist.TCPStore(launch.HOST, store.port, None, False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
 @pytest.mark.distributed
 def test_process_group_timeout_applies(tmp_path):
     """Rank 0 alone: joining the group fails after --timeout seconds (not torch's 30
     minutes) and the failure report says so."""
     import torch.distributed as dist
-    from datetime import timedelta
 
     threads = torch.get_num_threads()
-    store = dist.TCPStore(launch.HOST, 0, None, True, timeout=timedelta(seconds=2),
-                          wait_for_workers=False)
+    store = launch.open_store(2.0)
     cfg = DemoConfig(timeout=2.0)
     t0 = time.monotonic()
     try:
