@@ -314,3 +314,60 @@ def test_default_multiple_of(ranks, b0, micro, expected):
     cfg = train.DemoConfig(ranks=ranks, initial_batch_size=b0, micro_batches=micro)
     m = cfg.resolved_multiple_of()
     assert m == expected and m % (ranks * micro) == 0 and b0 % m == 0
+
+
+def _children(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_a_killed_rank_ends_the_run_with_its_name(small_corpus, tmp_path):
+    """SIGKILL one rank mid-run: the command ends (not after the timeout's minutes), names
+    the killed rank on its last line, and the last checkpoint still loads."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from gns_kernels.demo.checkpoint import load_checkpoint
+
+    out = str(tmp_path / "killed")
+    argv = [sys.executable, "-m", "gns_kernels.cli", "demo", *RUN, "--samples", "200000",
+            "--max-batch-size", "8", "--checkpoint-every", "2", "--corpus", small_corpus,
+            "--out", out, "--timeout", "600"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(out, "checkpoint.pt")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint in 240 s"
+            time.sleep(0.5)
+        ranks = []
+        for pid in _children(proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                ranks.append(pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)     # far less than --timeout 600
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last in ("gns-kernels demo: error: rank 0 was killed by signal SIGKILL",
+                    "gns-kernels demo: error: rank 1 was killed by signal SIGKILL"), err[-2000:]
+    ck = load_checkpoint(os.path.join(out, "checkpoint.pt"))
+    assert ck["step"] >= 2 and len(ck["rng"]) == 2
