@@ -4,9 +4,10 @@ grows by Algorithm 1, driven by the GNS measured in the optimizer's geometry.
 What one run does (see docs/demo.md):
 
 - Processes: by default the command starts ``--ranks`` (2) CPU processes itself
-  (torch.multiprocessing, gloo, a store on a port the system picks; launch.py). Under ``torchrun`` (RANK and
-  WORLD_SIZE set) it joins the launcher's process group instead: NCCL and one GPU per
-  process (LOCAL_RANK) when CUDA is available, gloo on CPUs otherwise.
+  (torch.multiprocessing, gloo, a store on a port the system picks; launch.py). Under
+  ``torchrun`` (RANK and WORLD_SIZE set) it joins the launcher's process group instead:
+  NCCL and one GPU per process (LOCAL_RANK) when CUDA is available, gloo on CPUs
+  otherwise. Either way a rank waits at most ``--timeout`` seconds for the others.
 - Model: `ByteTransformer` (demo/model.py) wrapped in DDP; data: windows of the Python
   standard library's sources (demo/data.py), served by `AdaptiveBatchSampler`
   (sampler.py) as R ranks x A micro-batches of b sequences (B = R*A*b; gradient
@@ -26,7 +27,8 @@ What one run does (see docs/demo.md):
 - Output (``--out``, default runs/<timestamp>): metrics.csv (one row per optimizer step),
   plot.png (Figure 1 layout: validation loss, batch size, GNS vs steps), summary.json,
   config.json and checkpoint.pt (``--resume DIR`` continues the run in DIR exactly:
-  model, optimizers, schedule, controller, sampler, hook step and RNG states).
+  model, optimizers, schedule, controller, sampler, hook step and RNG states; the folder
+  of a new run must be empty unless ``--overwrite``).
 - ``--compare``: constant small batch, constant large batch (``--large-factor`` x, LR x
   sqrt of that), adaptive with the Euclidean (l2) GNS, adaptive with the optimizer's
   geometry; same sample budget; a Table-2-style table and one plot with the four.
@@ -98,6 +100,9 @@ def _resume(args) -> int:
     except (OSError, ValueError) as exc:
         raise DemoError(f"--resume {folder!r}: config.json is not readable JSON ({exc})") from None
     cfg = config_from_dict(data, f"--resume {folder!r}: config.json")
+    if not os.path.exists(os.path.join(folder, "metrics.csv")):
+        raise DemoError(f"--resume {folder!r}: no metrics.csv there (the rows of the steps "
+                        "before the checkpoint would be lost)")
     cfg = replace(cfg, out=check_out_dir(folder), stop_at_step=args.stop_at_step,
                   quiet=args.quiet or cfg.quiet)
     if getattr(args, "timeout", None) is not None:

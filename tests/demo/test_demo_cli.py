@@ -68,6 +68,7 @@ def _resume_folder(tmp_path, config: dict, ck_config: dict | None = None):
     ck = {"model": {}, "rng": [rng_state(), rng_state()], "step": 5,
           "config": config if ck_config is None else ck_config}
     torch.save(ck, str(folder / "checkpoint.pt"))
+    (folder / "metrics.csv").write_text("step\n0\n")
     return folder
 
 
@@ -94,6 +95,13 @@ def test_resume_refuses_a_checkpoint_of_another_run(capsys, tmp_path):
     assert main(["demo", "--resume", str(folder)]) == 2
     line = _error_line(capsys)
     assert "belong to different runs (samples: checkpoint 480 vs config.json 960)" in line
+
+
+def test_resume_without_metrics(capsys, tmp_path):
+    folder = _resume_folder(tmp_path, asdict(DemoConfig()))
+    os.remove(folder / "metrics.csv")
+    assert main(["demo", "--resume", str(folder)]) == 2
+    assert "no metrics.csv there" in _error_line(capsys)
 
 
 def test_resume_and_overwrite_exclude_each_other(capsys, tmp_path):
