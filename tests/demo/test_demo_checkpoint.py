@@ -2,8 +2,10 @@
 refused without running, a full disk is reported and leaves no .tmp, a checkpoint is
 matched against its config.json."""
 import errno
+import json
 import os
 import random
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -11,7 +13,6 @@ import torch
 
 from gns_kernels.demo import checkpoint as ckpt
 from gns_kernels.demo.config import DemoConfig, DemoError
-from dataclasses import asdict
 
 
 class _Payload:
@@ -69,7 +70,8 @@ def test_resume_of_a_crafted_checkpoint_exits_2_without_running_it(tmp_path, cap
     folder = tmp_path / "run"
     folder.mkdir()
     cfg = DemoConfig(out=str(folder))
-    (folder / "config.json").write_text(__import__("json").dumps(asdict(cfg)))
+    (folder / "config.json").write_text(json.dumps(asdict(cfg)))
+    (folder / "metrics.csv").write_text("step\n0\n")
     marker = tmp_path / "payload_ran"
     ck = _demo_checkpoint(cfg)
     ck["model"] = _Payload(str(marker))
