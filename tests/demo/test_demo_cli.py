@@ -254,3 +254,40 @@ def test_missing_matplotlib_is_said_in_one_line(monkeypatch, tmp_path, capsys):
                    "the package's 'demo' extra)"]
     assert res["plot"] is None and not os.path.exists(tmp_path / "plot.png")
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
+def test_disk_full_in_a_rank_exits_2_with_one_line(tiny_corpus, monkeypatch, capsys, tmp_path):
+    """One rank run in this process (spawning replaced by a direct call): the checkpoint
+    writer hits ENOSPC; the command prints one line and exits 2, no .tmp is left."""
+    import errno
+    import torch.multiprocessing as mp
+    from gns_kernels.demo import checkpoint
+
+    def full(path, data):
+        with open(path, "wb") as fh:
+            fh.write(bytes(data)[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def spawn_here(fn, args=(), nprocs=1, join=True, **kwargs):
+        assert nprocs == 1
+        try:
+            fn(0, *args)
+        except Exception as exc:
+            raise RuntimeError("process 0 terminated with exit code 1") from exc
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", full)
+    monkeypatch.setattr(mp, "spawn", spawn_here)
+    out = tmp_path / "o"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["demo", "--ranks", "1", "--micro-batches", "2", "--initial-batch-size", "2",
+                   "--samples", "8", "--context", "8", "--dim", "8", "--layers", "1", "--heads", "2",
+                   "--mlp", "8", "--val-windows", "2", "--checkpoint-every", "1", "--quiet",
+                   "--corpus", tiny_corpus, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 2
+    assert _error_line(capsys) == (f"gns-kernels demo: error: disk full while writing {out}/"
+                                   "checkpoint.pt (the previous checkpoint, if any, is kept; free "
+                                   "space and --resume)")
+    assert not os.path.exists(out / "checkpoint.pt.tmp") and not os.path.exists(out / "checkpoint.pt")
