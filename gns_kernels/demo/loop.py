@@ -206,8 +206,9 @@ class Trainer:
                 self.hook_state.micro_step()
         return loss_local
 
-    def train_step(self) -> tuple[list, bool]:
-        """One optimizer step; returns (its metrics.csv row, whether it is the last step)."""
+    def train_step(self) -> tuple[dict, bool]:
+        """One optimizer step; returns (its metrics.csv row {column: value}, whether it is
+        the last step)."""
         cfg, sampler, ctrl = self.cfg, self.sampler, self.ctrl
         B = self.last_B = ctrl.batch_size
         sampler.set_batch_size(B)
@@ -238,9 +239,11 @@ class Trainer:
         gns_raw = estimate.gns if (estimate is not None and estimate.valid) else None
         noise = None if estimate is None else estimate.noise
         signal = None if estimate is None else estimate.signal
-        row = [step, sampler.samples_seen, lr_used, B, gns_raw, ctrl.gns_ema, train_loss, val_loss,
-               self.lrm.multiplier, len(micro), sampler.micro_batch_size, self.elapsed(),
-               noise, signal]
+        row = dict(step=step, samples=sampler.samples_seen, lr=lr_used, batch_size=B,
+                   gns_raw=gns_raw, gns_ema=ctrl.gns_ema, train_loss=train_loss, val_loss=val_loss,
+                   lr_multiplier=self.lrm.multiplier, accum_steps=len(micro),
+                   micro_batch=sampler.micro_batch_size, elapsed_s=self.elapsed(),
+                   noise=noise, signal=signal)
         return row, last_step
 
     # -- the loop --------------------------------------------------------------------------
@@ -261,10 +264,9 @@ class Trainer:
                    and (cfg.steps is None or self.step < cfg.steps)):
                 row, last_step = self.train_step()
                 if self.is_main:
-                    writer.writerow([fmt(v) for v in row])
-                    bar.update(self.step, self.sampler.samples_seen,
-                               self.sampler.samples_seen * cfg.context, row[6], row[3],
-                               self.ctrl.gns_ema, row[2])
+                    writer.writerow([fmt(row[c]) for c in METRIC_COLUMNS])
+                    bar.update(row["step"], row["samples"], row["samples"] * cfg.context,
+                               row["train_loss"], row["batch_size"], row["gns_ema"], row["lr"])
                 self.step += 1
                 if self.step % cfg.checkpoint_every == 0 or last_step:
                     self._checkpoint(csv_fh)
