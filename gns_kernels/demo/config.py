@@ -115,9 +115,9 @@ def optimizer_classes(name: str) -> list[type]:
 
 
 def config_from_dict(data, source: str) -> DemoConfig:
-    """A DemoConfig from a config.json / checkpoint dict; DemoError naming `source` and the
-    offending keys when it is not a dict, has keys DemoConfig does not know, or lacks none
-    but holds values of the wrong kind."""
+    """A DemoConfig from a config.json dict; DemoError naming `source` and the offending
+    key when it is not a dict, has keys DemoConfig does not know, or holds a value of the
+    wrong kind (missing keys take their defaults)."""
     if not isinstance(data, dict):
         raise DemoError(f"{source}: expected a JSON object of demo options, got {type(data).__name__}")
     known = {f.name for f in fields(DemoConfig)}
@@ -125,10 +125,26 @@ def config_from_dict(data, source: str) -> DemoConfig:
     if unknown:
         raise DemoError(f"{source}: unknown key(s) {', '.join(unknown)} (not a demo option of "
                         "this version)")
-    try:
-        return DemoConfig(**data)
-    except TypeError as exc:
-        raise DemoError(f"{source}: {exc}") from None
+    for f in fields(DemoConfig):
+        if f.name in data and not _has_type(data[f.name], f.type):
+            raise DemoError(f"{source}: {f.name} must be {f.type}, got {data[f.name]!r}")
+    return DemoConfig(**data)
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,),
+          "None": (type(None),)}
+
+
+def _has_type(value, annotation: str) -> bool:
+    """Whether `value` (from JSON) fits a DemoConfig field annotation such as
+    "int | None" (bools are not ints here)."""
+    for name in annotation.split("|"):
+        kinds = _TYPES[name.strip()]
+        if isinstance(value, bool) and bool not in kinds:
+            continue
+        if isinstance(value, kinds):
+            return True
+    return False
 
 
 def trajectory_diff(a: dict, b: dict) -> list[str]:

@@ -81,6 +81,27 @@ def test_resume_unknown_key_in_config(capsys, tmp_path):
     assert "config.json: unknown key(s) learning_rate" in line
 
 
+@pytest.mark.parametrize("key,value,needle", [
+    ("ranks", "two", "ranks must be int, got 'two'"),
+    ("ranks", True, "ranks must be int, got True"),
+    ("theta", "0.6", "theta must be float | None, got '0.6'"),
+    ("adaptive", 1, "adaptive must be bool, got 1"),
+])
+def test_resume_value_of_the_wrong_kind(key, value, needle, capsys, tmp_path):
+    cfg = asdict(DemoConfig())
+    cfg[key] = value
+    folder = _resume_folder(tmp_path, cfg)
+    assert main(["demo", "--resume", str(folder)]) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_config_json_round_trips():
+    from gns_kernels.demo.config import config_from_dict
+    cfg = DemoConfig(theta=0.5, lr=1e-3, warmup=4, geometry="l1", steps=9, extra={"a": 1})
+    assert config_from_dict(json.loads(json.dumps(asdict(cfg))), "x") == cfg
+    assert config_from_dict({"theta": 1}, "x").theta == 1       # an int where a float goes
+
+
 def test_resume_config_not_json(capsys, tmp_path):
     folder = _resume_folder(tmp_path, asdict(DemoConfig()))
     (folder / "config.json").write_text("{not json")
