@@ -182,7 +182,7 @@ def validate(cfg: DemoConfig, world: int | None = None) -> None:
                             ("--checkpoint-every", cfg.checkpoint_every, 1),
                             ("--dim", cfg.dim, 2), ("--layers", cfg.layers, 1),
                             ("--heads", cfg.heads, 1), ("--mlp", cfg.mlp, 1),
-                            ("--context", cfg.context, 1)):
+                            ("--context", cfg.context, 1), ("--seed", cfg.seed, 0)):
         if value < lo:
             raise DemoError(f"{name} must be >= {lo}, got {value}")
     for name, value in (("--steps", cfg.steps), ("--warmup", cfg.warmup)):

@@ -46,6 +46,9 @@ def tiny_corpus(tmp_path):
     (["--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
     (["--timeout", "inf"], "--timeout must be a finite number > 0, got inf"),
     (["--stop-at-step", "0"], "--stop-at-step must be >= 1, got 0"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--multiple-of", "0"], "--multiple-of 0 must be a multiple of ranks x micro-batches"),
+    (["--max-batch-size", "0"], "--max-batch-size 0 is below --initial-batch-size 16"),
 ])
 def test_bad_numbers_exit_2_one_line(argv, needle, capsys, tmp_path):
     assert main(["demo", *argv, "--out", str(tmp_path / "o")]) == 2
