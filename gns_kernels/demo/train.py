@@ -119,6 +119,28 @@ def _resume(args) -> int:
     return 0 if summary is not None else 1
 
 
-# older import paths
-_is_main_process = is_main_process
-_torchrun_world = torchrun_world
+# names this module had before it was split: resolved lazily to their new homes
+_MOVED = {"_is_main_process": ("launch", "is_main_process"),
+          "_torchrun_world": ("launch", "torchrun_world"),
+          "_load_corpus_checked": ("launch", "load_corpus_checked"),
+          "_spawn_worker": ("launch", "_spawn_worker"),
+          "_torchrun_worker": ("launch", "_torchrun_worker"),
+          "_check_out_dir": ("rundir", "check_out_dir"),
+          "_default_out": ("rundir", "default_out"),
+          "_build_optimizers": ("loop", "build_optimizers"),
+          "_train": ("loop", "train"),
+          "_rng_state": ("checkpoint", "rng_state"),
+          "_set_rng_state": ("checkpoint", "set_rng_state"),
+          "_finish": ("summary", "finish"),
+          "_Progress": ("progress", "Progress"),
+          "_fmt": ("progress", "fmt"),
+          "_compare": ("compare", "run_compare"),
+          "_steps_to_reach": ("compare", "_steps_to_reach")}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        module, attr = _MOVED[name]
+        return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
