@@ -13,8 +13,10 @@ rank that stops responding ends the run in that time instead of torch's 30 minut
 Failures: each spawned rank that raises writes ``rank<r>.json`` (time, exception type,
 message, traceback) into a temporary folder; the launcher reports the EARLIEST one, so the
 final line names the real cause (e.g. rank 1's error) and not a peer's consequent
-"Connection closed by peer". A `DemoError` raised in a rank (e.g. a full disk) is re-raised
-in the launcher: one line, exit status 2.
+"Connection closed by peer". A rank that ends without a Python exception (killed by a
+signal) writes nothing; when it is the failure torch.multiprocessing saw first, it is
+named as the cause. A `DemoError` raised in a rank (e.g. a full disk) is re-raised in the
+launcher: one line, exit status 2.
 """
 from __future__ import annotations
 
