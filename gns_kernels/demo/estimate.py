@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..estimators import GEOMETRIES
 from . import synthetic as sy
 
-GEOMETRIES = ("l2", "l1", "nuclear")
 _CHUNK_EXAMPLES = 1 << 16  # examples gathered per chunk of draws (bounds memory)
 
 

@@ -27,7 +27,7 @@ at most `context` tokens long (the RoPE tables are precomputed to that length).
 Initialisation: every linear/embedding weight N(0, 0.02^2); the two residual output
 projections (attention out, MLP down) N(0, (0.02 / sqrt(2 n_layers))^2), as in GPT-2.
 
-The benchmark configuration of issue 7 is ``ByteTransformer(vocab=256, dim=256,
+The overhead benchmark (`gns-kernels bench overhead`) uses ``ByteTransformer(vocab=256, dim=256,
 n_layers=4, n_heads=4, mlp_hidden=1024, context=128)`` (4.33M parameters);
 `bench_config()` returns those keyword arguments.
 """
@@ -43,7 +43,7 @@ __all__ = ["ByteTransformer", "RMSNorm", "bench_config"]
 
 
 def bench_config() -> dict:
-    """Keyword arguments of the overhead-benchmark model (issue 7)."""
+    """Keyword arguments of the overhead-benchmark model."""
     return dict(vocab=256, dim=256, n_layers=4, n_heads=4, mlp_hidden=1024, context=128)
 
 

@@ -1,7 +1,7 @@
 """`gns-kernels bench overhead`: step-time cost of the DDP GNS hook (the paper's Table 9).
 
 DDP on R CPU ranks (gloo, started by this command; one thread per rank), the Llama-style
-byte model of issue 7 (4 layers, width 256, 4 heads, MLP 1024, vocabulary 256, context
+byte model (4 layers, width 256, 4 heads, MLP 1024, vocabulary 256, context
 128; gns_kernels.demo.model.bench_config), random byte tokens, AdamW. Three identical
 models train side by side in the same process group:
 
@@ -16,7 +16,7 @@ machine load hit all of them alike. F = 100: ``--rounds`` x F steps per configur
 one-in-F measurement step; use --rounds >= 10 for >= 10 F steps). F = 1:
 ``--f1-rounds`` x ``--f1-block`` steps per configuration, all measuring.
 Reported: mean s/step per configuration and F, the overhead in %, and the cost of one
-measurement step (F=1 minus baseline) and that cost / 100.
+measurement step (F=1 minus baseline) and that cost / F (amortized over F steps).
 
 ``--breakdown`` times the pieces of one measurement step in isolation (rank 0, same
 buckets): packing (square_pack / Grams), the all-reduce of the larger payload vs the plain
@@ -39,7 +39,11 @@ from datetime import timedelta
 import torch
 
 
+QUICK = dict(every=10, rounds=1, f1_block=2, f1_rounds=1, warmup=1, breakdown=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (gloo processes), >= 2")
     parser.add_argument("--local-batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence (<= 128)")
@@ -63,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "allreduce_hook: the cost of any Python comm hook), l1, s1")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short check that the bench runs, not a measurement: sets "
+                             + " ".join(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool)
+                                        else f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+                                        for k, v in QUICK.items()))
 
 
 def _validate(args) -> None:
@@ -304,7 +313,7 @@ def launch_ranks(rank_main, cfg: dict, world: int, timeout: float, label: str = 
                 if p.is_alive():
                     p.terminate()
                     p.join(10)
-        return torch.load(os.path.join(folder, "result.pt"), weights_only=False)
+        return torch.load(os.path.join(folder, "result.pt"), weights_only=True)
 
 
 def _fmt_table(res: dict, F: int) -> str:
@@ -322,8 +331,8 @@ def _fmt_table(res: dict, F: int) -> str:
     for name, label in (("l1", "l1"), ("s1", "S1")):
         cost = mean[f"{name}_F1"] - b1
         lines.append(f"\nOne {label} measurement step costs {cost:+.4f} s over the F=1 baseline "
-                     f"({100 * cost / b1:+.1f}%); / 100 = {cost / 100:+.6f} s/step "
-                     f"({100 * cost / 100 / b1:+.2f}% at F=100, amortized).")
+                     f"({100 * cost / b1:+.1f}%); / {F} = {cost / F:+.6f} s/step "
+                     f"({100 * cost / F / b1:+.2f}% at F={F}, amortized).")
     if "py_F1" in t:
         lines.append(_fmt_partial(t, mean, F))
     return "\n".join(lines)
@@ -347,6 +356,8 @@ def _fmt_partial(t: dict, mean: dict, F: int) -> str:
 
 
 def run(args) -> int:
+    if getattr(args, "quick", False):
+        args = argparse.Namespace(**{**vars(args), **QUICK})
     try:
         _validate(args)
     except ValueError as exc:

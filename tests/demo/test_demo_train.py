@@ -1,6 +1,7 @@
 """`gns-kernels demo`: bad input, a short 2-rank run (CSV, batch growth per Algorithm 1,
 plot.png), resume continuing the same trajectory, the --compare table."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -10,6 +11,7 @@ import pytest
 
 from gns_kernels.cli import main
 from gns_kernels.demo import train
+from gns_kernels.demo.loop import build_optimizers
 from gns_kernels.demo.train import METRIC_COLUMNS, compare_table
 
 REQUIRED = ["step", "samples", "lr", "batch_size", "gns_raw", "gns_ema", "train_loss", "val_loss"]
@@ -72,19 +74,27 @@ def test_bad_out_and_corpus(capsys, tmp_path):
     assert "--resume" in _error_line(capsys)
 
 
-def test_geometry_defaults_match_geometry_for():
-    import torch
-    import gns_kernels as gk
+def test_built_optimizers_are_the_configured_classes():
+    """The geometry comes from gk.geometry_for(optimizer_classes(name)); the run must build
+    exactly those classes (in that order), and measure the composites on the hidden 2-D
+    weights only."""
+    from gns_kernels.demo.config import optimizer_classes
     from gns_kernels.demo.model import ByteTransformer
     m = ByteTransformer(dim=16, n_layers=1, n_heads=2, mlp_hidden=16, context=8)
+    expected = {"muon": "nuclear", "specsgd": "nuclear", "signum": "l1", "signsgd": "l1",
+                "adamw": "l1", "sgd": "l2", "msgd": "l2"}
+    assert set(expected) == set(train.OPTIMIZERS)
     for name in train.OPTIMIZERS:
         cfg = train.DemoConfig(optimizer=name)
-        opts, measured = train._build_optimizers(cfg, m)
-        assert cfg.resolved_geometry() == gk.geometry_for(opts)
-        assert cfg.resolved_theta() == (0.3 if cfg.resolved_geometry() == "l2" else 0.6)
+        opts, measured = build_optimizers(cfg, m)
+        assert [type(o) for o in opts] == optimizer_classes(name)
+        assert cfg.resolved_geometry() == expected[name]
+        assert cfg.resolved_theta() == (0.3 if expected[name] == "l2" else 0.6)
         if name in ("muon", "specsgd"):
-            assert isinstance(opts[0], (torch.optim.Muon, gk.SpecSGD))
             assert {id(p) for p in measured} == {id(p) for p in m.hidden_matrices()}
+        else:
+            assert measured is None
+    assert train.DemoConfig(optimizer="muon", geometry="l1").resolved_geometry() == "l1"
 
 
 def _rows(folder):
@@ -133,6 +143,21 @@ def test_short_two_rank_run(full_run):
         else:
             assert B[k + 1] == B[k], k                     # no measurement or warm-up: frozen
     assert grew and B[-1] > B[0]
+    # the controller's inputs are logged: its EMA of noise and signal (beta 0.9, started at
+    # the first valid measurement) recomputed from them gives the logged gns_ema
+    N = M = None
+    for r in rows:
+        if r["noise"] != "":
+            assert r["gns_raw"] != ""
+            assert float(r["gns_raw"]) == pytest.approx(float(r["noise"]) / float(r["signal"]),
+                                                        rel=1e-6)
+            n, m = float(r["noise"]), float(r["signal"])
+            N, M = (n, m) if N is None else (0.9 * N + 0.1 * n, 0.9 * M + 0.1 * m)
+        else:
+            assert r["gns_raw"] == ""
+        if N is not None:
+            assert float(r["gns_ema"]) == pytest.approx(N / M, rel=1e-6)
+    assert N is not None
     for k in range(warm + 1):
         assert B[k] == 8
     # LR multiplier sqrt(B/B0) recorded after each step
@@ -157,10 +182,18 @@ def test_plot_is_a_png(full_run):
     assert img[..., :3].std() > 0.01                      # not a blank canvas
 
 
-@pytest.mark.distributed
-def test_resume_continues_same_trajectory(full_run, small_corpus, tmp_path):
-    out = str(tmp_path / "interrupted")
+@pytest.fixture(scope="module")
+def stopped_run(small_corpus, tmp_path_factory):
+    """RUN interrupted after 5 steps (--stop-at-step); tests copy it before resuming."""
+    out = str(tmp_path_factory.mktemp("run") / "stopped")
     assert main(["demo", *RUN, "--corpus", small_corpus, "--out", out, "--stop-at-step", "5"]) == 0
+    return out
+
+
+@pytest.mark.distributed
+def test_resume_continues_same_trajectory(full_run, stopped_run, tmp_path):
+    out = str(tmp_path / "interrupted")
+    shutil.copytree(stopped_run, out)
     _, part = _rows(out)
     assert len(part) == 5 and os.path.exists(os.path.join(out, "checkpoint.pt"))
     assert not os.path.exists(os.path.join(out, "summary.json"))
@@ -171,6 +204,46 @@ def test_resume_continues_same_trajectory(full_run, small_corpus, tmp_path):
     for a, b in zip(resumed, full):
         for key in ("step", "samples", "batch_size", "lr", "gns_raw", "gns_ema", "train_loss", "val_loss"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.distributed
+def test_resume_does_not_mix_two_runs(full_run, small_corpus, tmp_path, capsys):
+    """Run A finished in DIR; run B (other --samples) in the same DIR is refused; had B
+    written its config.json beside A's checkpoint before dying, --resume refuses the pair."""
+    folder = str(tmp_path / "dir")
+    shutil.copytree(full_run, folder)
+    before = open(os.path.join(folder, "metrics.csv")).read()
+    assert main(["demo", *RUN, "--samples", "960", "--corpus", small_corpus, "--out", folder]) == 2
+    assert "is not empty" in _error_line(capsys)
+    conf = os.path.join(folder, "config.json")
+    with open(conf) as fh:
+        b = json.load(fh)
+    b["samples"] = 960
+    with open(conf, "w") as fh:
+        json.dump(b, fh)
+    assert main(["demo", "--resume", folder]) == 2
+    line = _error_line(capsys)
+    assert "checkpoint.pt and config.json belong to different runs" in line
+    assert "samples: checkpoint 480 vs config.json 960" in line
+    assert open(os.path.join(folder, "metrics.csv")).read() == before
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_is_reported_by_its_own_error(stopped_run, tmp_path, capsys):
+    """Rank 1 alone fails (its RNG state in the checkpoint is corrupt); rank 0 then loses
+    its peer. The last line names rank 1's error, not rank 0's lost connection."""
+    import torch
+    folder = str(tmp_path / "bad")
+    shutil.copytree(stopped_run, folder)
+    path = os.path.join(folder, "checkpoint.pt")
+    ck = torch.load(path, weights_only=True)
+    ck["rng"][1]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(ck, path)
+    assert main(["demo", "--resume", folder, "--timeout", "60"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gns-kernels demo: error: rank 1 failed first: RuntimeError: ")
+    assert "RNG state size to be 3" in err[-1]
+    assert "set_rng_state" in "\n".join(err[:-1])           # rank 1's traceback precedes it
 
 
 def _metrics(vals, step_every=1):
@@ -241,3 +314,60 @@ def test_default_multiple_of(ranks, b0, micro, expected):
     cfg = train.DemoConfig(ranks=ranks, initial_batch_size=b0, micro_batches=micro)
     m = cfg.resolved_multiple_of()
     assert m == expected and m % (ranks * micro) == 0 and b0 % m == 0
+
+
+def _children(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_a_killed_rank_ends_the_run_with_its_name(small_corpus, tmp_path):
+    """SIGKILL one rank mid-run: the command ends (not after the timeout's minutes), names
+    the killed rank on its last line, and the last checkpoint still loads."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from gns_kernels.demo.checkpoint import load_checkpoint
+
+    out = str(tmp_path / "killed")
+    argv = [sys.executable, "-m", "gns_kernels.cli", "demo", *RUN, "--samples", "200000",
+            "--max-batch-size", "8", "--checkpoint-every", "2", "--corpus", small_corpus,
+            "--out", out, "--timeout", "600"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(out, "checkpoint.pt")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint in 240 s"
+            time.sleep(0.5)
+        ranks = []
+        for pid in _children(proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                ranks.append(pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)     # far less than --timeout 600
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last in ("gns-kernels demo: error: rank 0 was killed by signal SIGKILL",
+                    "gns-kernels demo: error: rank 1 was killed by signal SIGKILL"), err[-2000:]
+    ck = load_checkpoint(os.path.join(out, "checkpoint.pt"))
+    assert ck["step"] >= 2 and len(ck["rng"]) == 2

@@ -39,6 +39,17 @@ def test_table_means_and_overheads():
     assert "| 1 | 2 | 1.0000 | 1.5000 | +50.0% | 3.0000 | +200.0% |" in text
     assert "| 10 | 20 | 1.0000 | 1.0500 | +5.0% | 1.2000 | +20.0% |" in text
     assert "+0.5000 s" in text and "+2.0000 s" in text
+    assert "/ 10 = +0.050000 s/step (+5.00% at F=10, amortized)" in text
+    # at F = 5 the one-in-F cost is divided by 5, not by a fixed 100
+    res5 = {"times": {"base_F1": [1.0, 1.0], "l1_F1": [1.5, 1.5], "s1_F1": [3.0, 3.0],
+                      "base_F5": [1.0] * 10, "l1_F5": [1.1] * 10, "s1_F5": [1.4] * 10}}
+    text5 = overhead._fmt_table(res5, 5)
+    assert "| 5 | 10 | 1.0000 | 1.1000 | +10.0% | 1.4000 | +40.0% |" in text5
+    assert "One l1 measurement step costs +0.5000 s over the F=1 baseline (+50.0%); / 5 = " \
+           "+0.100000 s/step (+10.00% at F=5, amortized)." in text5
+    assert "One S1 measurement step costs +2.0000 s over the F=1 baseline (+200.0%); / 5 = " \
+           "+0.400000 s/step (+40.00% at F=5, amortized)." in text5
+    assert "F=100" not in text5 and "/ 100" not in text5
 
 
 def test_partial_table_with_python_hook_baseline():
@@ -59,3 +70,20 @@ def test_tiny_real_run(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "| 1 | 1 |" in out and "| 2 | 2 |" in out and "peak bytes of the hook" in out
+
+
+def test_quick_sets_a_short_run(monkeypatch, capsys):
+    seen = {}
+
+    def fake_launch(rank_main, cfg, world, timeout):
+        seen.update(cfg)
+        t = {f"{n}_F{f}": [1.0] * (cfg["rounds"] * f if f > 1 else cfg["f1_rounds"] * cfg["f1_block"])
+             for n in cfg["configs"] for f in (1, cfg["every"])}
+        return {"times": t, "estimates": {}, "params": 10}
+
+    monkeypatch.setattr(overhead, "launch_ranks", fake_launch)
+    assert overhead.run(_args("--quick", "--no-memory")) == 0
+    assert (seen["every"], seen["rounds"], seen["f1_block"], seen["f1_rounds"], seen["warmup"],
+            seen["breakdown"]) == (10, 1, 2, 1, 1, False)
+    out = capsys.readouterr().out
+    assert "| 10 | 10 |" in out and "at F=10, amortized" in out

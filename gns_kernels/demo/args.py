@@ -1,0 +1,105 @@
+"""Command-line options of `gns-kernels demo` and their mapping onto a `DemoConfig`."""
+from __future__ import annotations
+
+import argparse
+
+from .config import COMPARE_SAMPLES, DEFAULT_TIMEOUT, OPTIMIZERS, DemoConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to `parser` (help shows every default)."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    d = DemoConfig()
+    g = parser.add_argument_group("run")
+    g.add_argument("--ranks", type=int, default=d.ranks,
+                   help="data-parallel CPU processes started by the command (ignored under torchrun)")
+    g.add_argument("--optimizer", default=d.optimizer,
+                   help=f"one of {', '.join(OPTIMIZERS)} (muon: Muon on 2-D hidden weights + AdamW)")
+    g.add_argument("--geometry", default=None,
+                   help="GNS geometry l2 | l1 | nuclear (None: the optimizer's)")
+    g.add_argument("--samples", type=int, default=None,
+                   help=f"sample budget in sequences of --context bytes (None: {d.samples}; "
+                        f"{COMPARE_SAMPLES} per run with --compare)")
+    g.add_argument("--steps", type=int, default=None, help="also stop after this many optimizer steps")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model, data order and RNGs")
+    g.add_argument("--out", default=None,
+                   help="run folder (None: runs/<timestamp> in the current folder); must be empty "
+                        "unless --overwrite")
+    g.add_argument("--overwrite", action="store_true",
+                   help="reuse a non-empty --out: delete the demo files already there "
+                        "(checkpoint.pt, metrics.csv, ...) before the run starts")
+    g.add_argument("--corpus", default=None,
+                   help="folder of .py files (None: this Python's standard library)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR (its checkpoint.pt; every other option "
+                        "comes from DIR/config.json, except --quiet, --stop-at-step and --timeout)")
+    g.add_argument("--compare", action="store_true",
+                   help="constant small, constant large, adaptive l2, adaptive in the optimizer's geometry")
+    g.add_argument("--large-factor", type=int, default=4,
+                   help="--compare: the large constant batch is this times the initial")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds a rank waits for the others (process-group start and every "
+                        f"collective) before the run ends with an error (None: {DEFAULT_TIMEOUT:g}, "
+                        "or the resumed run's value); raise it for large models or slow file systems")
+    a = parser.add_argument_group("adaptive batch size (Algorithm 1)")
+    a.add_argument("--theta", type=float, default=None, help="None: 0.6 for l1/nuclear, 0.3 for l2")
+    a.add_argument("--every", type=int, default=d.every, help="F: measure and update every F steps")
+    a.add_argument("--warmup", type=int, default=None,
+                   help="I: steps before the batch may grow (None: the LR warm-up at B_0)")
+    a.add_argument("--initial-batch-size", type=int, default=d.initial_batch_size,
+                   help="B_0, global sequences per step")
+    a.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+                   help="cap on the global batch (a multiple of --multiple-of)")
+    a.add_argument("--max-local-batch", type=int, default=d.max_local_batch,
+                   help="micro-batch cap per rank; gradient accumulation beyond it")
+    a.add_argument("--micro-batches", type=int, default=None,
+                   help="minimum micro-batches per rank (None: 1; 2 with one rank)")
+    a.add_argument("--multiple-of", type=int, default=None,
+                   help="batch sizes are multiples of this, itself a multiple of ranks x "
+                        "micro-batches (None: ranks x micro-batches x the largest of 8, 4, 2, 1 "
+                        "that divides B_0)")
+    a.add_argument("--constant", action="store_true", help="keep the batch at B_0 (still measure the GNS)")
+    a.add_argument("--raw-gns", action="store_true", help="the paper's raw estimator (no bias correction)")
+    o = parser.add_argument_group("optimizer and model")
+    o.add_argument("--lr", type=float, default=None, help="main learning rate (None: per optimizer)")
+    o.add_argument("--adam-lr", type=float, default=d.adam_lr, help="AdamW part of muon/specsgd")
+    o.add_argument("--lr-warmup", type=float, default=d.lr_warmup, help="warm-up fraction of the budget")
+    o.add_argument("--dim", type=int, default=d.dim, help="model width")
+    o.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+    o.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+    o.add_argument("--mlp", type=int, default=d.mlp, help="hidden width of the SwiGLU MLP")
+    o.add_argument("--context", type=int, default=d.context, help="sequence length in bytes")
+    e = parser.add_argument_group("evaluation and checkpoints")
+    e.add_argument("--eval-every", type=int, default=d.eval_every, help="validation every N steps")
+    e.add_argument("--val-windows", type=int, default=d.val_windows,
+                   help="validation sequences (fixed, evenly spaced over the validation text)")
+    e.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="write checkpoint.pt every N steps (and at the end)")
+    e.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop after this many steps as if interrupted: writes checkpoint.pt and "
+                        "interrupted.json; continue with --resume")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    micro = args.micro_batches
+    if micro is None:
+        micro = 2 if args.ranks == 1 else 1
+    timeout = getattr(args, "timeout", None)
+    return DemoConfig(
+        ranks=args.ranks, optimizer=str(args.optimizer).lower(),
+        geometry=None if args.geometry is None else str(args.geometry).lower(),
+        theta=args.theta, every=args.every, warmup=args.warmup,
+        initial_batch_size=args.initial_batch_size, max_batch_size=args.max_batch_size,
+        max_local_batch=args.max_local_batch, micro_batches=micro, multiple_of=args.multiple_of,
+        adaptive=not args.constant,
+        samples=(args.samples if args.samples is not None
+                 else COMPARE_SAMPLES if getattr(args, "compare", False) else DemoConfig.samples),
+        steps=args.steps, lr=args.lr,
+        adam_lr=args.adam_lr, lr_warmup=args.lr_warmup, seed=args.seed, dim=args.dim,
+        layers=args.layers, heads=args.heads, mlp=args.mlp, context=args.context,
+        corpus=args.corpus, eval_every=args.eval_every, val_windows=args.val_windows,
+        checkpoint_every=args.checkpoint_every, out=args.out or "", quiet=args.quiet,
+        stop_at_step=args.stop_at_step, bias_correction=not args.raw_gns,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+    )
