@@ -42,12 +42,6 @@ pytestmark = [
 vn = torch.ops.gns_kernels.variance_norms if ops.cpp_available() else None
 
 
-@pytest.fixture
-def gen():
-    seed = int(os.environ.get("GNS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"GNS_TEST_SEED={seed}")
-    return torch.Generator().manual_seed(seed)
-
 
 def _vn_inputs(n, dtype, g, with_shift, shift_dtype=None, offset=0):
     """On the GPU: d, q = d^2 + u (u in [-0.5, 1.5): some coordinates clamp), shift.
