@@ -183,6 +183,9 @@ def nuclear_sqrt_trace_corrected(
     if not isinstance(eigvals, Tensor) or eigvals.dim() < 1:
         raise ValueError("eigvals: expected a tensor (..., m) of eigenvalues")
     m = eigvals.shape[-1]
+    if m == 0:  # the empty Gram of a 0 x n gradient: tr C^{1/2} = 0
+        _sample_count("num_samples", num_samples)
+        return eigvals.new_zeros(eigvals.shape[:-1], dtype=eigvals.dtype if eigvals.is_floating_point() else torch.float64)
     nu = nuclear_dof(num_samples, m, other_dim, batch_size, dof_per_sample, dof_model)
     lam = eigvals.detach().to(torch.float64)
     lam = torch.where(lam < 0, torch.zeros_like(lam), lam)  # clamp, NaN preserved

@@ -147,8 +147,9 @@ def estimate_from_stats(
     bias_correction=True) when bias_correction is True, and optionally the uncorrected sum
     as noise_uncorrected_sum (recorded as noise_raw). For 'l1' this function applies the
     factor 1/c4(R) to ||s||_1 when bias_correction is True. Then noise/signal are squared
-    for l1/nuclear. Validity: any non-finite statistic, a negative noise or a signal <= 0
-    gives valid=False with gns, noise, signal = nan. step: recorded as GNSEstimate.step.
+    for l1/nuclear. Validity: any non-finite statistic, a negative noise, a signal <= 0, a
+    negative l1 / nuclear sum (a sum of norms) or a GNS beyond the float range gives
+    valid=False with gns, noise, signal = nan. step: recorded as GNSEstimate.step.
     """
     _check_geometry(geometry)
     R, B = _check_counts(num_samples, batch_size)
@@ -159,11 +160,14 @@ def estimate_from_stats(
     n = _as_float(noise_raw_sum)
     s = _as_float(signal_raw_sum)
     n_unc = _as_float(noise_uncorrected_sum) if noise_uncorrected_sum is not None else None
+    if geometry != "l2" and (n < 0 or s < 0 or (n_unc is not None and n_unc < 0)):
+        # l1 / nuclear sums are sums of norms: a negative one is corrupt, not a signal
+        n = s = math.nan
     if geometry == "l2":
         noise, signal, noise_raw = n, s, n
     elif geometry == "l1":
         factor = _bias.l1_noise_factor(R) if bias_correction else 1.0
-        noise, signal, noise_raw = (n * factor) ** 2, s * s, n * n
+        noise, signal, noise_raw = (n * factor) * (n * factor), s * s, n * n
     else:
         noise, signal = n * n, s * s
         if bias_correction:
@@ -398,7 +402,10 @@ def critical_batch_size(gns, geometry: str, rule: str = "fraction", kappa: float
     _check_geometry(geometry)
     if isinstance(gns, GNSEstimate):
         gns = gns.gns
-    g = float(gns)
+    try:
+        g = float(gns)
+    except (TypeError, ValueError):
+        raise ValueError(f"gns: expected a number or a GNSEstimate, got {gns!r}") from None
     if g < 0:
         raise ValueError(f"gns: expected a non-negative noise scale, got {g}")
     if rule == "fraction":
