@@ -20,7 +20,9 @@ The ops (see docs/fused_ops.md; float64 oracle in gns_kernels.reference):
 - ``accumulate_sq_multi(grads, prevs, sqs) -> None``: accumulate_sq over lists, one call.
 
 Inputs are flat-viewed (only numel matters), contiguous, float32 / bfloat16 / float16;
-results accumulate in float32 or wider.
+results accumulate in float32 or wider. No output (out, prev, sq) may share memory with
+another argument of the call, across whole lists for the _multi ops (ValueError naming
+both, before anything is written); inputs may share memory.
 
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
 - "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
@@ -344,14 +346,15 @@ def square_pack(
     2n elements: out[:n] = x, out[n:] = x^2 (computed in float32).
     """
     _v.check_square_pack(grad, out, shift)
-    _v.check_no_overlap([("out", out)], [("grad", grad), ("shift", shift)])
     b = _resolve(backend, grad.device, "square_pack")
+    # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.square_pack(grad, out, shift)
         return out
     if b == "triton":
         _triton_fused().square_pack(grad, out, shift)
         return out
+    _v.check_no_overlap([("out", out)], [("grad", grad), ("shift", shift)])
     return _eager_square_pack(grad, out, shift)
 
 
@@ -362,13 +365,14 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor, *, backend: Optional[s
     all contiguous with the same numel; d and d^2 computed in float32.
     """
     _v.check_acc(grad, prev, sq)
-    _v.check_no_overlap([("prev", prev), ("sq", sq)], [("grad", grad)])
     b = _resolve(backend, grad.device, "accumulate_sq")
+    # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq(grad, prev, sq)
     elif b == "triton":
         _triton_fused().accumulate_sq(grad, prev, sq)
     else:
+        _v.check_no_overlap([("prev", prev), ("sq", sq)], [("grad", grad)])
         _eager_accumulate_sq(grad, prev, sq)
 
 
@@ -418,15 +422,16 @@ def accumulate_sq_multi(
     """accumulate_sq over lists of tensors in one call (in place on prevs and sqs)."""
     _check_acc_lists(grads, prevs, sqs)
     grads, prevs, sqs = list(grads), list(prevs), list(sqs)
-    _acc_overlap(grads, prevs, sqs)
     dev = _v.common_device("grads", grads)
     b = _resolve(backend, dev, "accumulate_sq_multi")
     if not grads:
         return
+    # memory overlap across the lists: the C++ kernels and the Triton launchers check it
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq_multi(grads, prevs, sqs)
     elif b == "triton":
         _triton_fused().accumulate_sq_multi(grads, prevs, sqs)
     else:
+        _acc_overlap(grads, prevs, sqs)
         for g, p, s in zip(grads, prevs, sqs):
             _eager_accumulate_sq(g, p, s)
