@@ -47,7 +47,7 @@ __all__ = [
 GEOMETRIES = ("l2", "l1", "nuclear")
 # nuclear_dof='auto' estimates the dof from the data (O(R^2 m^2 n)) only below this cost
 _DATA_DOF_MAX_FLOPS = 2e10
-CBS_RULES = ("fraction", "inflection", "efficiency")
+CBS_RULES = ("fraction", "inflection", "efficiency")  # the rules of critical_batch_size
 
 
 @dataclass(frozen=True)
@@ -422,4 +422,4 @@ def critical_batch_size(gns, geometry: str, rule: str = "fraction", kappa: float
                 "concave with no inflection point); use rule='fraction'"
             )
         return (16.0 / 9.0 if rule == "inflection" else 4.0) * g
-    raise ValueError(f"rule: expected one of 'fraction', 'inflection', 'efficiency', got {rule!r}")
+    raise ValueError(f"rule: expected one of {CBS_RULES}, got {rule!r}")
