@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from numbers import Real
 
 import torch
 
@@ -55,10 +56,20 @@ __all__ = [
 ]
 
 
+def _sample_count(name: str, R) -> int:
+    """A number of samples: an integer >= 2 (an integral float such as 4.0 is accepted)."""
+    ok = not isinstance(R, bool) and isinstance(R, Real) and math.isfinite(R) and int(R) == R and R >= 2
+    if not ok:
+        raise ValueError(f"{name}: expected an integer number of samples >= 2, got {R!r}")
+    return int(R)
+
+
 def c4(R: int | float) -> float:
     """c4(R) = E[sample standard deviation of R iid Gaussians] / sigma
     = sqrt(2/(R-1)) Gamma(R/2) / Gamma((R-1)/2).  R > 1 (real R allowed). c4(2) = sqrt(2/pi).
     """
+    if isinstance(R, bool) or not isinstance(R, Real):
+        raise TypeError(f"R: expected a finite number of samples > 1, got {R!r} ({type(R).__name__})")
     R = float(R)
     if not R > 1.0 or not math.isfinite(R):
         raise ValueError(f"R: expected a finite number of samples > 1, got {R}")
@@ -85,9 +96,7 @@ def l1_noise_factor(R: int) -> float:
     The l1 noise term ||s||_1^2 is multiplied by its square, 1/c4(R)^2 (1.571 at R = 2,
     1.073 at R = 8), which is what the controller's batch sizes scale by.
     """
-    if int(R) != R or R < 2:
-        raise ValueError(f"R: expected an integer number of samples >= 2, got {R}")
-    return 1.0 / c4(int(R))
+    return 1.0 / c4(_sample_count("R", R))
 
 
 def nuclear_dof(
@@ -110,8 +119,7 @@ def nuclear_dof(
                  mean of b outer products with isotropic x is a weighted Wishart whose
                  effective dof is (tr A)^2 / tr(A^2) = n b / (n + b), A = X^T X.
     """
-    if int(num_samples) != num_samples or num_samples < 2:
-        raise ValueError(f"num_samples: expected an integer >= 2, got {num_samples}")
+    num_samples = _sample_count("num_samples", num_samples)
     n = float(other_dim) if other_dim is not None else float(gram_dim)
     if isinstance(dof_per_sample, Tensor):
         return (num_samples - 1) * dof_per_sample.detach().to(torch.float64)
@@ -138,6 +146,8 @@ def _pair_sum(s: Tensor) -> Tensor:
     """sum_{i,j} s_i s_j / (s_i + s_j) over the last dim (0/0 := 0), in row blocks so the
     temporary stays below ~32 MB for any m and batch (vectorised within a block)."""
     m = s.shape[-1]
+    if m == 0:  # no eigenvalues: an empty sum
+        return s.new_zeros(s.shape[:-1])
     batch = max(1, s[..., 0].numel())
     rows = max(1, min(m, _PAIR_BLOCK_ELEMS // max(1, batch * m)))
     total = torch.zeros_like(s[..., 0])
@@ -167,11 +177,15 @@ def nuclear_sqrt_trace_corrected(
         tr(C_hat^{1/2}) / c4(nu / k + 1),  k = 4 nu beta(lambda_hat) / tr(C_hat^{1/2}),
     nu from nuclear_dof(...), beta as in the module docstring (second-order bias of the
     square-root trace under a Wishart model). Vectorised over leading dims, O(m^2) work per
-    matrix in row blocks (temporaries <= 4M elements), no host synchronisation. A zero C gives 0; NaN/inf propagate.
+    matrix in row blocks (temporaries <= 4M elements), no host synchronisation. A zero C
+    gives 0, and so does m = 0 (the empty matrix of a 0 x n gradient); NaN/inf propagate.
     """
     if not isinstance(eigvals, Tensor) or eigvals.dim() < 1:
         raise ValueError("eigvals: expected a tensor (..., m) of eigenvalues")
     m = eigvals.shape[-1]
+    if m == 0:  # the empty Gram of a 0 x n gradient: tr C^{1/2} = 0
+        _sample_count("num_samples", num_samples)
+        return eigvals.new_zeros(eigvals.shape[:-1], dtype=eigvals.dtype if eigvals.is_floating_point() else torch.float64)
     nu = nuclear_dof(num_samples, m, other_dim, batch_size, dof_per_sample, dof_model)
     lam = eigvals.detach().to(torch.float64)
     lam = torch.where(lam < 0, torch.zeros_like(lam), lam)  # clamp, NaN preserved

@@ -29,6 +29,10 @@ Rule (DESIGN.md "batch rule"; paper Algorithm 1 and eq. (var_ema_method)):
   then rounded *up* to a multiple of ``multiple_of`` and capped at ``max_batch_size``
   (the cap never takes B below B_k: B_k itself never exceeds the cap). Otherwise
   B_{k+1} = B_k. B is therefore non-decreasing.
+- A quotient beyond the float range (a tiny signal EMA: theta^2 M may even underflow to
+  0) counts as infinite: B_{k+1} = ``max_batch_size`` when one is set, else B_k is kept and
+  a WARNING is logged. theta itself must have a positive finite square (about
+  1e-154 < theta < 1e154; checked at construction).
 - ``ceil`` of a float quotient: N/(theta^2 M) for an exact integer target can come out as
   64.00000000001 in floating point (theta = 0.6 has no exact binary form). A quotient within
   1e-9 relative of an integer is taken as that integer before ``ceil``; this changes the
@@ -54,6 +58,9 @@ import math
 from numbers import Integral, Real
 from typing import Any
 
+from ._validation import check_int as _check_int
+from ._validation import check_real as _check_real
+
 __all__ = ["AdaptiveBatchSize"]
 
 logger = logging.getLogger("gns_kernels.controller")
@@ -64,21 +71,11 @@ _STATE_VERSION = 1
 _CEIL_RTOL = 1e-9
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
+def _optional_real(name: str, value: Any, lo: float, lo_open: bool) -> float | None:
+    """None, or a finite real number > lo (lo_open) / >= lo, as float; errors name it."""
+    if value is None:
+        return None
+    return _check_real(name, value, lo, lo_open=lo_open)
 
 
 def _ceil_tolerant(x: float) -> int:
@@ -87,6 +84,18 @@ def _ceil_tolerant(x: float) -> int:
     if abs(x - r) <= _CEIL_RTOL * max(1.0, abs(r)):
         return int(r)
     return int(math.ceil(x))
+
+
+def _target_batch(noise: float, signal: float, theta: float) -> float:
+    """N / (theta^2 M) for N >= 0, M > 0, theta^2 > 0, never dividing by zero.
+
+    theta^2 * M can underflow to 0 (e.g. M = 5e-324) and N / (theta^2 M) can overflow:
+    a quotient beyond the float range is returned as inf (0 when N = 0).
+    """
+    den = theta * theta * signal
+    if den > 0.0:
+        return noise / den  # a quotient beyond the float range comes out as inf
+    return math.inf if noise > 0.0 else 0.0
 
 
 class AdaptiveBatchSize:
@@ -125,9 +134,12 @@ class AdaptiveBatchSize:
         lr_scaling: str = "sqrt",
     ) -> None:
         self.initial_batch_size = _check_int("initial_batch_size", initial_batch_size, 1)
-        self.theta = _check_real("theta", theta)
-        if self.theta <= 0:
-            raise ValueError(f"theta must be > 0, got {theta}")
+        self.theta = _check_real("theta", theta, 0.0, lo_open=True)
+        if not (0.0 < self.theta * self.theta < math.inf):
+            raise ValueError(
+                f"theta: expected a value whose square is a positive finite float "
+                f"(about 1e-154 < theta < 1e154), got {theta!r}"
+            )
         self.beta_noise = _check_real("beta_noise", beta_noise)
         self.beta_signal = _check_real("beta_signal", beta_signal)
         for name, b in (("beta_noise", self.beta_noise), ("beta_signal", self.beta_signal)):
@@ -298,7 +310,7 @@ class AdaptiveBatchSize:
     def _decide(self, step: int) -> None:
         assert self._noise_ema is not None and self._signal_ema is not None
         old = self._batch_size
-        target = self._noise_ema / (self.theta * self.theta * self._signal_ema)
+        target = _target_batch(self._noise_ema, self._signal_ema, self.theta)
         self._target = target
         if math.isfinite(target):
             new = max(_ceil_tolerant(target), old)
@@ -369,6 +381,8 @@ class AdaptiveBatchSize:
         if missing:
             raise ValueError(f"state_dict is missing keys {missing}")
         saved = state_dict["config"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"state_dict['config']: expected a dict, got {type(saved).__name__}")
         if strict:
             mine = self._config()
             diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
@@ -378,18 +392,41 @@ class AdaptiveBatchSize:
                     f"state_dict configuration differs ({details}); construct the controller "
                     "with the saved settings or pass strict=False"
                 )
+        # check every entry before changing anything: a corrupt state leaves self as it was
         batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
         if batch % self.multiple_of:
             raise ValueError(f"state_dict['batch_size'] ({batch}) is not a multiple of {self.multiple_of}")
-        self._batch_size = batch
-        self._noise_ema = None if state_dict["noise_ema"] is None else float(state_dict["noise_ema"])
-        self._signal_ema = None if state_dict["signal_ema"] is None else float(state_dict["signal_ema"])
+        noise = _optional_real("state_dict['noise_ema']", state_dict["noise_ema"], 0.0, False)
+        signal = _optional_real("state_dict['signal_ema']", state_dict["signal_ema"], 0.0, True)
+        if (noise is None) != (signal is None):
+            raise ValueError(
+                "state_dict: noise_ema and signal_ema must both be None (nothing measured yet) "
+                f"or both numbers, got {noise!r} and {signal!r}"
+            )
         t = state_dict["target_batch_size"]
-        self._target = None if t is None else float(t)
-        self._last_step = state_dict["last_step"]
-        self._last_measured_step = state_dict["last_measured_step"]
-        self._num_measurements = int(state_dict["num_measurements"])
-        self._num_skipped = int(state_dict["num_skipped"])
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, Real) or math.isnan(t) or t < 0:
+                raise ValueError(
+                    f"state_dict['target_batch_size']: expected None or a number >= 0 (inf "
+                    f"allowed), got {t!r}"
+                )
+            t = float(t)
+        last = state_dict["last_step"]
+        last = None if last is None else _check_int("state_dict['last_step']", last, 0)
+        measured = state_dict["last_measured_step"]
+        if measured is not None:
+            measured = _check_int("state_dict['last_measured_step']", measured, 0)
+            if last is None or measured > last:
+                raise ValueError(
+                    f"state_dict['last_measured_step']: expected at most last_step ({last}), "
+                    f"got {measured}"
+                )
+        n_meas = _check_int("state_dict['num_measurements']", state_dict["num_measurements"], 0)
+        n_skip = _check_int("state_dict['num_skipped']", state_dict["num_skipped"], 0)
+        self._batch_size = batch
+        self._noise_ema, self._signal_ema, self._target = noise, signal, t
+        self._last_step, self._last_measured_step = last, measured
+        self._num_measurements, self._num_skipped = n_meas, n_skip
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self._config().items())

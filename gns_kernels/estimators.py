@@ -30,6 +30,8 @@ from typing import Sequence
 import torch
 
 from . import bias as _bias
+from ._validation import check_int
+from .ops import eager_variance_sums
 
 Tensor = torch.Tensor
 
@@ -45,7 +47,7 @@ __all__ = [
 GEOMETRIES = ("l2", "l1", "nuclear")
 # nuclear_dof='auto' estimates the dof from the data (O(R^2 m^2 n)) only below this cost
 _DATA_DOF_MAX_FLOPS = 2e10
-CBS_RULES = ("fraction", "inflection", "efficiency")
+CBS_RULES = ("fraction", "inflection", "efficiency")  # the rules of critical_batch_size
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,15 @@ class GNSEstimate:
     """One GNS measurement.
 
     gns = noise / signal (examples). noise, signal: as in the module docstring (noise bias
-    corrected when bias_corrected). valid: False when any statistic is non-finite or the
-    signal is <= 0; then gns, noise and signal are nan (never a finite number a controller
+    corrected when bias_corrected). valid: False when any statistic is non-finite, the
+    signal is <= 0 or noise / signal overflows; then gns, noise and signal are nan (never a finite number a controller
     could swallow). signal_unbiased: l2 only, signal - noise / B, an unbiased estimate of
     ||grad L||_2^2 (nan when invalid); None for l1 and nuclear (no unbiased estimator of
     |mu| exists for a Gaussian mean; see docs/estimators.md). noise_raw: the paper's
     uncorrected noise (equal to noise when bias_corrected is False; None if not known).
+    step: the optimizer step the samples were measured at, when the producer knows it
+    (None otherwise); AdaptiveBatchSize.update skips an estimate whose step differs from
+    the step it is given (a stale measurement).
     """
 
     gns: float
@@ -71,6 +76,7 @@ class GNSEstimate:
     batch_size: float
     bias_corrected: bool
     noise_raw: float | None = None
+    step: int | None = None
 
     @property
     def gns_unbiased_signal(self) -> float | None:
@@ -127,6 +133,8 @@ def estimate_from_stats(
     batch_size: float,
     bias_correction: bool = True,
     noise_uncorrected_sum=None,
+    *,
+    step: int | None = None,
 ) -> GNSEstimate:
     """Build a GNSEstimate from reduced statistics (used by estimate() and the hooks).
 
@@ -139,21 +147,27 @@ def estimate_from_stats(
     bias_correction=True) when bias_correction is True, and optionally the uncorrected sum
     as noise_uncorrected_sum (recorded as noise_raw). For 'l1' this function applies the
     factor 1/c4(R) to ||s||_1 when bias_correction is True. Then noise/signal are squared
-    for l1/nuclear. Validity: any non-finite statistic, a negative noise or a signal <= 0
-    gives valid=False with gns, noise, signal = nan.
+    for l1/nuclear. Validity: any non-finite statistic, a negative noise, a signal <= 0, a
+    negative l1 / nuclear sum (a sum of norms) or a GNS beyond the float range gives
+    valid=False with gns, noise, signal = nan. step: recorded as GNSEstimate.step.
     """
     _check_geometry(geometry)
     R, B = _check_counts(num_samples, batch_size)
+    if step is not None:
+        step = check_int("step", step, 0)
     if not isinstance(bias_correction, bool):
         raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
     n = _as_float(noise_raw_sum)
     s = _as_float(signal_raw_sum)
     n_unc = _as_float(noise_uncorrected_sum) if noise_uncorrected_sum is not None else None
+    if geometry != "l2" and (n < 0 or s < 0 or (n_unc is not None and n_unc < 0)):
+        # l1 / nuclear sums are sums of norms: a negative one is corrupt, not a signal
+        n = s = math.nan
     if geometry == "l2":
         noise, signal, noise_raw = n, s, n
     elif geometry == "l1":
         factor = _bias.l1_noise_factor(R) if bias_correction else 1.0
-        noise, signal, noise_raw = (n * factor) ** 2, s * s, n * n
+        noise, signal, noise_raw = (n * factor) * (n * factor), s * s, n * n
     else:
         noise, signal = n * n, s * s
         if bias_correction:
@@ -170,10 +184,23 @@ def estimate_from_stats(
     if not valid:
         nan = math.nan
         return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
-                           geometry, R, B, bias_correction, nan)
+                           geometry, R, B, bias_correction, nan, step)
+    gns = noise / signal
     sig_unb = signal - noise / B if geometry == "l2" else None
-    return GNSEstimate(noise / signal, noise, signal, True, sig_unb, geometry, R, B,
-                       bias_correction, noise_raw)
+    if not math.isfinite(gns):  # signal so small that the quotient overflows
+        nan = math.nan
+        return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
+                           geometry, R, B, bias_correction, nan, step)
+    return GNSEstimate(gns, noise, signal, True, sig_unb, geometry, R, B,
+                       bias_correction, noise_raw, step)
+
+
+def _check_real_tensor(name: str, t: Tensor) -> None:
+    """A real (floating or integer, not bool/complex) tensor with data (not on meta)."""
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name}: expected a real floating-point tensor, got dtype {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data (CPU or CUDA), got device meta")
 
 
 def _normalise_samples(rank_grads) -> list[list[Tensor]]:
@@ -191,6 +218,7 @@ def _normalise_samples(rank_grads) -> list[list[Tensor]]:
         for p, t in enumerate(params):
             if not isinstance(t, Tensor):
                 raise ValueError(f"rank_grads[{j}][{p}]: expected a tensor, got {type(t).__name__}")
+            _check_real_tensor(f"rank_grads[{j}][{p}]", t)
         out.append(params)
     if len(out) < 2:
         raise ValueError(f"rank_grads: expected at least 2 samples for a variance, got {len(out)}")
@@ -204,6 +232,11 @@ def _normalise_samples(rank_grads) -> list[list[Tensor]]:
                 "every sample must hold the same parameters"
             )
         for p, t in enumerate(params):
+            if t.device != out[0][0].device:
+                raise ValueError(
+                    f"rank_grads[{j}][{p}]: expected device {out[0][0].device} like "
+                    f"rank_grads[0][0], got {t.device}"
+                )
             if t.shape != out[0][p].shape:
                 raise ValueError(
                     f"rank_grads[{j}][{p}]: shape {tuple(t.shape)} differs from "
@@ -224,6 +257,8 @@ def _normalise_shift(shift, first: list[Tensor]) -> list[Tensor | None]:
         if s is not None and (not isinstance(s, Tensor) or s.shape != t.shape):
             got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
             raise ValueError(f"shift[{p}]: expected None or a tensor of shape {tuple(t.shape)}, got {got}")
+        if s is not None:
+            _check_real_tensor(f"shift[{p}]", s)
     return shifts
 
 
@@ -256,10 +291,17 @@ def estimate(
       'auto': 'data' when R >= 4 and the matrix is small enough (R^2 m^2 n <= 2e10
       multiply-adds, m <= n its sides), else 'columns'. 'rank_one': (R-1) * n b / (n + b).
     shift: None, or one tensor (or None) per parameter, identical for all samples (e.g. the
-      momentum buffer); the variance is computed from g^j - S, exact in exact arithmetic and
-      far more accurate in float32 when S is close to g.
-    dtype: arithmetic of the statistics (subtraction formula, as the fused ops use).
-    Returns GNSEstimate; non-finite gradients give valid=False.
+      momentum buffer). The statistics are computed from x^j = g^j - S. In exact arithmetic
+      S changes nothing; in floating point it changes only rounding: the variance is the
+      centered two-pass form mean_j (x^j - mean x)^2 (no cancellation), whose relative
+      rounding error is about eps * |g - S| / sigma (sigma the per-coordinate standard
+      deviation of the samples), so a shift close to g helps in float32 and a shift far
+      from g (|S| >> |g|) costs accuracy.
+    dtype: arithmetic of the statistics (float64 by default).
+    Returns GNSEstimate; non-finite gradients give valid=False. On CPU the result does not
+    depend on the number of threads (torch.set_num_threads) for 'l2' and 'l1' (sums in a
+    fixed order); 'nuclear' uses BLAS/LAPACK (matmul, eigvalsh, svdvals), whose last bits
+    may.
     """
     _check_geometry(geometry)
     samples = _normalise_samples(rank_grads)
@@ -281,31 +323,29 @@ def estimate(
         return x - S, S
 
     if geometry in ("l2", "l1"):
-        noise_sum = None
-        signal_sum = None
+        sums = torch.zeros(4, dtype=dtype)
         for p in range(n_params):
             x, S = shifted(p)
             d = x.mean(dim=0)
-            q = (x * x).mean(dim=0)
-            s2 = scale * (q - d * d)
-            s2 = torch.where(s2 < 0, torch.zeros_like(s2), s2)  # NaN stays NaN
+            v = (x - d).square().mean(dim=0)  # centered two-pass variance: no cancellation
             g = d if S is None else d + S
-            if geometry == "l2":
-                nt, st = s2.sum(), (g * g).sum()
-            else:
-                nt, st = s2.sqrt().sum(), g.abs().sum()
-            noise_sum = nt if noise_sum is None else noise_sum + nt
-            signal_sum = st if signal_sum is None else signal_sum + st
-        return estimate_from_stats(geometry, noise_sum, signal_sum, R, B, bias_correction)
+            sums = sums + eager_variance_sums(scale * v, g, dtype).cpu()
+        if geometry == "l2":
+            return estimate_from_stats(geometry, sums[2], sums[3], R, B, bias_correction)
+        return estimate_from_stats(geometry, sums[0], sums[1], R, B, bias_correction)
 
     if nuclear_dof not in ("auto", "data", "columns", "rank_one"):
         raise ValueError(f"nuclear_dof: expected 'auto', 'data', 'columns' or 'rank_one', got {nuclear_dof!r}")
     if nuclear_dof == "data" and R < 4:
         raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
     auto = nuclear_dof == "auto"
-    mats = [p for p in range(n_params) if samples[0][p].dim() == 2]
+    # a 0 x n matrix adds nothing to either sum (tr C^{1/2} = ||G||_S1 = 0): skipped
+    mats = [p for p in range(n_params) if samples[0][p].dim() == 2 and samples[0][p].numel() > 0]
     if not mats:
-        raise ValueError("rank_grads: geometry 'nuclear' needs at least one 2-D tensor per sample")
+        raise ValueError(
+            "rank_grads: geometry 'nuclear' needs at least one non-empty 2-D tensor per sample "
+            "(0 x n matrices hold nothing and are skipped)"
+        )
     noise_sum, noise_unc, signal_sum = 0.0, 0.0, 0.0
     for p in mats:
         x, S = shifted(p)
@@ -315,8 +355,8 @@ def estimate(
             S = None if S is None else S.mT
             m, n = n, m
         d = x.mean(dim=0)
-        A = (x @ x.mT).mean(dim=0)
-        C = scale * (A - d @ d.mT)
+        y = x - d  # centered: C = B/(R-1) mean_j y_j y_j^T, free of the A - d d^T cancellation
+        C = scale * (y @ y.mT).mean(dim=0)
         if not bool(torch.isfinite(C).all()):
             ev = torch.full((m,), math.nan, dtype=dtype, device=C.device)
         else:
@@ -362,7 +402,10 @@ def critical_batch_size(gns, geometry: str, rule: str = "fraction", kappa: float
     _check_geometry(geometry)
     if isinstance(gns, GNSEstimate):
         gns = gns.gns
-    g = float(gns)
+    try:
+        g = float(gns)
+    except (TypeError, ValueError):
+        raise ValueError(f"gns: expected a number or a GNSEstimate, got {gns!r}") from None
     if g < 0:
         raise ValueError(f"gns: expected a non-negative noise scale, got {g}")
     if rule == "fraction":
@@ -379,4 +422,4 @@ def critical_batch_size(gns, geometry: str, rule: str = "fraction", kappa: float
                 "concave with no inflection point); use rule='fraction'"
             )
         return (16.0 / 9.0 if rule == "inflection" else 4.0) * g
-    raise ValueError(f"rule: expected one of 'fraction', 'inflection', 'efficiency', got {rule!r}")
+    raise ValueError(f"rule: expected one of {CBS_RULES}, got {rule!r}")

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ._validation import check_real
+
 __all__ = ["LRMultiplier", "warmup_cosine"]
 
 
@@ -40,6 +42,10 @@ def warmup_cosine(t: float, total: float, warmup: float = 0.0, min_ratio: float 
         else:        min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2,
                      p = min((t - warmup) / (total - warmup), 1)
     """
+    t = check_real("warmup_cosine: t", t)
+    total = check_real("warmup_cosine: total", total)
+    warmup = check_real("warmup_cosine: warmup", warmup)
+    min_ratio = check_real("warmup_cosine: min_ratio", min_ratio)
     if total <= 0:
         raise ValueError(f"warmup_cosine: total must be > 0, got {total}")
     if not 0 <= warmup < total:
@@ -85,9 +91,7 @@ class LRMultiplier:
 
     def set_multiplier(self, multiplier: float) -> None:
         """lr = scheduled_lr * multiplier in every group (no scheduler step)."""
-        multiplier = float(multiplier)
-        if not math.isfinite(multiplier) or multiplier <= 0:
-            raise ValueError(f"LRMultiplier: multiplier must be finite and > 0, got {multiplier}")
+        multiplier = check_real("LRMultiplier: multiplier", multiplier, 0.0, lo_open=True)
         self.multiplier = multiplier
         for group in self._groups():
             group["lr"] = group["scheduled_lr"] * multiplier
@@ -95,9 +99,10 @@ class LRMultiplier:
     def step(self, multiplier: float | None = None) -> None:
         """Step the schedulers on the scheduled (un-multiplied) rates, then apply
         `multiplier` (None: keep the current one)."""
-        multiplier = self.multiplier if multiplier is None else float(multiplier)
-        if not math.isfinite(multiplier) or multiplier <= 0:
-            raise ValueError(f"LRMultiplier: multiplier must be finite and > 0, got {multiplier}")
+        if multiplier is not None:
+            multiplier = check_real("LRMultiplier: multiplier", multiplier, 0.0, lo_open=True)
+        else:
+            multiplier = self.multiplier
         for group in self._groups():
             group["lr"] = group["scheduled_lr"]
         for sched in self.schedulers:
@@ -116,4 +121,8 @@ class LRMultiplier:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore omega. Load the optimizers' state first (it holds scheduled_lr)."""
+        if not isinstance(state, dict) or "multiplier" not in state:
+            raise ValueError(
+                f"state: expected a dict with key 'multiplier' from state_dict(), got {state!r}"
+            )
         self.set_multiplier(state["multiplier"])

@@ -20,7 +20,9 @@ The ops (see docs/fused_ops.md; float64 oracle in gns_kernels.reference):
 - ``accumulate_sq_multi(grads, prevs, sqs) -> None``: accumulate_sq over lists, one call.
 
 Inputs are flat-viewed (only numel matters), contiguous, float32 / bfloat16 / float16;
-results accumulate in float32 or wider.
+results accumulate in float32 or wider. No output (out, prev, sq) may share memory with
+another argument of the call, across whole lists for the _multi ops (ValueError naming
+both, before anything is written); inputs may share memory.
 
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
 - "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
@@ -38,6 +40,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import _validation as _v
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -51,7 +55,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "cpp", "triton", "eager")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ENV = "GNS_KERNELS_BACKEND"
 
 # --------------------------------------------------------------------------------------
@@ -87,27 +90,76 @@ def _require_cpp() -> None:
 
 
 # Fake (meta) kernels: output shapes/dtypes for torch.compile, FakeTensor and opcheck.
+# They validate their arguments like the real kernels: the dispatcher also routes a direct
+# call with tensors on two devices (e.g. CPU and meta) here, which must raise, not return
+# uninitialised memory or silently do nothing.
+def _check_vn_lists(mean_grads, mean_sqs, shifts, *, empty_shifts_ok: bool) -> list:
+    """Validate the list arguments of variance_norms_multi; returns one shift per tensor.
+
+    empty_shifts_ok: the op's schema form, where an empty list means "no shift at all".
+    """
+    mean_grads = _v.check_list("mean_grads", mean_grads)
+    mean_sqs = _v.check_list("mean_sqs", mean_sqs)
+    if len(mean_sqs) != len(mean_grads):
+        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
+    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
+        shifts = [None] * len(mean_grads)
+    shifts = _v.check_list("shifts", shifts)
+    if len(shifts) != len(mean_grads):
+        raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
+    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
+        _v.check_vn(d, q, shifts[i], suffix=f"s[{i}]")
+    _v.common_device("mean_grads", mean_grads)
+    return shifts
+
+
+def _check_acc_lists(grads, prevs, sqs) -> None:
+    """Validate the list arguments of accumulate_sq_multi (sizes, dtypes, one device)."""
+    grads = _v.check_list("grads", grads)
+    prevs = _v.check_list("prevs", prevs)
+    sqs = _v.check_list("sqs", sqs)
+    for name, xs in (("prevs", prevs), ("sqs", sqs)):
+        if len(xs) != len(grads):
+            raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
+    for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
+        _v.check_acc(g, p, s, suffix=f"s[{i}]")
+    _v.common_device("grads", grads)
+
+
+def _acc_overlap(grads: list, prevs: list, sqs: list) -> None:
+    """No prevs[i] / sqs[i] shares memory with any other argument of the whole call."""
+    _v.check_no_overlap(
+        [(f"prevs[{i}]", p) for i, p in enumerate(prevs)] + [(f"sqs[{i}]", s) for i, s in enumerate(sqs)],
+        [(f"grads[{i}]", g) for i, g in enumerate(grads)],
+    )
+
+
 if _C is not None:
 
     @torch.library.register_fake("gns_kernels::variance_norms")
     def _variance_norms_fake(mean_grad, mean_sq, scale, shift=None):
+        _v.check_vn(mean_grad, mean_sq, shift)
         return mean_grad.new_empty(4, dtype=torch.float32)
 
     @torch.library.register_fake("gns_kernels::variance_norms_multi")
     def _variance_norms_multi_fake(mean_grads, mean_sqs, scale, shifts):
         torch._check(len(mean_grads) > 0, lambda: "mean_grads: expected a non-empty list")
+        _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=True)
         return mean_grads[0].new_empty(4, dtype=torch.float32)
 
     @torch.library.register_fake("gns_kernels::square_pack")
     def _square_pack_fake(grad, out, shift=None):
+        _v.check_square_pack(grad, out, shift)
         return None
 
     @torch.library.register_fake("gns_kernels::accumulate_sq")
     def _accumulate_sq_fake(grad, prev, sq):
+        _v.check_acc(grad, prev, sq)
         return None
 
     @torch.library.register_fake("gns_kernels::accumulate_sq_multi")
     def _accumulate_sq_multi_fake(grads, prevs, sqs):
+        _check_acc_lists(grads, prevs, sqs)
         return None
 
 
@@ -194,89 +246,52 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Argument validation (the C++ kernels check again, with the same messages)
-# --------------------------------------------------------------------------------------
-def _check_tensor(name: str, t, allowed=_FLOAT_DTYPES) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}; got {str(t.dtype).replace('torch.', '')}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
-
-
-def _check_like(name: str, t: Tensor, ref_name: str, ref: Tensor, numel: Optional[int] = None) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
-    want = ref.numel() if numel is None else numel
-    if t.numel() != want:
-        raise ValueError(f"{name}: expected {want} elements (like {ref_name}), got {t.numel()}")
-
-
-def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}")
-    return float(scale)
-
-
-def _check_vn(mean_grad, mean_sq, shift, suffix: str = "") -> None:
-    """suffix: "" for the single-tensor op, "s[i]" for element i of the _multi lists."""
-    ng, nq, ns = (f"mean_grad{suffix}", f"mean_sq{suffix}", f"shift{suffix}")
-    _check_tensor(ng, mean_grad)
-    _check_tensor(nq, mean_sq)
-    if mean_sq.dtype != mean_grad.dtype:
-        raise TypeError(f"{nq}: expected dtype {mean_grad.dtype} like {ng}, got {mean_sq.dtype}")
-    _check_like(nq, mean_sq, ng, mean_grad)
-    if shift is not None:
-        _check_tensor(ns, shift)
-        _check_like(ns, shift, ng, mean_grad)
-
-
-def _check_acc(grad, prev, sq, suffix: str = "") -> None:
-    ng, npv, nsq = (f"grad{suffix}", f"prev{suffix}", f"sq{suffix}")
-    _check_tensor(ng, grad)
-    _check_tensor(npv, prev)
-    if prev.dtype not in (grad.dtype, torch.float32):
-        raise TypeError(f"{npv}: expected dtype {grad.dtype} (like {ng}) or float32, got {prev.dtype}")
-    _check_tensor(nsq, sq, allowed=(torch.float32,))
-    _check_like(npv, prev, ng, grad)
-    _check_like(nsq, sq, ng, grad)
-
-
-def _check_list(name: str, xs) -> list:
-    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name}: expected a list of tensors, got {type(xs).__name__}")
-    return list(xs)
-
-
-def _common_device(name: str, tensors: list) -> torch.device:
-    if not tensors:
-        return torch.device("cpu")
-    dev = tensors[0].device
-    for i, t in enumerate(tensors):
-        if t.device != dev:
-            raise ValueError(f"{name}[{i}]: expected device {dev} like {name}[0], got {t.device}")
-    return dev
-
-
-# --------------------------------------------------------------------------------------
 # Eager composite formulas (any device; allocate temporaries)
 # --------------------------------------------------------------------------------------
+_SUM_CHUNK = 4096
+
+
+def fixed_order_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """sum(x) in ``dtype`` (0-d tensor), added in an order independent of the thread count.
+
+    torch's full reduction splits its work by the number of threads, so its last bits
+    change with torch.set_num_threads. Here rows of _SUM_CHUNK elements are summed with one
+    row per output (each output is reduced by one thread, in a fixed order), repeatedly,
+    until at most _SUM_CHUNK partials are left, which one thread sums.
+    """
+    x = x.reshape(-1).to(dtype)
+    while x.numel() > _SUM_CHUNK:
+        k = x.numel() // _SUM_CHUNK
+        head = x[: k * _SUM_CHUNK].view(k, _SUM_CHUNK).sum(dim=1)
+        tail = x[k * _SUM_CHUNK:]
+        x = torch.cat([head, tail.sum().reshape(1)]) if tail.numel() else head
+    return x.sum()
+
+
+def eager_variance_sums(s2: Tensor, g: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """[sum sqrt(s2), sum |g|, sum s2, sum g^2] as a Tensor[4] of ``dtype``.
+
+    The l1 / l2 sums of the variance ops. s2: per-coordinate variance of one example's
+    gradient (any shape; negative entries, from rounding, count as 0; NaN stays NaN);
+    g: the mean gradient (same numel). This is the one eager form of these sums, shared by
+    the ops' "eager" backend and gk.estimate (the fused kernels compute the same sums in one
+    pass; gns_kernels.reference is the independent float64 oracle). Summed in ``dtype``
+    with fixed_order_sum (the same bits for any number of CPU threads).
+    """
+    s2 = s2.reshape(-1)
+    g = g.reshape(-1)
+    s2 = torch.where(s2 < 0, torch.zeros_like(s2), s2)  # NaN stays NaN
+    return torch.stack(
+        [fixed_order_sum(s2.sqrt(), dtype), fixed_order_sum(g.abs(), dtype),
+         fixed_order_sum(s2, dtype), fixed_order_sum(g * g, dtype)]
+    )
+
+
 def _eager_vn_terms(mean_grad: Tensor, mean_sq: Tensor, scale: float, shift: Optional[Tensor]) -> Tensor:
     d = mean_grad.reshape(-1).float()
     q = mean_sq.reshape(-1).float()
     g = d if shift is None else d + shift.reshape(-1).float()
-    s2 = scale * (q - d * d)
-    s2 = torch.where(s2 < 0, torch.zeros_like(s2), s2)  # NaN stays NaN
-    return torch.stack(
-        [
-            s2.sqrt().sum(dtype=torch.float64),
-            g.abs().sum(dtype=torch.float64),
-            s2.sum(dtype=torch.float64),
-            (g * g).sum(dtype=torch.float64),
-        ]
-    )
+    return eager_variance_sums(scale * (q - d * d), g)
 
 
 def _eager_square_pack(grad: Tensor, out: Tensor, shift: Optional[Tensor]) -> Tensor:
@@ -312,8 +327,8 @@ def variance_norms(
     (mean_sq the dtype of mean_grad; shift any of the three). g = d + S (d without shift),
     s2 = max(scale * (q - d^2), 0) with NaN kept, s = sqrt(s2). Shapes: any, flattened.
     """
-    _check_vn(mean_grad, mean_sq, shift)
-    scale = _check_scale(scale)
+    _v.check_vn(mean_grad, mean_sq, shift)
+    scale = _v.check_scale(scale)
     b = _resolve(backend, mean_grad.device, "variance_norms")
     if b == "cpp":
         return torch.ops.gns_kernels.variance_norms(mean_grad, mean_sq, scale, shift)
@@ -330,19 +345,16 @@ def square_pack(
     grad, shift: n elements, contiguous, float32/bfloat16/float16. out: float32, contiguous,
     2n elements: out[:n] = x, out[n:] = x^2 (computed in float32).
     """
-    _check_tensor("grad", grad)
-    _check_tensor("out", out, allowed=(torch.float32,))
-    _check_like("out", out, "grad (2x)", grad, numel=2 * grad.numel())
-    if shift is not None:
-        _check_tensor("shift", shift)
-        _check_like("shift", shift, "grad", grad)
+    _v.check_square_pack(grad, out, shift)
     b = _resolve(backend, grad.device, "square_pack")
+    # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.square_pack(grad, out, shift)
         return out
     if b == "triton":
         _triton_fused().square_pack(grad, out, shift)
         return out
+    _v.check_no_overlap([("out", out)], [("grad", grad), ("shift", shift)])
     return _eager_square_pack(grad, out, shift)
 
 
@@ -352,13 +364,15 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor, *, backend: Optional[s
     grad: float32/bfloat16/float16; prev: grad's dtype or float32; sq: float32;
     all contiguous with the same numel; d and d^2 computed in float32.
     """
-    _check_acc(grad, prev, sq)
+    _v.check_acc(grad, prev, sq)
     b = _resolve(backend, grad.device, "accumulate_sq")
+    # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq(grad, prev, sq)
     elif b == "triton":
         _triton_fused().accumulate_sq(grad, prev, sq)
     else:
+        _v.check_no_overlap([("prev", prev), ("sq", sq)], [("grad", grad)])
         _eager_accumulate_sq(grad, prev, sq)
 
 
@@ -375,21 +389,11 @@ def variance_norms_multi(
     shifts: None, or a list as long as mean_grads (entries may be None: no shift there).
     Returns float32 Tensor[4] (zeros for empty lists), on the tensors' device (CPU if empty).
     """
-    mean_grads = _check_list("mean_grads", mean_grads)
-    mean_sqs = _check_list("mean_sqs", mean_sqs)
-    if len(mean_sqs) != len(mean_grads):
-        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
-    if shifts is not None:
-        shifts = _check_list("shifts", shifts)
-        if len(shifts) != len(mean_grads):
-            raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
-    scale = _check_scale(scale)
-    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
-        _check_vn(d, q, None if shifts is None else shifts[i], suffix=f"s[{i}]")
-    dev = _common_device("mean_grads", mean_grads)
-    _common_device("mean_sqs", mean_sqs)
-    if shifts is not None:
-        _common_device("shifts", [s for s in shifts if s is not None])
+    scale = _v.check_scale(scale)
+    shifts_list = _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=False)
+    mean_grads, mean_sqs = list(mean_grads), list(mean_sqs)
+    shifts = None if shifts is None else shifts_list
+    dev = _v.common_device("mean_grads", mean_grads)
     b = _resolve(backend, dev, "variance_norms_multi")
     if not mean_grads:  # nothing to dispatch on: the sums are zero
         return torch.zeros(4, dtype=torch.float32, device=dev)
@@ -416,24 +420,18 @@ def accumulate_sq_multi(
     backend: Optional[str] = None,
 ) -> None:
     """accumulate_sq over lists of tensors in one call (in place on prevs and sqs)."""
-    grads = _check_list("grads", grads)
-    prevs = _check_list("prevs", prevs)
-    sqs = _check_list("sqs", sqs)
-    for name, xs in (("prevs", prevs), ("sqs", sqs)):
-        if len(xs) != len(grads):
-            raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
-    for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
-        _check_acc(g, p, s, suffix=f"s[{i}]")
-    dev = _common_device("grads", grads)
-    _common_device("prevs", prevs)
-    _common_device("sqs", sqs)
+    _check_acc_lists(grads, prevs, sqs)
+    grads, prevs, sqs = list(grads), list(prevs), list(sqs)
+    dev = _v.common_device("grads", grads)
     b = _resolve(backend, dev, "accumulate_sq_multi")
     if not grads:
         return
+    # memory overlap across the lists: the C++ kernels and the Triton launchers check it
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq_multi(grads, prevs, sqs)
     elif b == "triton":
         _triton_fused().accumulate_sq_multi(grads, prevs, sqs)
     else:
+        _acc_overlap(grads, prevs, sqs)
         for g, p, s in zip(grads, prevs, sqs):
             _eager_accumulate_sq(g, p, s)

@@ -196,8 +196,9 @@ def nuclear_stats(
 ) -> tuple[Tensor, Tensor]:
     """Per layer: (tr(C_l^{1/2}) raw, ||G_l||_S1). samples_per_layer[l] = R matrices of layer l.
 
-    Uses the subtraction form C = B/(R-1) (mean_j (G^j-S)(G^j-S)^T - (G-S)(G-S)^T), which a
-    shift S does not change in exact arithmetic (the two-pass row_covariance is used here).
+    C is computed by the two-pass row_covariance (deviations from the mean), which equals
+    the subtraction form B/(R-1) (mean_j (G^j-S)(G^j-S)^T - (G-S)(G-S)^T) for any shift S
+    in exact arithmetic and has no cancellation in floating point.
     """
     noise, signal = [], []
     for l, samples in enumerate(samples_per_layer):

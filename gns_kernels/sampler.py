@@ -24,13 +24,12 @@ import math
 
 import numpy as np
 
+from ._validation import check_int as _check_int
+
 __all__ = ["plan_split", "AdaptiveBatchSampler"]
 
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+_STATE_KEYS = ("num_samples", "num_replicas", "seed", "shuffle", "epoch", "position",
+               "samples_seen", "steps", "batch_size", "max_local_batch", "min_accum_steps")
 
 
 def plan_split(batch_size: int, num_replicas: int = 1, max_local_batch: int | None = None,
@@ -158,15 +157,34 @@ class AdaptiveBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position. The dataset size, seed and shuffle must match
         (another order would silently repeat or skip samples); the rank count may differ
-        as long as the saved batch size splits across the new ranks."""
+        as long as the saved batch size splits across the new ranks.
+
+        Every entry is checked before anything is changed: a state that is not a dict,
+        lacks a key or holds a value of the wrong type or range raises (naming the key) and
+        leaves this sampler as it was.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state: expected a dict from state_dict(), got {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"state: missing keys {missing}")
         for key in ("num_samples", "seed", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler has "
                                  f"{getattr(self, key)!r}; cannot resume at the same position")
-        self.max_local_batch = state["max_local_batch"]
-        self.min_accum_steps = state["min_accum_steps"]
-        self.set_batch_size(state["batch_size"])
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self.samples_seen = int(state["samples_seen"])
-        self.steps = int(state["steps"])
+        max_local = state["max_local_batch"]
+        if max_local is not None:
+            max_local = _check_int("state['max_local_batch']", max_local, 1)
+        min_accum = _check_int("state['min_accum_steps']", state["min_accum_steps"], 1)
+        batch = _check_int("state['batch_size']", state["batch_size"], 1)
+        accum, micro = plan_split(batch, self.num_replicas, max_local, min_accum)
+        epoch = _check_int("state['epoch']", state["epoch"], 0)
+        position = _check_int("state['position']", state["position"], 0)
+        if position >= self.num_samples:
+            raise ValueError(f"state['position']: expected an int in [0, {self.num_samples}), got {position}")
+        samples_seen = _check_int("state['samples_seen']", state["samples_seen"], 0)
+        steps = _check_int("state['steps']", state["steps"], 0)
+        self.max_local_batch, self.min_accum_steps = max_local, min_accum
+        self.accum_steps, self.micro_batch_size, self.batch_size = accum, micro, batch
+        self.epoch, self.position = epoch, position
+        self.samples_seen, self.steps = samples_seen, steps

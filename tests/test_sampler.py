@@ -43,11 +43,15 @@ def test_plan_split_properties_exhaustive():
     (dict(batch_size=8, num_replicas=0), "ranks"),
     (dict(batch_size=8, num_replicas=2, max_local_batch=0), "max_local_batch"),
     (dict(batch_size=4, num_replicas=2, min_accum_steps=3), "micro-batches"),
-    (dict(batch_size=8.0, num_replicas=2), "batch_size"),
 ])
 def test_plan_split_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_split(**kwargs)
+
+
+def test_plan_split_non_integer_is_a_type_error():
+    with pytest.raises(TypeError, match="batch_size: expected an int"):
+        plan_split(batch_size=8.0, num_replicas=2)
 
 
 def _ranks(R, **kw):

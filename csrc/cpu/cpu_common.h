@@ -12,6 +12,7 @@
 #include <string>
 
 #include "gns_math.h"
+#include "overlap.h"
 
 // Hot loops are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time
 // (GCC function multiversioning), so one build is both fast and portable. The loops are
@@ -113,18 +114,6 @@ inline void check_numel(const at::Tensor& t, const std::string& name, int64_t wa
                         const std::string& like) {
   TORCH_CHECK_VALUE(t.numel() == want, name, ": expected ", want, " elements (like ", like, "), got ",
                     t.numel());
-}
-
-// The kernels read and write through __restrict__ pointers: an output must not share
-// memory with another argument of the same call.
-inline void check_no_overlap(const at::Tensor& a, const std::string& a_name, const at::Tensor& b,
-                             const std::string& b_name) {
-  if (a.numel() == 0 || b.numel() == 0) return;
-  const char* a0 = static_cast<const char*>(a.data_ptr());
-  const char* b0 = static_cast<const char*>(b.data_ptr());
-  const char* a1 = a0 + a.numel() * a.element_size();
-  const char* b1 = b0 + b.numel() * b.element_size();
-  TORCH_CHECK_VALUE(a1 <= b0 || b1 <= a0, a_name, ": must not share memory with ", b_name);
 }
 
 }  // namespace gns_cpu

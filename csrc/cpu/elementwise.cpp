@@ -39,9 +39,12 @@ void square_pack_cpu(const at::Tensor& grad, const at::Tensor& out, const c10::o
   if (has_shift) {
     check_input(*shift, "shift");
     check_numel(*shift, "shift", n, "grad");
-    check_no_overlap(out, "out", *shift, "shift");
   }
-  check_no_overlap(out, "out", grad, "grad");
+  std::vector<gns::Span> spans;
+  gns::add_span(spans, out, "out", true);
+  gns::add_span(spans, grad, "grad", false);
+  if (has_shift) gns::add_span(spans, *shift, "shift", false);
+  gns::check_no_overlap(std::move(spans));
   SquarePackFn fn = nullptr;
   dispatch_float(grad.scalar_type(), [&](auto gtag) {
     using T = decltype(gtag);
@@ -89,8 +92,10 @@ struct AccTensor {
   AccFn fn;
 };
 
+// Validates one (grad, prev, sq) triple and adds its memory to spans (prev and sq are
+// outputs); the caller checks the spans of the whole call for overlap.
 AccTensor make_acc_tensor(const at::Tensor& grad, const at::Tensor& prev, const at::Tensor& sq,
-                          const std::string& suffix) {
+                          const std::string& suffix, std::vector<gns::Span>& spans) {
   const std::string ng = "grad" + suffix, np = "prev" + suffix, ns = "sq" + suffix;
   check_input(grad, ng);
   check_input(prev, np);
@@ -100,9 +105,9 @@ AccTensor make_acc_tensor(const at::Tensor& grad, const at::Tensor& prev, const 
   check_float32(sq, ns);
   check_numel(prev, np, grad.numel(), ng);
   check_numel(sq, ns, grad.numel(), ng);
-  check_no_overlap(prev, np, grad, ng);
-  check_no_overlap(sq, ns, grad, ng);
-  check_no_overlap(sq, ns, prev, np);
+  gns::add_span(spans, grad, ng, false);
+  gns::add_span(spans, prev, np, true);
+  gns::add_span(spans, sq, ns, true);
   AccTensor t;
   t.g = grad.data_ptr();
   t.p = prev.data_ptr();
@@ -138,7 +143,10 @@ void run_accumulate_sq(const std::vector<AccTensor>& ts) {
 }
 
 void accumulate_sq_cpu(const at::Tensor& grad, const at::Tensor& prev, const at::Tensor& sq) {
-  run_accumulate_sq({make_acc_tensor(grad, prev, sq, "")});
+  std::vector<gns::Span> spans;
+  const AccTensor t = make_acc_tensor(grad, prev, sq, "", spans);
+  gns::check_no_overlap(std::move(spans));
+  run_accumulate_sq({t});
 }
 
 void accumulate_sq_multi_cpu(at::TensorList grads, at::TensorList prevs, at::TensorList sqs) {
@@ -147,9 +155,13 @@ void accumulate_sq_multi_cpu(at::TensorList grads, at::TensorList prevs, at::Ten
   TORCH_CHECK_VALUE(sqs.size() == n, "sqs: expected ", n, " tensors like grads, got ", sqs.size());
   std::vector<AccTensor> ts;
   ts.reserve(n);
+  std::vector<gns::Span> spans;
+  spans.reserve(3 * n);
   for (size_t i = 0; i < n; ++i) {
-    ts.push_back(make_acc_tensor(grads[i], prevs[i], sqs[i], "s[" + std::to_string(i) + "]"));
+    ts.push_back(make_acc_tensor(grads[i], prevs[i], sqs[i], "s[" + std::to_string(i) + "]", spans));
   }
+  // across the whole list: a prev or sq of one triple must not alias any other argument
+  gns::check_no_overlap(std::move(spans));
   run_accumulate_sq(ts);
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/gns_cuda.h"
+#include "overlap.h"
 
 namespace gns_cuda {
 namespace {
@@ -162,6 +163,11 @@ void square_pack_cuda(const at::Tensor& grad, const at::Tensor& out,
     check_input(*shift, "shift", grad.device());
     check_numel(*shift, "shift", grad.numel(), "grad");
   }
+  std::vector<gns::Span> spans;
+  gns::add_span(spans, out, "out", true);
+  gns::add_span(spans, grad, "grad", false);
+  if (has_shift) gns::add_span(spans, *shift, "shift", false);
+  gns::check_no_overlap(std::move(spans));
   const c10::cuda::CUDAGuard guard(grad.device());
   check_launch(square_pack(grad.numel(), grad.data_ptr(), has_shift ? shift->data_ptr() : nullptr,
                            to_dtype(grad.scalar_type()),
@@ -179,6 +185,7 @@ struct AccList {
   std::vector<void*> p;
   std::vector<float*> sq;
   std::vector<DType> gt, pt;
+  std::vector<gns::Span> spans;  // memory of every argument (prev, sq: outputs)
 };
 
 void add_acc(AccList& l, const at::Tensor& grad, const at::Tensor& prev, const at::Tensor& sq,
@@ -192,6 +199,9 @@ void add_acc(AccList& l, const at::Tensor& grad, const at::Tensor& prev, const a
   check_float32(sq, ns, grad.device());
   check_numel(prev, np, grad.numel(), ng);
   check_numel(sq, ns, grad.numel(), ng);
+  gns::add_span(l.spans, grad, ng, false);
+  gns::add_span(l.spans, prev, np, true);
+  gns::add_span(l.spans, sq, ns, true);
   l.numels.push_back(grad.numel());
   l.g.push_back(grad.data_ptr());
   l.p.push_back(prev.data_ptr());
@@ -201,6 +211,8 @@ void add_acc(AccList& l, const at::Tensor& grad, const at::Tensor& prev, const a
 }
 
 void run_acc(const AccList& l, const at::Device& device) {
+  // across the whole list: a prev or sq of one triple must not alias any other argument
+  gns::check_no_overlap(l.spans);
   const c10::cuda::CUDAGuard guard(device);
   check_launch(accumulate_sq(static_cast<int>(l.numels.size()), l.numels.data(), l.g.data(),
                              l.p.data(), l.sq.data(), l.gt.data(), l.pt.data(),

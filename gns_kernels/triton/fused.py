@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 import torch
 import triton.language as tl
 
-from .. import ops as _ops
+from .. import _validation as _v
 from ._runtime import SUM_COMBINE, dual_kernel
 
 Tensor = torch.Tensor
@@ -365,8 +365,8 @@ def variance_norms(mean_grad: Tensor, mean_sq: Tensor, scale: float, shift: Opti
     mean_grad, mean_sq (same dtype), shift (any of float32/bf16/fp16): same numel,
     contiguous, one device. Two launches: partial sums, then the fixed-order reduction.
     """
-    _ops._check_vn(mean_grad, mean_sq, shift)
-    scale = _ops._check_scale(scale)
+    _v.check_vn(mean_grad, mean_sq, shift)
+    scale = _v.check_scale(scale)
     dev = _check_device("mean_grad", mean_grad)
     n = mean_grad.numel()
     if n == 0:
@@ -383,12 +383,8 @@ def variance_norms(mean_grad: Tensor, mean_sq: Tensor, scale: float, shift: Opti
 
 def square_pack(grad: Tensor, out: Tensor, shift: Optional[Tensor] = None) -> Tensor:
     """out[:n] = x, out[n:2n] = x^2 with x = grad - shift, in float32; returns ``out``."""
-    _ops._check_tensor("grad", grad)
-    _ops._check_tensor("out", out, allowed=(torch.float32,))
-    _ops._check_like("out", out, "grad (2x)", grad, numel=2 * grad.numel())
-    if shift is not None:
-        _ops._check_tensor("shift", shift)
-        _ops._check_like("shift", shift, "grad", grad)
+    _v.check_square_pack(grad, out, shift)
+    _v.check_no_overlap([("out", out)], [("grad", grad), ("shift", shift)])
     dev = _check_device("grad", grad)
     n = grad.numel()
     if n == 0:
@@ -403,7 +399,8 @@ def square_pack(grad: Tensor, out: Tensor, shift: Optional[Tensor] = None) -> Te
 
 def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor) -> None:
     """In place: d = grad - prev; sq += d^2; prev = grad (float32 arithmetic)."""
-    _ops._check_acc(grad, prev, sq)
+    _v.check_acc(grad, prev, sq)
+    _v.check_no_overlap([("prev", prev), ("sq", sq)], [("grad", grad)])
     dev = _check_device("grad", grad)
     n = grad.numel()
     if n == 0:
@@ -467,21 +464,21 @@ def variance_norms_multi(
     device-side table of the non-empty tensors, then one fixed-order reduction of all
     partial slots.
     """
-    mean_grads = _ops._check_list("mean_grads", mean_grads)
-    mean_sqs = _ops._check_list("mean_sqs", mean_sqs)
+    mean_grads = _v.check_list("mean_grads", mean_grads)
+    mean_sqs = _v.check_list("mean_sqs", mean_sqs)
     if len(mean_sqs) != len(mean_grads):
         raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
     if shifts is not None:
-        shifts = _ops._check_list("shifts", shifts)
+        shifts = _v.check_list("shifts", shifts)
         if len(shifts) != len(mean_grads):
             raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
-    scale = _ops._check_scale(scale)
+    scale = _v.check_scale(scale)
     sh = [None] * len(mean_grads) if shifts is None else shifts
     for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
-        _ops._check_vn(d, q, sh[i], suffix=f"s[{i}]")
-    dev = _ops._common_device("mean_grads", mean_grads)
-    _ops._common_device("mean_sqs", mean_sqs)
-    _ops._common_device("shifts", [s for s in sh if s is not None])
+        _v.check_vn(d, q, sh[i], suffix=f"s[{i}]")
+    dev = _v.common_device("mean_grads", mean_grads)
+    _v.common_device("mean_sqs", mean_sqs)
+    _v.common_device("shifts", [s for s in sh if s is not None])
     for i, s in enumerate(sh):
         if s is not None and s.device != dev:
             raise ValueError(f"shifts[{i}]: expected device {dev} like mean_grads, got {s.device}")
@@ -509,17 +506,21 @@ def variance_norms_multi(
 
 def accumulate_sq_multi(grads: Sequence[Tensor], prevs: Sequence[Tensor], sqs: Sequence[Tensor]) -> None:
     """accumulate_sq over lists, in place; one launch per (grad dtype, prev dtype) pair."""
-    grads = _ops._check_list("grads", grads)
-    prevs = _ops._check_list("prevs", prevs)
-    sqs = _ops._check_list("sqs", sqs)
+    grads = _v.check_list("grads", grads)
+    prevs = _v.check_list("prevs", prevs)
+    sqs = _v.check_list("sqs", sqs)
     for name, xs in (("prevs", prevs), ("sqs", sqs)):
         if len(xs) != len(grads):
             raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
     for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
-        _ops._check_acc(g, p, s, suffix=f"s[{i}]")
-    dev = _ops._common_device("grads", grads)
-    _ops._common_device("prevs", prevs)
-    _ops._common_device("sqs", sqs)
+        _v.check_acc(g, p, s, suffix=f"s[{i}]")
+    dev = _v.common_device("grads", grads)
+    _v.common_device("prevs", prevs)
+    _v.common_device("sqs", sqs)
+    _v.check_no_overlap(
+        [(f"prevs[{i}]", p) for i, p in enumerate(prevs)] + [(f"sqs[{i}]", s) for i, s in enumerate(sqs)],
+        [(f"grads[{i}]", g) for i, g in enumerate(grads)],
+    )
     if grads:
         _check_device("grads[0]", grads[0])
     groups = _groups(list(zip(grads, prevs, sqs)), lambda tr: (tr[0].dtype, tr[1].dtype))

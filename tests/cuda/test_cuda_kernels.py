@@ -42,12 +42,6 @@ pytestmark = [
 vn = torch.ops.gns_kernels.variance_norms if ops.cpp_available() else None
 
 
-@pytest.fixture
-def gen():
-    seed = int(os.environ.get("GNS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"GNS_TEST_SEED={seed}")
-    return torch.Generator().manual_seed(seed)
-
 
 def _vn_inputs(n, dtype, g, with_shift, shift_dtype=None, offset=0):
     """On the GPU: d, q = d^2 + u (u in [-0.5, 1.5): some coordinates clamp), shift.
@@ -202,6 +196,21 @@ def test_bad_arguments_name_the_argument():
         )
     with pytest.raises(ValueError, match=r"sqs\[1\]"):
         torch.ops.gns_kernels.accumulate_sq_multi([d, d], [d.clone(), d.clone()], [d.clone(), d[:5].clone()])
+
+
+def test_outputs_must_not_overlap_across_lists():
+    n = 1 << 18
+    g1, g2, p0, p1, s = (torch.randn(n, device="cuda") for _ in range(5))
+    acc = torch.ops.gns_kernels.accumulate_sq_multi
+    with pytest.raises(ValueError, match=r"^sqs\[1\]: must not share memory with sqs\[0\]"):
+        acc([g1, g2], [p0, p1], [s, s])
+    with pytest.raises(ValueError, match=r"^prevs\[1\]: must not share memory with grads\[0\]"):
+        acc([g1, g2], [p0, g1], [s, torch.zeros_like(s)])
+    buf = torch.zeros(4 * n, device="cuda")
+    with pytest.raises(ValueError, match="^out: must not share memory with grad"):
+        torch.ops.gns_kernels.square_pack(buf[:n], buf[: 2 * n])
+    with pytest.raises(ValueError, match="^sq: must not share memory with prev"):
+        torch.ops.gns_kernels.accumulate_sq(g1, buf[:n], buf[n - 1 : 2 * n - 1])
 
 
 def test_no_input_sized_temporaries(gen):

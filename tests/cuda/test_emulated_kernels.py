@@ -99,12 +99,6 @@ def lib(tmp_path_factory):
     return ctypes.CDLL(str(so))
 
 
-@pytest.fixture
-def gen():
-    seed = int(os.environ.get("GNS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"GNS_TEST_SEED={seed}")
-    return torch.Generator().manual_seed(seed)
-
 
 # --------------------------------------------------------------------------------------
 # ctypes faces of the launchers (CPU tensors stand in for device memory)

@@ -1,39 +1,31 @@
 """Shared set-up of the Triton tests (marker ``triton``).
 
-TRITON_INTERPRET=1 is set here, at import time and before triton is imported by these
-tests, for kernels written with ``@triton.jit``: triton decides at decoration time whether
-a kernel is compiled or interpreted, and its standard library (tl.sum, tl.zeros, ...) is
-built the same way when triton is first imported. Setting it here is therefore only
-effective when nothing in this pytest process imported triton earlier. What that means
-for each kind of test (checked, triton 3.9):
+TRITON_INTERPRET=1 is set here only on a machine WITHOUT a CUDA device, at import time and
+before these tests import triton. triton decides at decoration time whether a ``@triton.jit``
+kernel is compiled or interpreted, and builds its standard library (tl.sum, tl.zeros, ...)
+the same way when it is first imported; a process that imported triton under the variable
+cannot compile kernels, so on a GPU machine the variable stays unset and test_cuda.py (alone
+or with the others) runs the kernels compiled. What the variable means for each kind of
+test (checked, triton 3.9):
 
-- The fused-op kernels (gns_kernels.triton.fused) do not depend on the variable at all:
-  they are ``DualKernel``s (gns_kernels/triton/_runtime.py) that build both a compiled and
-  an interpreted kernel from the same source and choose per launch from the tensors'
-  device, and they call only Triton builtins, so they run on CPU tensors whether triton
-  was imported with or without the variable (test_fused_interp.py checks the "without"
-  case in a fresh process).
+- The fused-op and Gram kernels (gns_kernels.triton.fused, .gram) do not depend on it: they
+  are ``DualKernel``s (gns_kernels/triton/_runtime.py) that build both a compiled and an
+  interpreted kernel from the same source and choose per launch from the tensors' device,
+  and they call only Triton builtins, so they run on CPU tensors whether triton was
+  imported with or without the variable (test_fused_interp.py checks the "without" case
+  in a fresh process).
 - Ahead-of-time compilation cannot run in a process whose triton standard library was
   built for the interpreter (codegen rejects interpreted callees such as tl.sum), so the
   AOT tests compile in a fresh subprocess with the variable removed
   (gns_kernels.triton._aot.run_isolated); they pass whatever this process did before.
-- setdefault keeps an explicit TRITON_INTERPRET=0 from the caller.
+- setdefault keeps an explicit TRITON_INTERPRET from the caller.
 """
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-@pytest.fixture
-def gen(request):
-    """A torch.Generator with a fresh seed every run (printed in the test's report on failure)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    g = torch.Generator().manual_seed(seed)
-    return g

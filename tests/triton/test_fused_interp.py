@@ -266,6 +266,22 @@ def test_bad_input(call, match):
         call()
 
 
+def test_outputs_must_not_overlap(gen):
+    n = 5000
+    g1, g2, p0, p1, s = (torch.randn(n, generator=gen) for _ in range(5))
+    snap = s.clone()
+    with pytest.raises(ValueError, match=r"^sqs\[1\]: must not share memory with sqs\[0\]"):
+        fused.accumulate_sq_multi([g1, g2], [p0, p1], [s, s])
+    with pytest.raises(ValueError, match=r"^prevs\[0\]: must not share memory with grads\[1\]"):
+        fused.accumulate_sq_multi([g1, g2], [g2, p1], [s, torch.zeros(n)])
+    assert torch.equal(s, snap)
+    buf = torch.zeros(3 * n)
+    with pytest.raises(ValueError, match="^out: must not share memory with grad"):
+        fused.square_pack(buf[:n], buf[: 2 * n])
+    with pytest.raises(ValueError, match="^sq: must not share memory with prev"):
+        fused.accumulate_sq(g1, buf[:n], buf[n - 1 : 2 * n - 1])
+
+
 def test_interpreter_independent_of_env_and_import_order():
     """In a fresh process where triton is imported first WITHOUT TRITON_INTERPRET (so its
     standard library is compiled-mode), the kernels still run on CPU tensors."""

@@ -1,0 +1,218 @@
+"""Argument checks shared by the ops faces, their fake kernels, the Triton launchers and the
+numeric classes (controller, sampler, optimizers).
+
+Every check raises with a message that starts with the argument's name and says what was
+expected: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong value, device,
+size or layout. This module imports only torch and the standard library, so any layer of
+gns_kernels may use it.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any, Optional, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------
+# Python numbers
+# --------------------------------------------------------------------------------------
+def check_int(name: str, value: Any, minimum: Optional[int] = None) -> int:
+    """``int(value)`` for an integer (Python or numpy, not bool) >= minimum.
+
+    TypeError for a non-integer (a float such as 8.0 included: counts are never floats),
+    ValueError below ``minimum``.
+    """
+    bound = "" if minimum is None else f" >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name}: expected an int{bound}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int{bound}, got {value}")
+    return int(value)
+
+
+def check_real(
+    name: str,
+    value: Any,
+    lo: Optional[float] = None,
+    hi: Optional[float] = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = True,
+) -> float:
+    """``float(value)`` for a finite real number (not bool) in the given range.
+
+    Range: lo <= value (lo < value when lo_open) and value < hi (value <= hi when not
+    hi_open); None leaves that side open. TypeError for a non-number, ValueError for NaN,
+    inf or a value out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a real number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    bad = not math.isfinite(v)
+    if lo is not None:
+        bad = bad or (v <= lo if lo_open else v < lo)
+    if hi is not None:
+        bad = bad or (v >= hi if hi_open else v > hi)
+    if bad:
+        if lo is None and hi is None:
+            rng = "a finite number"
+        elif hi is None:
+            rng = f"a finite number {'>' if lo_open else '>='} {lo}"
+        elif lo is None:
+            rng = f"a finite number {'<' if hi_open else '<='} {hi}"
+        else:
+            rng = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name}: expected {rng}, got {value!r}")
+    return v
+
+
+# --------------------------------------------------------------------------------------
+# Tensors of the fused ops
+# --------------------------------------------------------------------------------------
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def check_tensor(name: str, t: Any, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
+    """A torch.Tensor of one of the ``allowed`` dtypes, contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        names = ", ".join(_dtype_name(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}; got {_dtype_name(t.dtype)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
+
+
+def check_like(name: str, t: Tensor, ref_name: str, ref: Tensor, numel: Optional[int] = None) -> None:
+    """``t`` on ``ref``'s device with ``numel`` (default: ref.numel()) elements."""
+    if t.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
+    want = ref.numel() if numel is None else numel
+    if t.numel() != want:
+        raise ValueError(f"{name}: expected {want} elements (like {ref_name}), got {t.numel()}")
+
+
+def check_scale(scale: Any) -> float:
+    """The ``scale`` argument of the variance ops: a Python int or float (not bool)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def check_vn(mean_grad: Any, mean_sq: Any, shift: Any, suffix: str = "") -> None:
+    """Arguments of variance_norms; suffix "" for the single op, "s[i]" for list entry i."""
+    ng, nq, ns = (f"mean_grad{suffix}", f"mean_sq{suffix}", f"shift{suffix}")
+    check_tensor(ng, mean_grad)
+    check_tensor(nq, mean_sq)
+    if mean_sq.dtype != mean_grad.dtype:
+        raise TypeError(f"{nq}: expected dtype {mean_grad.dtype} like {ng}, got {mean_sq.dtype}")
+    check_like(nq, mean_sq, ng, mean_grad)
+    if shift is not None:
+        check_tensor(ns, shift)
+        check_like(ns, shift, ng, mean_grad)
+
+
+def check_square_pack(grad: Any, out: Any, shift: Any) -> None:
+    """Arguments of square_pack (out: float32 with 2 * grad.numel() elements)."""
+    check_tensor("grad", grad)
+    check_tensor("out", out, allowed=(torch.float32,))
+    check_like("out", out, "grad (2x)", grad, numel=2 * grad.numel())
+    if shift is not None:
+        check_tensor("shift", shift)
+        check_like("shift", shift, "grad", grad)
+
+
+def check_acc(grad: Any, prev: Any, sq: Any, suffix: str = "") -> None:
+    """Arguments of accumulate_sq; suffix as in check_vn."""
+    ng, npv, nsq = (f"grad{suffix}", f"prev{suffix}", f"sq{suffix}")
+    check_tensor(ng, grad)
+    check_tensor(npv, prev)
+    if prev.dtype not in (grad.dtype, torch.float32):
+        raise TypeError(f"{npv}: expected dtype {grad.dtype} (like {ng}) or float32, got {prev.dtype}")
+    check_tensor(nsq, sq, allowed=(torch.float32,))
+    check_like(npv, prev, ng, grad)
+    check_like(nsq, sq, ng, grad)
+
+
+def check_list(name: str, xs: Any) -> list:
+    """A list or tuple (of tensors, checked later); returned as a list."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of tensors, got {type(xs).__name__}")
+    return list(xs)
+
+
+def common_device(name: str, tensors: list) -> torch.device:
+    """The device of every tensor of the list (CPU for an empty list)."""
+    if not tensors:
+        return torch.device("cpu")
+    dev = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.device != dev:
+            raise ValueError(f"{name}[{i}]: expected device {dev} like {name}[0], got {t.device}")
+    return dev
+
+
+def check_same_device(named: Sequence[tuple[str, Optional[Tensor]]]) -> None:
+    """Every tensor of (name, tensor) pairs on the first one's device (None entries skipped)."""
+    ref_name, ref = None, None
+    for name, t in named:
+        if t is None:
+            continue
+        if ref is None:
+            ref_name, ref = name, t
+        elif t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
+
+
+def _has_storage(t: Tensor) -> bool:
+    """True for a tensor whose memory addresses mean something (not meta, not fake)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return False
+    if isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def check_no_overlap(outputs: Sequence[tuple[str, Tensor]], inputs: Sequence[tuple[str, Tensor]]) -> None:
+    """No output shares memory with another output or with any input (inputs may share).
+
+    The kernels write outputs while other threads (or GPU blocks) read the inputs and the
+    other outputs, so any overlap is a data race. Tensors are contiguous here, so each one
+    is the byte range [data_ptr, data_ptr + numel * element_size). One sort and a sweep:
+    O(k log k) for k tensors. Raises ValueError naming both arguments. Tensors without
+    real storage (meta, fake, empty) are skipped, and so is the whole check while
+    torch.compile traces (addresses exist only at run time; the compiled graph calls the
+    torch ops, whose kernels check again).
+    """
+    if torch.compiler.is_compiling():
+        return
+    spans = []
+    for is_out, named in ((True, outputs), (False, inputs)):
+        for name, t in named:
+            if t is None or not _has_storage(t):
+                continue
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), len(spans), is_out, name))
+    if len(spans) < 2:
+        return
+    spans.sort(key=lambda s: (s[0], s[1]))
+    far_any = far_out = None  # the span reaching furthest so far (any / outputs only)
+    for span in spans:
+        start, end, _, is_out, _ = span
+        other = far_any if is_out else far_out
+        if other is not None and other[1] > start:
+            # name the output first; of two outputs, the one listed later
+            span_first = is_out and (not other[3] or span[2] > other[2])
+            first, second = (span, other) if span_first else (other, span)
+            raise ValueError(f"{first[4]}: must not share memory with {second[4]}")
+        if far_any is None or end > far_any[1]:
+            far_any = span
+        if is_out and (far_out is None or end > far_out[1]):
+            far_out = span
