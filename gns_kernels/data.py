@@ -171,11 +171,15 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         return self.indices(round_start + self.rank * b, b)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # A generator: nothing happens until the first item is drawn. DataLoader calls
+        # iter() on its batch sampler twice when it starts a multi-worker pass and
+        # discards the first iterator unused, so the pass must not begin at iter().
         start = self._next_start
         rounds = self._pass_rounds(start)
-        # the pass after this one starts where this one's rounds end (set now, at iter())
+        # the pass after this one starts where this one's rounds end
         self._next_start = start + rounds * self.round_size
-        return (self.micro_batch_at(start + t * self.round_size) for t in range(rounds))
+        for t in range(rounds):
+            yield self.micro_batch_at(start + t * self.round_size)
 
     # ------------------------------------------------------------------ consumption
     def advance(self, micro_batches: int = 1) -> None:
