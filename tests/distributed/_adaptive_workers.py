@@ -44,3 +44,31 @@ def run(rank, world, compiled=False, micro=False, steps=8, backend="inductor"):
         rows.append(coord.metrics())
     return {"rows": rows, "micro_sizes": seen, "position": coord.sampler.position,
             "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def run_fsdp(rank, world, compiled=False, steps=6, backend="inductor"):
+    """FSDP2 (fully_shard on both layers and the root) with the coordinator on the handle."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gns_kernels.distributed.fsdp import attach_fsdp_gns
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    state = GNSHookState(geometry="l1", every=2, batch_size=16)
+    handle = attach_fsdp_gns(model, state)
+    coord = AdaptiveBatching(handle, opt, micro_batch_size=4, initial_batch_size=16, max_batch_size=96)
+    fwd = torch.compile(model, backend=backend) if compiled else model
+    ds = _data()
+    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+    rows = []
+    for k in coord.steps(max_steps=steps):
+        for (x, y), sync in coord.micro_batches(loader, model):
+            with sync:
+                (F.cross_entropy(fwd(x), y) / coord.accum_steps).backward()
+        opt.step(); opt.zero_grad(); coord.step()
+        rows.append(coord.metrics())
+    return {"rows": rows, "weights": [p.full_tensor().detach().clone() for p in model.parameters()]}

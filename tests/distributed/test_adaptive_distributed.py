@@ -1,4 +1,4 @@
-"""AdaptiveBatching under real DDP on 2 gloo ranks: a torch.compile'd model gives the
+"""AdaptiveBatching under real DDP and FSDP2 on 2 gloo ranks: a torch.compile'd model gives the
 eager run's batches, estimates and weights; MicroBatchGNS as the DDP hook state (ranks x
 micro-batches) follows the coordinator's accumulation count on every rank."""
 from __future__ import annotations
@@ -42,4 +42,19 @@ def test_microbatchgns_as_ddp_hook_state_ranks_times_micro_batches():
     assert set(r0["micro_sizes"]) == {4}
     assert r0["position"] == rows[-1]["samples_seen"] == sum(r["batch_size"] for r in rows)
     assert all(r["valid"] for r in rows if r["measured"]) and sum(r["measured"] for r in rows) == 4
+    assert rows[-1]["next_batch_size"] > 16
+
+
+@pytest.mark.slow
+def test_fsdp2_eager_and_compiled_match_ddp():
+    """FSDP2 (ranks as samples) through the coordinator: the same batches and GNS as DDP on
+    the same model, data and seed, eager and torch.compile'd."""
+    ddp = run_world("_adaptive_workers", "run", 2, steps=6)[0]["rows"]
+    for compiled in (False, True):
+        out = run_world("_adaptive_workers", "run_fsdp", 2, compiled=compiled, timeout=400)
+        rows = out[0]["rows"]
+        assert out[1]["rows"] == rows or all(
+            _close(a["gns"], b["gns"]) for a, b in zip(rows, out[1]["rows"]))
+        assert [r["batch_size"] for r in rows] == [r["batch_size"] for r in ddp]
+        assert all(_close(a["gns"], b["gns"]) for a, b in zip(rows, ddp))
     assert rows[-1]["next_batch_size"] > 16
