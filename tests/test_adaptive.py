@@ -465,3 +465,39 @@ def test_resume_on_another_world_size_rounds_the_batch_and_keeps_the_stream():
     other, _, _ = _ddp_coord(every=1, max_batch_size=96, world_size=3, initial_batch_size=12)
     with pytest.raises(ValueError, match="initial_batch_size.*strict=False"):
         other.load_state_dict(sd)
+
+
+def test_real_grad_scaler_growing_scale_gives_the_unscaled_trajectory():
+    """One rank, MicroBatchGNS on gradients of scaler.scale(loss) with the scale doubling
+    every step: with grad_scaler= the measurements, EMAs and batches equal those of the
+    run without loss scaling."""
+    X, Y = _problem(n=400)
+
+    def run(use_scaler):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_factor=2.0,
+                                      growth_interval=1) if use_scaler else None
+        mb = MicroBatchGNS(model.parameters(), geometry="l2", every=1, batch_size=8, micro_batches=2)
+        coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, theta=0.3,
+                                 max_batch_size=64, grad_scaler=scaler)
+        loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
+        rows = []
+        for _ in coord.steps(max_steps=6):
+            for (x, y), _ctx in coord.micro_batches(loader):
+                loss = torch.nn.functional.mse_loss(model(x), y) / coord.accum_steps
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.step(opt); scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(); coord.step()
+            rows.append(coord.metrics())
+        return rows
+
+    plain, scaled = run(False), run(True)
+    assert [r["grad_scale"] for r in scaled] == [2.0 ** (10 + i) for i in range(6)]
+    assert [r["batch_size"] for r in scaled] == [r["batch_size"] for r in plain]
+    for a, b in zip(scaled, plain):
+        for key in ("noise", "signal", "gns", "noise_ema", "signal_ema"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
