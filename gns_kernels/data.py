@@ -19,7 +19,8 @@ The stream (identical arithmetic on every rank):
   changes between steps, the stream does not: the next step just takes a different number
   of rounds. Nothing is lost or repeated across batch-size changes.
 - A round that starts before the end of epoch e and extends past it takes its tail from
-  epoch e + 1's order (which then starts at that offset). Each call of ``iter(sampler)``
+  epoch e + 1's order (which then starts at that offset); such a round can hold one index
+  twice (once from each epoch), the price of dropping nothing. Each call of ``iter(sampler)``
   (one DataLoader pass) yields the rounds that START in one epoch, so ``len(sampler)`` is
   the number of micro-batches this rank gets in that pass, and ``set_epoch(e)`` checks
   that the pass about to start is epoch e.
@@ -95,6 +96,11 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         self.rank = _check_int("rank", rank, 0)
         if self.rank >= self.num_replicas:
             raise ValueError(f"rank: expected an int in [0, {self.num_replicas}), got {self.rank}")
+        if self.num_samples < self.round_size:
+            raise ValueError(
+                f"num_samples: a round (one micro-batch on every rank) takes num_replicas x "
+                f"micro_batch_size = {self.round_size} samples, more than the dataset's "
+                f"{self.num_samples}; use a smaller micro_batch_size")
         self.shuffle = bool(shuffle)
         self.seed = _check_int("seed", seed, 0)
         self._position = 0       # consumed stream position (samples, global)

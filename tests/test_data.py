@@ -162,6 +162,8 @@ def test_bad_arguments():
         MicroBatchSampler(10, 0)
     with pytest.raises(TypeError, match="num_samples"):
         MicroBatchSampler(10.0, 2)
+    with pytest.raises(ValueError, match="= 12 samples, more than the dataset's 10"):
+        MicroBatchSampler(10, 3, num_replicas=4, rank=0)
 
 
 def test_is_a_torch_sampler_and_counts_every_index_once_per_epoch():
