@@ -212,6 +212,9 @@ class AdaptiveBatching:
             every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
             multiple_of=R * b, lr_scaling=lr_scaling)
         self.optimizers = _as_list(optimizers)
+        if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
+            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
+                            f"param group gets the LR multiplier), got {optimizers!r:.200}")
         self.schedulers = _as_list(schedulers)
         self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
         self.sampler = None

@@ -501,3 +501,33 @@ def test_real_grad_scaler_growing_scale_gives_the_unscaled_trajectory():
     for a, b in zip(scaled, plain):
         for key in ("noise", "signal", "gns", "noise_ema", "signal_ema"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
+
+def test_optimizers_must_be_optimizers():
+    state = GNSHookState(geometry="l1", every=1, batch_size=8)
+    with pytest.raises(TypeError, match="optimizers: expected a torch.optim.Optimizer"):
+        AdaptiveBatching(state, [torch.nn.Linear(2, 1)], micro_batch_size=4, initial_batch_size=8,
+                         world_size=2)
+
+
+def test_iterable_dataset_of_fixed_micro_batches():
+    """An IterableDataset cannot be sharded by index; a loader whose items are micro-batches
+    of b works: the coordinator takes A of them per step and re-iterates at the end."""
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            X, Y = _problem(n=40)
+            return iter(list(zip(X, Y)))
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
+    coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, max_batch_size=32)
+    loader = DataLoader(Stream(), batch_size=4)  # 10 micro-batches per pass
+    seen = []
+    for _ in coord.steps(max_steps=6):
+        for (x, y), _ctx in coord.micro_batches(loader):
+            (torch.nn.functional.mse_loss(model(x), y) / coord.accum_steps).backward()
+            seen.append(x.shape[0])
+        opt.step(); opt.zero_grad(); coord.step()
+    assert set(seen) == {4} and 4 * len(seen) == coord.samples_seen
+    assert coord.samples_seen > 40  # crossed a pass boundary
