@@ -1,0 +1,603 @@
+"""AdaptiveBatching: one object that owns the optimizer-step counter, the measuring period,
+the batch size and the learning-rate multiplier of an adaptive-batch run.
+
+It ties together the lower-level pieces, which stay public: the GNS measurement
+(``GNSHookState`` + ``ddp_gns_hook`` under DDP, ``MicroBatchGNS`` on one rank or under
+DDP, the handle of ``attach_fsdp_gns`` under FSDP2), Algorithm 1 (``AdaptiveBatchSize``),
+the LR multiplier (``gns_kernels.lr.LRMultiplier``) and the data stream
+(``gns_kernels.data.MicroBatchSampler``).
+
+Batch arithmetic: the micro-batch size b is fixed; the global batch of step k is
+B_k = R x A_k x b (R data-parallel ranks, A_k micro-batches accumulated per rank), so B
+moves in multiples of R x b (the controller's ``multiple_of``). On one rank the samples of
+the GNS are the micro-batches, so A >= 2 there (B_0 >= 2 b).
+
+A loop (DDP shown; the loss of a micro-batch is its mean loss divided by A, so that the
+accumulated gradient is the mean over the global batch, as DDP's averaging expects)::
+
+    coord = AdaptiveBatching(state, optimizers=[opt], micro_batch_size=8,
+                             initial_batch_size=32, max_batch_size=512)
+    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=2)
+    for k in coord.steps(max_samples=total):
+        for (x, y), ctx in coord.micro_batches(loader, ddp):
+            with ctx:                                   # no_sync() on the first A-1
+                (loss_fn(ddp(x), y) / coord.accum_steps).backward()
+        opt.step(); opt.zero_grad()
+        coord.step()
+
+``coord.step()`` after the optimizer step, at the end of step k:
+
+1. checks that the hook state counted exactly one synchronized backward for step k and
+   still has the batch size and period the coordinator gave it (raises, naming the fix);
+2. takes the estimate only if it was measured at step k (``state.estimate_step == k``
+   and, when the estimate carries ``step``, ``estimate.step == k``): a previous step's
+   estimate is never reused; with a ``grad_scaler`` it divides noise and signal by the
+   square of the loss scale the step's backward ran with;
+3. ``AdaptiveBatchSize.update(k, estimate)`` (the estimate passed on carries its step),
+   then the optional ``max_growth`` bound on B_{k+1} / B_k;
+4. sets ``state.batch_size = B_{k+1}`` (and ``MicroBatchGNS.micro_batches = A_{k+1}``),
+   steps the schedulers given to it and sets every param group's
+   lr = scheduled_lr x omega_{k+1} (``LRMultiplier``).
+
+LR schedulers: pass them as ``schedulers=[...]`` and do not step them yourself; the
+coordinator steps them once per optimizer step on the un-multiplied (scheduled) rates and
+multiplies the result by omega, so chainable schedulers (CosineAnnealingLR) never see
+omega. A param group whose lr was changed outside the coordinator is taken as a new
+scheduled rate, with a one-time warning.
+
+Checkpoint: ``state_dict()`` holds the controller, the step counter, the samples seen, the
+sampler's consumed position, the LR multiplier and the schedulers, the hook state's
+schedule; load the model and optimizers, then ``coord.load_state_dict(sd)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from numbers import Integral, Real
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
+
+import torch
+
+from .controller import AdaptiveBatchSize
+from .distributed.microbatch import MicroBatchGNS
+from .distributed.state import GNSHookState
+from .lr import LRMultiplier
+
+__all__ = ["AdaptiveBatching", "Measurement"]
+
+_STATE_VERSION = 1
+
+
+class Measurement(NamedTuple):
+    """The estimate of step ``step`` as the controller sees it (noise and signal divided
+    by the square of the loss scale when a GradScaler is attached)."""
+
+    noise: float
+    signal: float
+    valid: bool
+    step: int
+    gns: float
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+class _FSDPSync:
+    """Context: FSDP2 ``set_requires_gradient_sync(flag)`` inside, sync re-enabled after."""
+
+    def __init__(self, model, flag: bool):
+        self.model, self.flag = model, flag
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(self.flag)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+        return False
+
+
+class AdaptiveBatching:
+    """Adaptive batch size and LR for a DDP, FSDP2 or one-rank training loop.
+
+    Args:
+        gns: what measures the GNS: a ``GNSHookState`` registered as the DDP comm hook
+            state (``ddp.register_comm_hook(state, gk.ddp_gns_hook)``; ranks are the
+            samples), a ``MicroBatchGNS`` (one rank, or as the DDP hook state: ranks x
+            micro-batches are the samples), or the ``FSDPGNSHandle`` of
+            ``attach_fsdp_gns`` (ranks are the samples).
+        optimizers: one optimizer or a list (e.g. [Muon, AdamW]); all of their param
+            groups get the LR multiplier; their current lr is the scheduled (base) rate.
+        micro_batch_size: b, examples per micro-batch per rank (fixed).
+        initial_batch_size: B_0, global examples of step 0; a multiple of R x b
+            (one rank: of b, and >= 2 b).
+        max_batch_size: cap on B (a multiple of R x b), or None. Recommended: with the
+            bias-corrected l1 GNS one decision can multiply B by up to pi / (2 theta^2)
+            (4.4x at theta 0.6), see docs/controller.md.
+        theta, beta_noise, beta_signal, warmup_steps, lr_scaling: as ``AdaptiveBatchSize``.
+        every: F, the measuring period; None takes the hook state's ``every``. Given and
+            different from the state's: ValueError (one F drives both).
+        schedulers: LR schedulers of ``optimizers`` (stepped by ``step()``, see the module
+            docstring), or None.
+        grad_scaler: a ``torch.amp.GradScaler`` when the backward runs on scaled losses:
+            the hooks see gradients x scale, so noise and signal are divided by scale^2
+            before they enter the EMAs (their ratio, the GNS, does not depend on it).
+        max_growth: opt-in bound on B_{k+1} / B_k per decision (e.g. 2.0: LR at most
+            x sqrt(2) per decision with "sqrt" scaling); None (default) is Algorithm 1
+            unbounded. The bounded B is rounded down to a multiple of R x b but grows by
+            at least one R x b.
+        world_size, rank: R and this rank (default: from torch.distributed when
+            initialised, else 1 and 0).
+    """
+
+    def __init__(self, gns, optimizers, *, micro_batch_size: int, initial_batch_size: int,
+                 max_batch_size: Optional[int] = None, theta: float = 0.6,
+                 every: Optional[int] = None, warmup_steps: int = 0, beta_noise: float = 0.9,
+                 beta_signal: float = 0.9, lr_scaling: str = "sqrt", schedulers=None,
+                 grad_scaler=None, max_growth: Optional[float] = None,
+                 world_size: Optional[int] = None, rank: Optional[int] = None):
+        from .distributed.fsdp import FSDPGNSHandle
+
+        if isinstance(gns, FSDPGNSHandle):
+            self.kind, self.state, self.fsdp_handle = "fsdp", gns.state, gns
+        elif isinstance(gns, MicroBatchGNS):
+            self.kind, self.state, self.fsdp_handle = "micro", gns, None
+        elif isinstance(gns, GNSHookState):
+            self.kind, self.state, self.fsdp_handle = "ddp", gns, None
+        else:
+            raise TypeError("gns: expected a GNSHookState (DDP comm hook state), a MicroBatchGNS "
+                            "or the FSDPGNSHandle returned by attach_fsdp_gns, got "
+                            f"{type(gns).__name__}")
+        import torch.distributed as dist
+        ready = dist.is_available() and dist.is_initialized()
+        group = self.state.process_group
+        if world_size is None:
+            world_size = dist.get_world_size(group) if ready else 1
+        if rank is None:
+            rank = dist.get_rank(group) if ready else 0
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.rank = _check_int("rank", rank, 0)
+        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
+        R, b = self.world_size, self.micro_batch_size
+        if R == 1 and self.kind != "micro":
+            raise ValueError(
+                "gns: one rank has no ranks to sample; measure with gk.MicroBatchGNS "
+                "(gradient-accumulation micro-batches as the samples)")
+        B0 = _check_int("initial_batch_size", initial_batch_size, 1)
+        if B0 % (R * b):
+            raise ValueError(f"initial_batch_size: expected a multiple of world_size x micro_batch_size "
+                             f"= {R} x {b} = {R * b}, got {B0}")
+        if R == 1 and B0 < 2 * b:
+            raise ValueError(f"initial_batch_size: one rank needs at least 2 micro-batches per step "
+                             f"(the GNS samples), so >= 2 x micro_batch_size = {2 * b}, got {B0}")
+        if max_batch_size is not None:
+            max_batch_size = _check_int("max_batch_size", max_batch_size, 1)
+            if max_batch_size % (R * b):
+                raise ValueError(f"max_batch_size: expected a multiple of world_size x micro_batch_size "
+                                 f"= {R * b}, got {max_batch_size}")
+        if every is None:
+            every = self.state.every
+        every = _check_int("every", every, 1)
+        if every != self.state.every:
+            raise ValueError(
+                f"every: AdaptiveBatching(every={every}) but the hook state measures every "
+                f"{self.state.every} steps; one period F must drive both: pass the same every to "
+                "both, or leave AdaptiveBatching's every=None to take the state's")
+        self.every = every
+        if max_growth is not None:
+            if isinstance(max_growth, bool) or not isinstance(max_growth, Real) or not (
+                    math.isfinite(max_growth) and max_growth > 1.0):
+                raise ValueError(f"max_growth: expected None or a finite number > 1, got {max_growth!r}")
+            max_growth = float(max_growth)
+        self.max_growth = max_growth
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
+        self.controller = AdaptiveBatchSize(
+            initial_batch_size=B0, theta=theta, beta_noise=beta_noise, beta_signal=beta_signal,
+            every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
+            multiple_of=R * b, lr_scaling=lr_scaling)
+        self.optimizers = _as_list(optimizers)
+        if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
+            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
+                            f"param group gets the LR multiplier), got {optimizers!r:.200}")
+        self.schedulers = _as_list(schedulers)
+        self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
+        self.sampler = None
+        self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
+        self._step = 0
+        self._samples = 0
+        self._batch = B0
+        self._loader = None
+        self._iter = None
+        self._consumed = 0          # micro-batches handed out in the current step
+        self._served = False        # micro_batches() was used in the current step
+        self._scale = self._read_scale()
+        self._last: dict[str, Any] = {}
+        self._warned: set = set()
+        self._apply_batch()
+        self.state.step = 0
+
+    # ------------------------------------------------------------------ read-outs
+    @property
+    def current_step(self) -> int:
+        """k, the optimizer step in progress (0, 1, 2, ...; advanced by ``step()``)."""
+        return self._step
+
+    @property
+    def batch_size(self) -> int:
+        """B_k, the global batch of the step in progress (examples, all ranks)."""
+        return self._batch
+
+    @property
+    def accum_steps(self) -> int:
+        """A_k = B_k / (R b): micro-batches per rank in the step in progress; divide each
+        micro-batch's mean loss by it."""
+        return self._batch // (self.world_size * self.micro_batch_size)
+
+    @property
+    def local_batch_size(self) -> int:
+        """A_k x b: examples per rank in the step in progress."""
+        return self._batch // self.world_size
+
+    @property
+    def samples_seen(self) -> int:
+        """Global examples of the completed steps."""
+        return self._samples
+
+    @property
+    def lr_multiplier(self) -> float:
+        """omega of the step in progress (sqrt(B_k / B_0) with lr_scaling="sqrt")."""
+        return self._lrm.multiplier
+
+    @property
+    def grad_scale(self) -> float:
+        """The loss scale the step in progress runs its backward with (1 without a scaler)."""
+        return self._scale
+
+    # ------------------------------------------------------------------ helpers
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"AdaptiveBatching: {msg}", RuntimeWarning, stacklevel=3)
+
+    def _read_scale(self) -> float:
+        if self.grad_scaler is None:
+            return 1.0
+        s = float(self.grad_scaler.get_scale())
+        return s if s > 0 and math.isfinite(s) else 1.0
+
+    def _apply_batch(self) -> None:
+        st = self.state
+        st.batch_size = self._batch
+        st.every = self.every
+        if self.kind == "micro":
+            st.micro_batches = self.accum_steps
+
+    # ------------------------------------------------------------------ data
+    def batch_sampler(self, num_samples: int, shuffle: bool = True, seed: int = 0):
+        """A ``MicroBatchSampler`` over a map-style dataset of ``num_samples`` items for
+        ``DataLoader(dataset, batch_sampler=...)``: each item one micro-batch of b indices
+        of this rank; its consumed position is saved in ``state_dict()``."""
+        from .data import MicroBatchSampler
+
+        if self.sampler is not None:
+            raise RuntimeError("AdaptiveBatching.batch_sampler: a sampler was already made for this "
+                               "coordinator; reuse coord.sampler")
+        self.sampler = MicroBatchSampler(num_samples, self.micro_batch_size, self.world_size,
+                                         self.rank, shuffle=shuffle, seed=seed)
+        if self._pending_sampler is not None:
+            self.sampler.load_state_dict(self._pending_sampler)
+            self._pending_sampler = None
+        return self.sampler
+
+    def _next_item(self, loader):
+        if self._iter is None or self._loader is not loader:
+            self._loader, self._iter = loader, iter(loader)
+        try:
+            return next(self._iter)
+        except StopIteration:  # the end of a pass (epoch): the stream goes on
+            self._iter = iter(loader)
+            try:
+                return next(self._iter)
+            except StopIteration:
+                raise RuntimeError("AdaptiveBatching.micro_batches: the loader yielded no batch "
+                                   "(empty dataset?)") from None
+
+    def _sync_contexts(self, model, A: int):
+        """(no-sync context factory for micro-batches 0..A-2, context for the last)."""
+        if A == 1:
+            return None, contextlib.nullcontext
+        if hasattr(model, "no_sync") and callable(model.no_sync):  # DDP
+            return model.no_sync, contextlib.nullcontext
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            return (lambda: _FSDPSync(model, False)), (lambda: _FSDPSync(model, True))
+        if self.world_size > 1:
+            raise ValueError(
+                "micro_batches: this step accumulates {A} micro-batches on {R} ranks, so the first "
+                "{A1} must skip the gradient synchronization: pass the DDP or FSDP2 model, "
+                "coord.micro_batches(loader, model)".format(A=A, R=self.world_size, A1=A - 1))
+        return contextlib.nullcontext, contextlib.nullcontext
+
+    def micro_batches(self, loader: Iterable, model=None) -> Iterator[tuple[Any, Any]]:
+        """The A_k micro-batches of the step in progress, as (batch, context) pairs.
+
+        ``loader``: an iterable of micro-batches (normally a DataLoader over
+        ``batch_sampler(...)``); it is iterated across steps and re-iterated when a pass
+        ends. ``model``: the DDP or FSDP2 model (its ``no_sync()`` /
+        ``set_requires_gradient_sync(False)`` is the context of the first A-1
+        micro-batches; the last synchronizes); None on one rank. Run the forward and
+        backward of each micro-batch inside its context, with the loss divided by
+        ``accum_steps``. After each backward this calls ``MicroBatchGNS.micro_step()``.
+        """
+        if self._served:
+            raise RuntimeError("micro_batches: already called in this optimizer step; call "
+                               "coord.step() after optimizer.step() to end the step")
+        A = self.accum_steps
+        skip_sync, last = self._sync_contexts(model, A)
+        self._served = True
+        self._scale = self._read_scale()
+        feeds_sampler = self.sampler is not None and getattr(loader, "batch_sampler", None) is self.sampler
+        for a in range(A):
+            batch = self._next_item(loader)
+            if feeds_sampler:
+                self.sampler.advance(1)
+            self._consumed += 1
+            yield batch, (skip_sync() if a < A - 1 else last())
+            if self.kind == "micro":
+                self.state.micro_step()
+
+    def steps(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> Iterator[int]:
+        """Yield k = current_step while the next step's batch fits in ``max_samples``
+        (global examples) and k < ``max_steps``; raises if a step ended without ``step()``."""
+        while True:
+            if max_steps is not None and self._step >= max_steps:
+                return
+            if max_samples is not None and self._samples + self._batch > max_samples:
+                return
+            k = self._step
+            yield k
+            if self._step == k:
+                raise RuntimeError(f"AdaptiveBatching.steps: optimizer step {k} ended without "
+                                   "coord.step(); call coord.step() after optimizer.step()")
+
+    # ------------------------------------------------------------------ the step
+    def _check_state(self, k: int) -> None:
+        st = self.state
+        if st.batch_size != self._batch:
+            raise RuntimeError(
+                f"the hook state's batch_size was changed to {st.batch_size} outside the coordinator "
+                f"(step {k} runs B = {self._batch}); the coordinator sets it: remove the "
+                "`state.batch_size = ...` line")
+        if st.every != self.every:
+            raise RuntimeError(
+                f"the hook state's every was changed to {st.every} outside the coordinator (F = "
+                f"{self.every}); one F drives the hook and the controller: leave state.every alone")
+        if self._served and self._consumed != self.accum_steps:
+            raise RuntimeError(
+                f"step {k}: {self._consumed} of its {self.accum_steps} micro-batches were consumed; "
+                "iterate coord.micro_batches(...) to the end before coord.step()")
+        if st.step == k + 1:
+            return
+        if st.step == k:
+            if self.kind == "micro":
+                fix = ("MicroBatchGNS.micro_step() must follow every micro-batch's backward "
+                       f"({self.accum_steps} per step; coord.micro_batches calls it)")
+            elif self.kind == "fsdp":
+                fix = "is attach_fsdp_gns(model, state) attached to the model that ran backward?"
+            else:
+                fix = "register the hook: ddp.register_comm_hook(state, gk.ddp_gns_hook)"
+            raise RuntimeError(f"step {k}: the hook state saw no synchronized backward for this "
+                               f"optimizer step (state.step = {st.step}); {fix}")
+        raise RuntimeError(
+            f"step {k}: the hook state counted {st.step - k} synchronized backward passes for one "
+            f"optimizer step (state.step = {st.step}, expected {k + 1}); the first accum_steps - 1 "
+            "micro-batches must skip the synchronization (use the context micro_batches yields), "
+            "and state.step must not be set by hand")
+
+    def _measurement(self, k: int) -> Optional[Measurement]:
+        st = self.state
+        est = st.estimate
+        if est is None or st.estimate_step != k:
+            if self.kind != "micro" or self.world_size * self.accum_steps >= 2:
+                self._warn_once("missing", f"step {k} is a measuring step but the hook state has no "
+                                f"estimate of it (estimate_step = {st.estimate_step}); the batch "
+                                "cannot adapt. Is the hook attached to the model that ran backward?")
+            return None
+        own = getattr(est, "step", None)
+        if isinstance(own, Integral) and not isinstance(own, bool) and own != k:
+            self._warn_once("stale", f"the estimate of step {k} says it was measured at step {own}; "
+                            "it is not used")
+            return None
+        s2 = self._scale * self._scale
+        return Measurement(float(est.noise) / s2, float(est.signal) / s2, bool(est.valid), k,
+                           float(est.gns))
+
+    def _sync_lrs(self) -> None:
+        m = self._lrm.multiplier
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                expected = group["scheduled_lr"] * m
+                if not math.isclose(float(group["lr"]), expected, rel_tol=1e-12, abs_tol=0.0):
+                    self._warn_once(
+                        "lr", "a param group's lr was changed outside the coordinator (a scheduler "
+                        "stepped by hand?); it is taken as the new scheduled rate. Pass "
+                        "schedulers=[...] to AdaptiveBatching and do not step them yourself, so "
+                        "they never see the multiplier")
+                    group["scheduled_lr"] = float(group["lr"])
+
+    def step(self, k: Optional[int] = None) -> int:
+        """End optimizer step k (call after ``optimizer.step()``; with a GradScaler after
+        ``scaler.update()``); returns B_{k+1}. ``k``, if given, must be ``current_step``."""
+        if k is not None:
+            k = _check_int("k", k, 0)
+            if k != self._step:
+                raise ValueError(
+                    f"step(k={k}): this is optimizer step {self._step}; the coordinator counts "
+                    "optimizer steps from 0 itself, so call coord.step() without k (or pass "
+                    "coord.current_step)")
+        k = self._step
+        self._check_state(k)
+        measure = k % self.every == 0
+        est = self._measurement(k) if measure else None
+        ctrl = self.controller
+        old = ctrl.batch_size
+        ctrl.update(k, est)
+        new = ctrl.batch_size
+        if self.max_growth is not None and new > old:
+            m = ctrl.multiple_of
+            cap = max(old + m, int(math.floor(self.max_growth * old * (1 + 1e-12))) // m * m)
+            if new > cap:
+                ctrl._batch_size = cap  # the controller keeps B non-decreasing from here
+                new = cap
+        A_used, B_used, scale_used = self.accum_steps, self._batch, self._scale
+        self._samples += B_used
+        self._step = k + 1
+        self._batch = new
+        self._served = False
+        self._consumed = 0
+        self._apply_batch()
+        self._sync_lrs()
+        self._lrm.step(ctrl.lr_multiplier)
+        self._scale = self._read_scale()
+        self._last = self._record(k, B_used, A_used, scale_used, measure, est)
+        return new
+
+    # ------------------------------------------------------------------ metrics
+    def _record(self, k, B, A, scale, measure, est) -> dict:
+        ctrl = self.controller
+        nan = float("nan")
+        row: dict[str, Any] = {
+            "step": k, "samples_seen": self._samples, "batch_size": B, "accum_steps": A,
+            "micro_batch_size": self.micro_batch_size, "next_batch_size": self._batch,
+            "lr_multiplier": self._lrm.multiplier, "measuring_step": measure,
+            "measured": est is not None,
+            "valid": bool(est.valid) if est is not None else False,
+            "gns": est.gns if est is not None else nan,
+            "noise": est.noise if est is not None else nan,
+            "signal": est.signal if est is not None else nan,
+            "noise_ema": nan if ctrl.noise_ema is None else ctrl.noise_ema,
+            "signal_ema": nan if ctrl.signal_ema is None else ctrl.signal_ema,
+            "gns_ema": nan if ctrl.gns_ema is None else ctrl.gns_ema,
+            "target_batch_size": nan if ctrl.target_batch_size is None else ctrl.target_batch_size,
+            "grad_scale": scale,
+        }
+        i = 0
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                row[f"lr_{i}"] = float(group["lr"])
+                i += 1
+        # per-layer terms, when the measuring object exposes them as {name: (noise, signal)}
+        layers = getattr(self.state, "layer_stats", None) if est is not None else None
+        if isinstance(layers, dict):
+            s2 = scale * scale
+            for name, (n, s) in layers.items():
+                row[f"noise/{name}"] = float(n) / s2
+                row[f"signal/{name}"] = float(s) / s2
+        return row
+
+    def metrics(self) -> dict:
+        """The last completed step as a flat dict of plain Python values: step,
+        samples_seen, batch_size (B_k), accum_steps, micro_batch_size, next_batch_size
+        (B_{k+1}), lr_multiplier (omega_{k+1}), lr_<i> (every param group's next lr),
+        measuring_step, measured, valid, gns, noise, signal (the measurement of step k,
+        divided by grad_scale^2; nan when not measured), noise_ema, signal_ema, gns_ema,
+        target_batch_size, grad_scale; and ``noise/<layer>``, ``signal/<layer>`` when the
+        hook state exposes a ``layer_stats`` dict {name: (noise, signal)}. Empty before the
+        first ``step()``."""
+        return dict(self._last)
+
+    def to_tensorboard(self, writer, step: Optional[int] = None, prefix: str = "gns/") -> None:
+        """Write ``metrics()`` as scalars to a ``torch.utils.tensorboard.SummaryWriter``."""
+        from .metrics import to_tensorboard
+
+        to_tensorboard(writer, self.metrics(), step=step, prefix=prefix)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Everything to resume: controller, step, samples, sampler position, LR state
+        (multiplier, schedulers), the hook state's schedule. Plain Python values (and the
+        schedulers' own state dicts)."""
+        return {
+            "version": _STATE_VERSION, "step": self._step, "samples_seen": self._samples,
+            "batch_size": self._batch, "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size, "every": self.every,
+            "controller": self.controller.state_dict(),
+            "lr_multiplier": self._lrm.state_dict(),
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "hook": self.state.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
+        """Resume from ``state_dict()`` (after loading the model and the optimizers).
+
+        A different world size or micro-batch size is allowed: the sampler continues at
+        the saved sample position re-sharded over the new ranks, the samples seen and the
+        EMAs carry over, and a saved batch that is not a multiple of the new R x b is
+        rounded up to one (capped at max_batch_size) with a warning; the LR multiplier
+        follows the batch. strict: the controller's other settings must equal the saved
+        ones (as ``AdaptiveBatchSize.load_state_dict``)."""
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"AdaptiveBatching.load_state_dict: expected a state_dict of version "
+                             f"{_STATE_VERSION}")
+        ctrl = self.controller
+        csd = dict(sd["controller"])
+        csd["config"] = dict(csd["config"])
+        m = ctrl.multiple_of
+        if strict:
+            mine = ctrl._config()
+            saved = csd["config"]
+            diff = sorted(k for k in set(mine) | set(saved)
+                          if k != "multiple_of" and mine.get(k) != saved.get(k))
+            if diff:
+                details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
+                raise ValueError(f"AdaptiveBatching.load_state_dict: the controller's settings differ "
+                                 f"({details}); construct it with the saved settings or pass strict=False")
+        batch = int(csd["batch_size"])
+        if batch % m:
+            new = -(-batch // m) * m
+            if ctrl.max_batch_size is not None:
+                new = min(new, ctrl.max_batch_size)
+            new = max(new, ctrl.initial_batch_size)
+            warnings.warn(
+                f"AdaptiveBatching: resumed with world_size x micro_batch_size = {self.world_size} x "
+                f"{self.micro_batch_size} = {m} (saved: {sd['world_size']} x {sd['micro_batch_size']}); "
+                f"the saved batch {batch} is not a multiple of {m}, continuing with {new}",
+                RuntimeWarning, stacklevel=2)
+            csd["batch_size"] = new
+        ctrl.load_state_dict(csd, strict=False)
+        self._step = _check_int("state_dict['step']", sd["step"], 0)
+        self._samples = _check_int("state_dict['samples_seen']", sd["samples_seen"], 0)
+        self._batch = ctrl.batch_size
+        if len(sd["schedulers"]) != len(self.schedulers):
+            raise ValueError(f"AdaptiveBatching.load_state_dict: {len(sd['schedulers'])} schedulers "
+                             f"saved, {len(self.schedulers)} given")
+        for s, ssd in zip(self.schedulers, sd["schedulers"]):
+            s.load_state_dict(ssd)
+        if self.sampler is not None and sd["sampler"] is not None:
+            self.sampler.load_state_dict(sd["sampler"])
+        elif sd["sampler"] is not None:
+            self._pending_sampler = sd["sampler"]
+        hook = dict(sd["hook"])
+        hook.update(step=self._step, batch_size=self._batch, every=self.every)
+        self.state.load_state_dict(hook)
+        self._apply_batch()
+        self._lrm.set_multiplier(ctrl.lr_multiplier)
+        self._loader = self._iter = None
+        self._served, self._consumed = False, 0
+        self._scale = self._read_scale()

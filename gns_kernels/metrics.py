@@ -1,0 +1,132 @@
+"""Writers for the per-step metrics dict of ``AdaptiveBatching.metrics()`` (or any flat
+dict of numbers): CSV rows and TensorBoard scalars.
+
+- ``CSVWriter(path)``: appends one row per ``write(metrics)``; the header is written once
+  (the first dict's keys, or ``columns``). Re-opening an existing file (a resumed run)
+  keeps its header and appends. None and nan are written as empty cells, booleans as 0/1,
+  floats with 10 significant digits (``repr`` round trip is not promised).
+- ``to_tensorboard(writer, metrics, step)``: ``writer.add_scalar(prefix + key, value,
+  step)`` for every finite number (booleans as 0/1; None, nan and non-numbers skipped),
+  the style of AdaptDL's ``to_tensorboard(writer, step)``; ``step`` defaults to
+  ``metrics["step"]``. ``tensorboard_writer(log_dir)`` makes a
+  ``torch.utils.tensorboard.SummaryWriter``; the ``tensorboard`` package is an optional
+  dependency, imported only then (ImportError naming ``pip install tensorboard`` when it
+  is missing).
+
+The metrics of a step hold noise and signal as well as gns and the EMAs, so the
+controller's decisions can be recomputed from the CSV: N_k and M_k from the EMA rule over
+the measured rows, B_{k+1} = max(ceil(N_k / (theta^2 M_k)), B_k) rounded and capped.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from numbers import Integral, Real
+from typing import Any, Iterable, Mapping, Optional
+
+__all__ = ["CSVWriter", "to_tensorboard", "tensorboard_writer"]
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, Integral):
+        return str(int(v))
+    if isinstance(v, Real):
+        f = float(v)
+        return "" if math.isnan(f) else f"{f:.10g}"
+    return str(v)
+
+
+class CSVWriter:
+    """Append metrics dicts to a CSV file, header once.
+
+    Args:
+        path: the CSV file (created with its parent folder if missing).
+        columns: the column order; None takes the first dict's keys (or the existing
+            file's header when appending to one).
+        write_rows: False on ranks other than 0 makes ``write`` a no-op (one file per run).
+    """
+
+    def __init__(self, path: str, columns: Optional[Iterable[str]] = None, write_rows: bool = True):
+        self.path = os.fspath(path)
+        self.columns = list(columns) if columns is not None else None
+        self.enabled = bool(write_rows)
+        if self.enabled and os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            with open(self.path, newline="") as fh:
+                header = next(csv.reader(fh), None)
+            if header:
+                if self.columns is not None and self.columns != header:
+                    raise ValueError(f"CSVWriter: {self.path} has columns {header}, not the "
+                                     f"columns given {self.columns}; write to a new file")
+                self.columns = header
+                self._header_written = True
+                return
+        self._header_written = False
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        """Append one row; keys missing from ``metrics`` give empty cells, keys not in the
+        columns raise ValueError (the header is fixed once written)."""
+        if not self.enabled:
+            return
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"CSVWriter.write: expected a dict of metrics, got {type(metrics).__name__}")
+        if not metrics:
+            return
+        if self.columns is None:
+            self.columns = list(metrics.keys())
+        extra = [k for k in metrics if k not in self.columns]
+        if extra:
+            raise ValueError(f"CSVWriter.write: keys {extra} are not columns of {self.path} "
+                             f"({self.columns}); pass columns= with every key up front")
+        folder = os.path.dirname(self.path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        with open(self.path, "a", newline="") as fh:
+            w = csv.writer(fh)
+            if not self._header_written:
+                w.writerow(self.columns)
+                self._header_written = True
+            w.writerow([_cell(metrics.get(k)) for k in self.columns])
+
+
+def to_tensorboard(writer, metrics: Mapping[str, Any], step: Optional[int] = None,
+                   prefix: str = "gns/") -> int:
+    """Write the finite numbers of ``metrics`` as scalars; returns how many were written.
+
+    writer: anything with ``add_scalar(tag, value, global_step)`` (a SummaryWriter).
+    step: the global step (default ``metrics["step"]``)."""
+    if not callable(getattr(writer, "add_scalar", None)):
+        raise TypeError(f"to_tensorboard: writer must have add_scalar(tag, value, step) (a "
+                        f"torch.utils.tensorboard.SummaryWriter), got {type(writer).__name__}")
+    if step is None:
+        step = metrics.get("step")
+    n = 0
+    for key, v in metrics.items():
+        if key == "step" or v is None:
+            continue
+        if isinstance(v, bool):
+            v = 1.0 if v else 0.0
+        elif isinstance(v, Real):
+            v = float(v)
+            if not math.isfinite(v):
+                continue
+        else:
+            continue
+        writer.add_scalar(prefix + key, v, step)
+        n += 1
+    return n
+
+
+def tensorboard_writer(log_dir: Optional[str] = None, **kwargs):
+    """``torch.utils.tensorboard.SummaryWriter(log_dir, **kwargs)``; ImportError with the
+    install command when the optional ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # torch raises this when tensorboard is not installed
+        raise ImportError("gns_kernels.metrics.tensorboard_writer needs the optional 'tensorboard' "
+                          "package: pip install tensorboard") from exc
+    return SummaryWriter(log_dir, **kwargs)
