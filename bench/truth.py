@@ -26,7 +26,10 @@ gk.estimate to 1e-9 relative, nuclear 1e-6):
   l2, l1 raw / l1 c4-corrected (gk.estimate), nuclear raw and corrected with the dof
   'columns', 'data' (R >= 4), 'gauss-sums' (nuclear_dof.dof_from_sample_sums, R >= 3, the
   hook-computable per-sample quartic sums), 'pair' (nuclear_dof.dof_from_gram_pair with the
-  previous independent measurement, any R), 'pair8' (its moments averaged over 8 pairs).
+  previous independent measurement, any R), 'pair8' (its moments averaged over 8 pairs),
+  'jk' / 'jk-columns' (nuclear_dof.jackknife of the raw / columns-corrected sqrt-trace,
+  R >= 3), 'pool8' (sqrt-trace of the covariance averaged over 8 independent measurements,
+  corrected with 8x the pair8 dof). l1: c4 and the jackknife 'jk' / 'jk-c4'.
   Signals: raw, and the bias-reduced nuclear_dof.l1_signal_debiased / l1_signal_folded /
   nuclear_signal_debiased.
 
@@ -241,7 +244,8 @@ def truth(pool, layout):
 # simulation
 # ----------------------------------------------------------------------------------------
 
-NUCLEAR_KINDS = ("raw", "columns", "data", "gauss-sums", "pair", "pair8")
+L1_KINDS = ("raw", "c4", "jk", "jk-c4")
+NUCLEAR_KINDS = ("raw", "columns", "data", "gauss-sums", "pair", "pair8", "jk", "jk-columns", "pool8")
 
 
 def rank_means(pool, T, R, b, gen):
@@ -254,23 +258,38 @@ def sqrt_trace(ev):
 
 
 def run_chunk(x, layout, R, b, check: int):
-    """Per-trial statistics of one chunk x (T, R, P) float64 -> dict of (T,) tensors."""
+    """Per-trial statistics of one chunk x (T, R, P) float64 -> dict of (T,) tensors.
+
+    'l1:*' and 'nuc:*' are the roots S (||s||_1, sum_l tr C_l^{1/2}); the noise is S^2.
+    """
     T = x.shape[0]
     B = R * b
     out = {}
     g = x.mean(1)
     dev = x - g[:, None]
-    s2 = b * (dev * dev).sum(1) / (R - 1)  # == B/(R-1) (mean_j x^2 - g^2)
+    ssq = (dev * dev).sum(1)
+    s2 = b * ssq / (R - 1)  # == B/(R-1) (mean_j x^2 - g^2)
     out["l2"] = s2.sum(1)
-    out["l1_raw_s"] = s2.sqrt().sum(1)
-    out["l1_sig_raw"] = g.abs().sum(1)
-    out["l1_sig_deb"] = torch.stack([nd.l1_signal_debiased(g[t], s2[t], B) for t in range(T)])
-    out["l1_sig_fold"] = torch.stack([nd.l1_signal_folded(g[t], s2[t], B) for t in range(T)])
-    out["l2_sig_raw"] = (g * g).sum(1)
+    out["l1:raw"] = s2.sqrt().sum(1)
+    out["l1:c4"] = out["l1:raw"] / gkb.c4(R)
+    if R >= 3:
+        loo = torch.stack([nd.loo_sum_sq(ssq, dev[:, j], R) for j in range(R)], 1)  # (T, R, P)
+        loo_s = (b * loo.clamp_min(0) / (R - 2)).sqrt().sum(2).mean(1)
+        out["l1:jk"] = nd.jackknife(out["l1:raw"], loo_s, R)
+        out["l1:jk-c4"] = nd.jackknife(out["l1:c4"], loo_s / gkb.c4(R - 1), R)
+        del loo
+    out["sig:l2:raw"] = (g * g).sum(1)
+    out["sig:l1:raw"] = g.abs().sum(1)
+    out["sig:l1:deb"] = torch.stack([nd.l1_signal_debiased(g[t], s2[t], B) for t in range(T)])
+    out["sig:l1:fold"] = torch.stack([nd.l1_signal_folded(g[t], s2[t], B) for t in range(T)])
     acc = {k: torch.zeros(T, dtype=torch.float64) for k in NUCLEAR_KINDS}
-    acc["sig_raw"] = torch.zeros(T, dtype=torch.float64)
-    acc["sig_deb"] = torch.zeros(T, dtype=torch.float64)
+    acc["sig:raw"] = torch.zeros(T, dtype=torch.float64)
+    acc["sig:deb"] = torch.zeros(T, dtype=torch.float64)
     nus = {k: [] for k in ("columns", "data", "gauss-sums", "pair", "pair8")}
+
+    def corrected(ev, nu, Rr, Bb):
+        return gkb.nuclear_sqrt_trace_corrected(ev, Rr, Bb, dof_per_sample=nu / (Rr - 1))
+
     for k, shape, off, num, mat in layout:
         if mat is None:
             continue
@@ -288,32 +307,44 @@ def run_chunk(x, layout, R, b, check: int):
         nus["columns"].append(torch.full((T,), float((R - 1) * n), dtype=torch.float64))
         if R >= 4:
             nu = gkb.nuclear_dof_from_samples(xs)
-            acc["data"] += gkb.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
+            acc["data"] += corrected(ev, nu, R, B)
             nus["data"].append(nu)
         if R >= 3:
             nu = nd.dof_from_samples_gaussian(xs)
-            acc["gauss-sums"] += gkb.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
+            acc["gauss-sums"] += corrected(ev, nu, R, B)
             nus["gauss-sums"].append(nu)
+            Mloo = torch.stack([nd.loo_gram(Msum, d[:, j], R) for j in range(R)], 1)  # (T, R, m, m)
+            evl = torch.linalg.eigvalsh(b / (R - 2) * Mloo)
+            acc["jk"] += nd.jackknife(sqrt_trace(ev), sqrt_trace(evl).mean(1), R)
+            col_loo = gkb.nuclear_sqrt_trace_corrected(evl, R - 1, (R - 1) * b, other_dim=n).mean(1)
+            acc["jk-columns"] += nd.jackknife(gkb.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n), col_loo, R)
         # pair: the previous independent trial of the chunk (cyclic)
         num1, var1 = nd.gram_pair_moments(C, torch.roll(C, 1, dims=0))
         nu = nd.dof_from_moments(num1, var1)
-        acc["pair"] += gkb.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
+        acc["pair"] += corrected(ev, nu, R, B)
         nus["pair"].append(nu)
         nk, vk = torch.zeros_like(num1), torch.zeros_like(var1)
-        for s in range(8):  # pairs (t-s, t-s-1), s = 0..7: the current and 7 earlier pairs
-            a, v = nd.gram_pair_moments(torch.roll(C, s, dims=0), torch.roll(C, s + 1, dims=0))
+        for sft in range(8):  # pairs (t-s, t-s-1), s = 0..7: the current and 7 earlier pairs
+            a, v = nd.gram_pair_moments(torch.roll(C, sft, dims=0), torch.roll(C, sft + 1, dims=0))
             nk, vk = nk + a, vk + v
         nu = nd.dof_from_moments(nk, vk)
-        acc["pair8"] += gkb.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
+        acc["pair8"] += corrected(ev, nu, R, B)
         nus["pair8"].append(nu)
+        # pool8: the covariance averaged over the same 8 measurements, then the sqrt-trace
+        # (its dof is 8 nu); what a hook keeping a running mean of C would report
+        Cp = sum(torch.roll(C, sft, dims=0) for sft in range(8)) / 8
+        acc["pool8"] += gkb.nuclear_sqrt_trace_corrected(torch.linalg.eigvalsh(Cp), R, B, dof_per_sample=8 * nu / (R - 1))
         G = xs.mean(1)
-        acc["sig_raw"] += torch.linalg.svdvals(G).sum(-1)
-        acc["sig_deb"] += nd.nuclear_signal_debiased(G, C, B)
+        acc["sig:raw"] += torch.linalg.svdvals(G).sum(-1)
+        acc["sig:deb"] += nd.nuclear_signal_debiased(G, C, B)
     for k, v in acc.items():
-        out["nuc_" + k] = v
+        if k.startswith("sig:"):
+            out["sig:nuc:" + k[4:]] = v
+        elif float(v.abs().sum()) > 0:
+            out["nuc:" + k] = v
     for k, v in nus.items():
         if v:
-            out["nu_" + k] = torch.stack(v, dim=1)  # (T, layers)
+            out["nu:" + k] = torch.stack(v, dim=1)  # (T, layers)
     # check against gk.estimate on the first trials
     for t in range(min(check, T)):
         rank_grads = []
@@ -323,12 +354,12 @@ def run_chunk(x, layout, R, b, check: int):
                 v = x[t, j, off : off + num]
                 ps.append(v.reshape(mat) if mat is not None and len(shape) == 4 else v.reshape(shape))
             rank_grads.append(ps)
-        pairs = [("l2", {}, out["l2"][t]), ("l1", {"bias_correction": False}, out["l1_raw_s"][t] ** 2),
-                 ("l1", {}, (out["l1_raw_s"][t] / gkb.c4(R)) ** 2),
-                 ("nuclear", {"bias_correction": False}, out["nuc_raw"][t] ** 2),
-                 ("nuclear", {"nuclear_dof": "columns"}, out["nuc_columns"][t] ** 2)]
+        pairs = [("l2", {}, out["l2"][t]), ("l1", {"bias_correction": False}, out["l1:raw"][t] ** 2),
+                 ("l1", {}, out["l1:c4"][t] ** 2),
+                 ("nuclear", {"bias_correction": False}, out["nuc:raw"][t] ** 2),
+                 ("nuclear", {"nuclear_dof": "columns"}, out["nuc:columns"][t] ** 2)]
         if R >= 4:
-            pairs.append(("nuclear", {"nuclear_dof": "data"}, out["nuc_data"][t] ** 2))
+            pairs.append(("nuclear", {"nuclear_dof": "data"}, out["nuc:data"][t] ** 2))
         for geo, kw, mine in pairs:
             ref = gk.estimate(rank_grads, B, geometry=geo, **kw).noise
             tol = 1e-6 if geo == "nuclear" else 1e-9  # eigvalsh of the subtraction formula
@@ -337,15 +368,14 @@ def run_chunk(x, layout, R, b, check: int):
     return out
 
 
-def simulate(pool, layout, R, b, trials, seed, chunk_elems=4e7):
+def simulate(pool, layout, R, b, trials, seed, chunk_elems=2e7):
     gen = torch.Generator().manual_seed(seed)
     P = pool.shape[1]
     per = max(16, int(chunk_elems // (R * P)))
     parts = []
     done = 0
     while done < trials:
-        T = min(per, trials - done)
-        T = max(T, 9)  # the pair8 columns need 9 trials in a chunk
+        T = max(min(per, trials - done), 9)  # the pair8 columns need 9 trials in a chunk
         parts.append(run_chunk(rank_means(pool, T, R, b, gen), layout, R, b, check=2 if done == 0 else 0))
         done += T
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
@@ -375,7 +405,7 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     configs = [(int(R), int(b)) for R in args.R.split(",") for b in args.b.split(",")]
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
-    noise_rows, dof_rows, cv_rows, sig_rows = [], [], [], []
+    noise_rows, root_rows, dof_rows, cv_rows, sig_rows = [], [], [], [], []
     for arch in args.arch.split(","):
         t0 = time.time()
         model, X, Y, loss_fn, lr = make_arch(arch, args.seed)
@@ -390,61 +420,66 @@ def main(argv=None):
             t1 = time.time()
             o = simulate(pool, layout, R, b, args.trials, args.seed + 1000 * R + b)
             B = R * b
-            c4 = gkb.c4(R)
             l2 = ratio(o["l2"], tn["l2"])
-            l1r = ratio(o["l1_raw_s"] ** 2, tn["l1"])
-            l1c = ratio((o["l1_raw_s"] / c4) ** 2, tn["l1"])
-            nuc = {k: ratio(o["nuc_" + k] ** 2, tn["nuclear"]) for k in NUCLEAR_KINDS
-                   if float(o["nuc_" + k].abs().sum()) > 0}
-            cell = lambda k: fmt(nuc[k]) if k in nuc else "–"  # noqa: E731
-            noise_rows.append(f"| {arch} | {R} | {b} | {fmt(l2)} | {fmt(l1r)} | {fmt(l1c)} | "
-                              + " | ".join(cell(k) for k in NUCLEAR_KINDS) + " |")
-            cv_rows.append(f"| {arch} | {R} | {b} | {l2[2]:.3f} | {l1c[2]:.3f} | "
-                           + " | ".join(f"{nuc[k][2]:.3f}" if k in nuc else "–" for k in NUCLEAR_KINDS) + " |")
+            l1 = {k: ratio(o["l1:" + k] ** 2, tn["l1"]) for k in L1_KINDS if "l1:" + k in o}
+            nuc = {k: ratio(o["nuc:" + k] ** 2, tn["nuclear"]) for k in NUCLEAR_KINDS if "nuc:" + k in o}
+            l1r = {k: ratio(o["l1:" + k], math.sqrt(tn["l1"])) for k in L1_KINDS if "l1:" + k in o}
+            nucr = {k: ratio(o["nuc:" + k], math.sqrt(tn["nuclear"])) for k in NUCLEAR_KINDS if "nuc:" + k in o}
+            cell = lambda d, k: fmt(d[k]) if k in d else "–"  # noqa: E731
+            cv = lambda d, k: f"{d[k][2]:.3f}" if k in d else "–"  # noqa: E731
+            head = f"| {arch} | {R} | {b} | "
+            noise_rows.append(head + fmt(l2) + " | " + " | ".join(cell(l1, k) for k in L1_KINDS) + " | "
+                              + " | ".join(cell(nuc, k) for k in NUCLEAR_KINDS) + " |")
+            root_rows.append(head + " | ".join(cell(l1r, k) for k in L1_KINDS) + " | "
+                             + " | ".join(cell(nucr, k) for k in NUCLEAR_KINDS) + " |")
+            cv_rows.append(head + f"{l2[2]:.3f} | " + " | ".join(cv(l1, k) for k in L1_KINDS) + " | "
+                           + " | ".join(cv(nuc, k) for k in NUCLEAR_KINDS) + " |")
             dofs = []
             for k in ("columns", "data", "gauss-sums", "pair", "pair8"):
-                if "nu_" + k in o:
-                    nu = o["nu_" + k]
-                    med = nu.median(dim=0).values
+                if "nu:" + k in o:
+                    med = o["nu:" + k].median(dim=0).values
                     dofs.append("/".join(f"{v:.0f}" if math.isfinite(v) else "inf" for v in med.tolist()))
                 else:
                     dofs.append("–")
-            dof_rows.append(f"| {arch} | {R} | {b} | " + " | ".join(dofs) + " |")
-            # signals and GNS (noise: l1 c4, nuclear best hook-computable available)
-            s_l1r = ratio(o["l1_sig_raw"] ** 2, ts["l1"])
-            s_l1d = ratio(o["l1_sig_deb"] ** 2, ts["l1"])
-            s_l1f = ratio(o["l1_sig_fold"] ** 2, ts["l1"])
-            s_nr = ratio(o["nuc_sig_raw"] ** 2, ts["nuclear"])
-            s_nd = ratio(o["nuc_sig_deb"] ** 2, ts["nuclear"])
+            dof_rows.append(head + " | ".join(dofs) + " |")
+            # signals and GNS; noise: the best hook-computable (jackknife at R >= 3, else c4 / pair8)
             g_true = {k: tn[k] / ts[k] for k in tn}
-            l1n = (o["l1_raw_s"] / c4) ** 2
-            nn_ = o["nuc_pair8"] ** 2
-            gl1r = ratio(l1n / o["l1_sig_raw"] ** 2, g_true["l1"])
-            gl1d = ratio(l1n / o["l1_sig_deb"].clamp_min(1e-300) ** 2, g_true["l1"])
-            gnr = ratio(nn_ / o["nuc_sig_raw"] ** 2, g_true["nuclear"])
-            gnd = ratio(nn_ / o["nuc_sig_deb"].clamp_min(1e-300) ** 2, g_true["nuclear"])
-            sig_rows.append(f"| {arch} | {R} | {b} | {g_true['l1'] / B:.2f} | {fmt(s_l1r)} | {fmt(s_l1d)} "
-                            f"({s_l1d[2]:.3f}) | {fmt(s_l1f)} ({s_l1f[2]:.3f}) | {fmt(gl1r)} | {fmt(gl1d)} | "
-                            f"{g_true['nuclear'] / B:.2f} | {fmt(s_nr)} | {fmt(s_nd)} ({s_nd[2]:.3f}) | "
-                            f"{fmt(gnr)} | {fmt(gnd)} |")
+            l1n = (o["l1:jk-c4"] if R >= 3 else o["l1:c4"]) ** 2
+            nn_ = (o["nuc:jk-columns"] if R >= 3 else o["nuc:pair8"]) ** 2
+            sr = lambda k, t: ratio(o[k] ** 2, t)  # noqa: E731
+            gr = lambda n_, k, t: ratio(n_ / o[k].clamp_min(1e-300) ** 2, t)  # noqa: E731
+            s_l1d, s_l1f, s_nd = sr("sig:l1:deb", ts["l1"]), sr("sig:l1:fold", ts["l1"]), sr("sig:nuc:deb", ts["nuclear"])
+            sig_rows.append(head + f"{g_true['l1'] / B:.2f} | {fmt(sr('sig:l1:raw', ts['l1']))} | {fmt(s_l1d)} "
+                            f"({s_l1d[2]:.2f}) | {fmt(s_l1f)} ({s_l1f[2]:.2f}) | {fmt(gr(l1n, 'sig:l1:raw', g_true['l1']))} | "
+                            f"{fmt(gr(l1n, 'sig:l1:deb', g_true['l1']))} | {fmt(gr(l1n, 'sig:l1:fold', g_true['l1']))} | "
+                            f"{g_true['nuclear'] / B:.2f} | {fmt(sr('sig:nuc:raw', ts['nuclear']))} | {fmt(s_nd)} "
+                            f"({s_nd[2]:.2f}) | {fmt(gr(nn_, 'sig:nuc:raw', g_true['nuclear']))} | "
+                            f"{fmt(gr(nn_, 'sig:nuc:deb', g_true['nuclear']))} |")
             print(noise_rows[-1], f"  [{time.time() - t1:.0f}s]", flush=True)
         del pool
+    kinds = " | ".join("l1 " + k for k in L1_KINDS) + " | " + " | ".join("nuc " + k for k in NUCLEAR_KINDS)
+    sep = "|---" * (3 + len(L1_KINDS) + len(NUCLEAR_KINDS))
     print("\n### Noise: E[noise] / truth ± one standard error\n")
-    print("| arch | R | b | l2 | l1 raw | l1 / c4 | nuclear raw | columns | data | gauss-sums | pair | pair8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| arch | R | b | l2 | " + kinds + " |")
+    print(sep + "|---|")
     print("\n".join(noise_rows))
+    print("\n### Root: E[||s||_1] / ||sigma||_1 and E[sum tr C^1/2] / sum tr Sigma^1/2 ± one standard error\n")
+    print("| arch | R | b | " + kinds + " |")
+    print(sep + "|")
+    print("\n".join(root_rows))
     print("\n### Coefficient of variation of the noise (std / mean over trials)\n")
-    print("| arch | R | b | l2 | l1 / c4 | nuclear raw | columns | data | gauss-sums | pair | pair8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| arch | R | b | l2 | " + kinds + " |")
+    print(sep + "|---|")
     print("\n".join(cv_rows))
     print("\n### Median estimated nu per matrix (layer order)\n")
     print("| arch | R | b | columns | data | gauss-sums | pair | pair8 |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(dof_rows))
-    print("\n### Signals: E[signal] / truth (CV), E[GNS] / true GNS\n")
-    print("| arch | R | b | l1 GNS/B | l1 sig raw | l1 sig debiased (CV) | l1 sig folded (CV) | l1 GNS raw sig | "
-          "l1 GNS debiased sig | nuc GNS/B | nuc sig raw | nuc sig debiased (CV) | nuc GNS raw sig | nuc GNS debiased sig |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n### Signals: E[signal] / truth (CV), E[GNS] / true GNS (noise: jk at R >= 3, else l1 c4 / nuclear pair8)\n")
+    print("| arch | R | b | l1 GNS/B | l1 sig raw | l1 sig debiased (CV) | l1 sig folded (CV) | l1 GNS, raw sig | "
+          "l1 GNS, debiased sig | l1 GNS, folded sig | nuc GNS/B | nuc sig raw | nuc sig debiased (CV) | "
+          "nuc GNS, raw sig | nuc GNS, debiased sig |")
+    print("|---" * 15 + "|")
     print("\n".join(sig_rows))
 
 
