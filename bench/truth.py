@@ -29,12 +29,15 @@ gk.estimate to 1e-9 relative, nuclear 1e-6):
   previous independent measurement, any R), 'pair8' (its moments averaged over 8 pairs),
   'jk' / 'jk-columns' (nuclear_dof.jackknife of the raw / columns-corrected sqrt-trace,
   R >= 3), 'pool8' (sqrt-trace of the covariance averaged over 8 independent measurements,
-  corrected with 8x the pair8 dof). l1: c4 and the jackknife 'jk' / 'jk-c4'.
+  corrected with 8x the pair8 dof). l1: c4, the jackknife 'jk' / 'jk-c4', and 'pool8'
+  (per-coordinate s2 averaged over 8 independent measurements, / c4(8 (R-1) + 1)).
   Signals: raw, and the bias-reduced nuclear_dof.l1_signal_debiased / l1_signal_folded /
   nuclear_signal_debiased.
 
-Usage (one thread; a few minutes per architecture on a shared 2-core machine):
-    OMP_NUM_THREADS=1 python bench/truth.py --arch mlp,cnn,transformer --trials 1000
+Usage (one thread, nice'd; about 10 minutes per architecture on a shared 2-core machine):
+    OMP_NUM_THREADS=1 python bench/truth.py --arch mlp,cnn,transformer --trials 600
+Drift of the pooled estimates (8 measurements 50 SGD steps apart, R = 4, b = 16):
+    OMP_NUM_THREADS=1 python bench/truth.py --arch mlp --drift 4:16:8:50 --trials 600
 """
 from __future__ import annotations
 
@@ -244,7 +247,7 @@ def truth(pool, layout):
 # simulation
 # ----------------------------------------------------------------------------------------
 
-L1_KINDS = ("raw", "c4", "jk", "jk-c4")
+L1_KINDS = ("raw", "c4", "jk", "jk-c4", "pool8")
 NUCLEAR_KINDS = ("raw", "columns", "data", "gauss-sums", "pair", "pair8", "jk", "jk-columns", "pool8")
 
 
@@ -272,6 +275,8 @@ def run_chunk(x, layout, R, b, check: int):
     out["l2"] = s2.sum(1)
     out["l1:raw"] = s2.sqrt().sum(1)
     out["l1:c4"] = out["l1:raw"] / gkb.c4(R)
+    # pool8: per-coordinate s2 averaged over 8 independent measurements (8 (R-1) dof)
+    out["l1:pool8"] = (sum(torch.roll(s2, k, dims=0) for k in range(8)) / 8).sqrt().sum(1) / gkb.c4(8 * (R - 1) + 1)
     if R >= 3:
         loo = torch.stack([nd.loo_sum_sq(ssq, dev[:, j], R) for j in range(R)], 1)  # (T, R, P)
         loo_s = (b * loo.clamp_min(0) / (R - 2)).sqrt().sum(2).mean(1)
@@ -392,6 +397,67 @@ def fmt(r):
     return f"{r[0]:.3f} ± {r[1]:.3f}"
 
 
+def drift(arch, R, b, trials, snapshots, every, steps, seed):
+    """Pooling under training drift: the covariance of one measurement per snapshot (every
+    `every` SGD steps, `snapshots` of them), averaged over the snapshots, against the truth
+    at the last snapshot (the current one) and the single-measurement estimates there."""
+    model, X, Y, loss_fn, lr = make_arch(arch, seed)
+    train(model, X, Y, loss_fn, lr, steps, 64, seed)
+    B = R * b
+    Cs, s2s, truths = [], [], []
+    for snap in range(snapshots):
+        if snap:
+            train(model, X, Y, loss_fn, lr, every, 64, seed + snap)
+        pool, layout = per_example_pool(model, X, Y, loss_fn)
+        truths.append(truth(pool, layout)[0])
+        gen = torch.Generator().manual_seed(seed + 7 * snap + 1)
+        x = torch.cat([rank_means(pool, 50, R, b, gen) for _ in range(trials // 50)])
+        dev = x - x.mean(1, keepdim=True)
+        s2s.append(b * (dev * dev).sum(1) / (R - 1))
+        per_layer = []
+        for k, shape, off, num, mat in layout:
+            if mat is None:
+                continue
+            m, n = mat
+            xs = x[:, :, off : off + num].reshape(x.shape[0], R, m, n)
+            if m > n:
+                xs = xs.mT
+            d = xs - xs.mean(1, keepdim=True)
+            per_layer.append((B / (R * (R - 1)) * (d @ d.mT).sum(1), max(m, n)))
+        Cs.append(per_layer)
+        del pool, x
+    last = truths[-1]
+    mean_truth = {g: sum(t[g] for t in truths) / len(truths) for g in last}
+    K = snapshots
+    res = {"nuc:raw": 0.0, "nuc:columns": 0.0, "nuc:pair": 0.0, f"nuc:pool{K}": 0.0}
+    for li in range(len(Cs[-1])):
+        C_last, n = Cs[-1][li]
+        ev = torch.linalg.eigvalsh(C_last)
+        res["nuc:raw"] = res["nuc:raw"] + sqrt_trace(ev)
+        res["nuc:columns"] = res["nuc:columns"] + gkb.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n)
+        nk, vk = 0.0, 0.0
+        for sn in range(1, K):
+            a, v = nd.gram_pair_moments(Cs[sn][li][0], Cs[sn - 1][li][0])
+            nk, vk = nk + a, vk + v
+        nu = nd.dof_from_moments(nk, vk)
+        a1, v1 = nd.gram_pair_moments(Cs[-1][li][0], Cs[-2][li][0])
+        res["nuc:pair"] = res["nuc:pair"] + gkb.nuclear_sqrt_trace_corrected(
+            ev, R, B, dof_per_sample=nd.dof_from_moments(a1, v1) / (R - 1))
+        Cp = sum(c[li][0] for c in Cs) / K
+        res[f"nuc:pool{K}"] = res[f"nuc:pool{K}"] + gkb.nuclear_sqrt_trace_corrected(
+            torch.linalg.eigvalsh(Cp), R, B, dof_per_sample=K * nu / (R - 1))
+    res["l1:c4"] = s2s[-1].sqrt().sum(1) / gkb.c4(R)
+    res[f"l1:pool{K}"] = (sum(s2s) / K).sqrt().sum(1) / gkb.c4(K * (R - 1) + 1)
+    print(f"\n### Drift: {arch}, R = {R}, b = {b}, {K} snapshots {every} SGD steps apart (steps {steps}.."
+          f"{steps + every * (K - 1)}), {trials} trials\n")
+    print("truth per snapshot (nuclear, l1): " + ", ".join(f"{t['nuclear']:.4g}/{t['l1']:.4g}" for t in truths))
+    print("\n| estimate | E / truth at the last snapshot | E / mean truth over the window |")
+    print("|---|---|---|")
+    for k, v in res.items():
+        g = "nuclear" if k.startswith("nuc") else "l1"
+        print(f"| {k} | {fmt(ratio(v ** 2, last[g]))} | {fmt(ratio(v ** 2, mean_truth[g]))} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="mlp,cnn,transformer")
@@ -401,8 +467,14 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drift", default="", help="R:b:snapshots:every: run the drift experiment on --arch instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.drift:
+        R, b, K, every = (int(v) for v in args.drift.split(":"))
+        for arch in args.arch.split(","):
+            drift(arch, R, b, args.trials, K, every, args.steps, args.seed)
+        return
     configs = [(int(R), int(b)) for R in args.R.split(",") for b in args.b.split(",")]
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
     noise_rows, root_rows, dof_rows, cv_rows, sig_rows = [], [], [], [], []

@@ -52,6 +52,13 @@ Jackknife (R >= 3; one extra all-reduce of 1 float per statistic)
     has bias O(R^-2) whatever the distribution. Applied to an already corrected f (c4 for
     l1, the Wishart correction for nuclear) it removes what that correction's model misses.
 
+Pooling (any R; no extra collective; state: one m x m matrix per parameter matrix)
+    Average C over K measurements (or an EMA) before the sqrt-trace: the pooled estimate has
+    K nu degrees of freedom (``pooled_dof``), so the small-sample bias shrinks ~K-fold. The
+    per-measurement nu comes from the pair moments summed over the same window. Assumption:
+    the noise distribution changes little over the window (it then tracks the window's
+    average noise, with the same lag as an EMA of the noise itself).
+
 Bias-reduced signals (the raw signals ||g||_1, ||G||_S1 are biased up by the noise in g;
 no unbiased estimator exists, see docs/estimators.md):
 ``l1_signal_debiased``   sum_i sqrt(max(g_i^2 - s2_i / B, 0))   (g_i^2 - s2_i/B is unbiased for mu_i^2)
@@ -78,6 +85,7 @@ __all__ = [
     "loo_gram",
     "loo_sum_sq",
     "jackknife",
+    "pooled_dof",
     "l1_signal_debiased",
     "l1_signal_folded",
     "nuclear_signal_debiased",
@@ -230,6 +238,30 @@ def _check_r3(R) -> int:
     if isinstance(R, bool) or int(R) != R or R < 3:
         raise ValueError(f"num_samples: expected an integer >= 3 (leave-one-out needs 2 left), got {R}")
     return int(R)
+
+
+def pooled_dof(nu, count: float | None = None, beta: float | None = None):
+    """Degrees of freedom of a covariance averaged over measurements: nu * K.
+
+    nu: one measurement's dof (e.g. dof_from_moments of the summed pair moments). Give
+    either count (K measurements averaged with equal weights) or beta (an EMA
+    C <- beta C + (1 - beta) C_new over many independent measurements, whose variance is
+    (1 - beta)/(1 + beta) of one measurement's: K = (1 + beta)/(1 - beta)). Pass
+    pooled_dof(...) / (R - 1) as dof_per_sample with the pooled covariance's eigenvalues.
+    Assumes the measurements are independent and identically distributed (no drift).
+    """
+    if (count is None) == (beta is None):
+        raise ValueError("pooled_dof: give exactly one of count and beta")
+    if count is not None:
+        K = float(count)
+        if not (K >= 1 and math.isfinite(K)):
+            raise ValueError(f"count: expected a number of measurements >= 1, got {count!r}")
+    else:
+        b = float(beta)
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"beta: expected an EMA factor in [0, 1), got {beta!r}")
+        K = (1.0 + b) / (1.0 - b)
+    return nu * K
 
 
 def _check_b(batch_size) -> float:

@@ -128,6 +128,23 @@ def test_l1_signals_closed_forms():
     assert nd.l1_signal_folded(g, s2, B).item() == pytest.approx(sum(parts), rel=1e-12)
 
 
+def test_pooled_dof_ema_matches_empirical_variance():
+    """K = (1 + beta)/(1 - beta): the variance of a long EMA of iid values is 1/K of one."""
+    assert nd.pooled_dof(3.0, count=8) == 24.0
+    beta, n = 0.8, 4000
+    v = torch.randn(n, 2000, generator=_gen(14), dtype=f64)
+    ema = v[0].clone()
+    for t in range(1, 200):
+        ema = beta * ema + (1 - beta) * v[t]
+    K = nd.pooled_dof(1.0, beta=beta)
+    # variance of the EMA over 2000 independent chains against 1/K (relative SE ~ sqrt(2/2000))
+    assert abs(ema.var().item() * K - 1.0) < 4 * math.sqrt(2 / 2000)
+    with pytest.raises(ValueError, match="exactly one"):
+        nd.pooled_dof(1.0)
+    with pytest.raises(ValueError, match="beta"):
+        nd.pooled_dof(1.0, beta=1.0)
+
+
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="num_samples"):
         nd.dof_from_sample_sums(1.0, 1.0, 1.0, 1.0, 2)
