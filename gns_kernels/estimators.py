@@ -35,6 +35,7 @@ Tensor = torch.Tensor
 
 __all__ = [
     "GEOMETRIES",
+    "CBS_RULES",
     "GNSEstimate",
     "estimate",
     "estimate_from_stats",
@@ -44,6 +45,7 @@ __all__ = [
 GEOMETRIES = ("l2", "l1", "nuclear")
 # nuclear_dof='auto' estimates the dof from the data (O(R^2 m^2 n)) only below this cost
 _DATA_DOF_MAX_FLOPS = 2e10
+CBS_RULES = ("fraction", "inflection", "efficiency")
 
 
 @dataclass(frozen=True)

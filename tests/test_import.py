@@ -75,7 +75,7 @@ def test_public_names():
     assert gk.attach_fsdp_gns is attach_fsdp_gns
     assert gk.LRMultiplier is LRMultiplier and gk.AdaptiveBatchSampler is AdaptiveBatchSampler
     # internal builders stay in their modules
-    for internal in ("estimate_from_stats", "FSDPGNSHandle", "CBS_RULES"):
+    for internal in ("estimate_from_stats", "FSDPGNSHandle"):
         assert internal not in gk.__all__
         assert not hasattr(gk, internal), internal
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
