@@ -23,10 +23,11 @@ Inputs are flat-viewed (only numel matters), contiguous, float32 / bfloat16 / fl
 results accumulate in float32 or wider.
 
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
-- "auto":   CPU -> "cpp" ("eager", with a one-time warning, in an install built without
-            the extension: GNS_KERNELS_NO_EXTENSION=1 or no C++ compiler); CUDA -> the torch op if a CUDA kernel is registered for it
+- "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
             (C++ CUDA build, or Triton via gns_kernels.triton.register_cuda_kernels),
-            else "triton" if triton imports; any other device -> "eager".
+            else "triton" if triton imports; any other device -> "eager". In an install
+            built without the extension (GNS_KERNELS_NO_EXTENSION=1, or no C++ compiler
+            found), CPU -> "eager" with a one-time warning.
 - "cpp":    the torch ops ``torch.ops.gns_kernels.*`` (C++ kernels in csrc/, extension
             gns_kernels._C). Raises with rebuild instructions if the extension is missing.
 - "triton": gns_kernels.triton.fused.* (imported lazily).
@@ -189,8 +190,10 @@ def _env_backend() -> str:
 
 
 def _assume_constant_result(fn):
-    """torch.compiler.assume_constant_result without importing torch._dynamo at import
-    (about 1 s): that decorator only sets this attribute, which Dynamo reads when it traces."""
+    """torch.compiler.assume_constant_result without importing torch._dynamo (which also
+    pulls in triton and FSDP: about 2 s of `import gns_kernels`, bench/RESULTS.md). That
+    decorator only sets this attribute, which Dynamo reads when it traces; a test checks
+    that both set the same."""
     fn._dynamo_marked_constant = True
     return fn
 
