@@ -1,17 +1,50 @@
-"""Build of the C++ (and, where possible, CUDA) kernels of gns_kernels.
+"""Build of gns_kernels: the Python package and its C++ (and, where possible, CUDA) kernels.
 
-Always builds ``gns_kernels._C`` from ``csrc/*.cpp`` and ``csrc/cpu/*.cpp`` (CPU ops).
-Needs torch at build time, so install with ``pip install --no-build-isolation ...``
-against the torch that is already installed (see README).
+Builds ``gns_kernels._C`` from ``csrc/*.cpp`` and ``csrc/cpu/*.cpp`` (CPU ops), plus
+``csrc/cuda`` where torch is a CUDA build and nvcc is found (``GNS_KERNELS_CUDA=0`` opts
+out). Needs torch at build time, so install with ``pip install --no-build-isolation ...``
+(or build with ``python -m build --no-isolation``) against the torch already installed.
+
+No extension is built (the ops then run their eager torch formulas, announced by a
+warning at first use) when ``GNS_KERNELS_NO_EXTENSION=1`` or when no C++ compiler is
+found (``$CXX``, else ``c++``).
+
+Dependencies: a wheel that contains ``_C`` works only with the torch it was compiled
+against, so its metadata pins ``torch==<that torch's version>``; the sdist and an install
+without the extension ask for ``torch>=2.8``.
 """
 from __future__ import annotations
 
 import glob
 import os
+import shutil
+import subprocess
+import sys
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+TORCH_RANGE = "torch>=2.8"
+
+
+def _no_extension_reason() -> str | None:
+    """Why no extension is built (None: build it)."""
+    if os.environ.get("GNS_KERNELS_NO_EXTENSION", "0") not in ("", "0"):
+        return "GNS_KERNELS_NO_EXTENSION is set"
+    cxx = os.environ.get("CXX", "c++").split()[0]
+    path = shutil.which(cxx)
+    if path is None:
+        return f"no C++ compiler found (CXX={cxx!r} is not on PATH)"
+    try:
+        subprocess.run([path, "--version"], check=True, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the C++ compiler {path} does not run ({exc})"
+    return None
+
+
+def _building_sdist() -> bool:
+    """An sdist ships sources only: no torch is imported and no dependency is pinned."""
+    return "sdist" in sys.argv[1:]
 
 
 def _sources(*patterns: str) -> list[str]:
@@ -90,4 +123,21 @@ def _cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-setup(ext_modules=_ext_modules(), cmdclass=_cmdclass())
+def _configure() -> dict:
+    if _building_sdist():
+        return {"install_requires": [TORCH_RANGE, "numpy"]}
+    reason = _no_extension_reason()
+    if reason is not None:
+        print(f"gns_kernels setup: building without the C++ extension: {reason}; the ops "
+              "will use their eager torch formulas", file=sys.stderr)
+        return {"install_requires": [TORCH_RANGE, "numpy"]}
+    import torch
+
+    return {
+        "ext_modules": _ext_modules(),
+        "cmdclass": _cmdclass(),
+        "install_requires": [f"torch=={torch.__version__}", "numpy"],
+    }
+
+
+setup(**_configure())

@@ -2,17 +2,95 @@
 fused kernels to measure them during data-parallel training, and Algorithm 1 of
 "Adaptive Batch Sizes Using Non-Euclidean Gradient Noise Scales" to grow the batch.
 
-See README.md and ../shared/DESIGN.md for the math and the public API.
+Public API (every name below is an attribute of this package; see README.md and docs/):
+
+- offline estimates: ``estimate``, ``GNSEstimate``, ``critical_batch_size``
+- fused l1/l2 ops (C++ on CPU, CUDA or Triton on GPU, eager fallback):
+  ``variance_norms``, ``variance_norms_multi``, ``square_pack``, ``accumulate_sq``,
+  ``accumulate_sq_multi``
+- nuclear (S1) statistics: ``gram``, ``sqrt_trace``, ``nuclear_stats``
+- data-parallel measurement: ``GNSHookState``, ``ddp_gns_hook`` (DDP comm hook),
+  ``attach_fsdp_gns`` / ``fsdp_gns_shard_placement`` (FSDP2), ``MicroBatchGNS`` (one rank)
+- Algorithm 1: ``AdaptiveBatchSize`` (controller), ``AdaptiveBatchSampler`` (data loading
+  at a changing batch size), ``LRMultiplier`` (learning-rate scaling)
+- optimizers: ``SignSGD``, ``Signum``, ``SpecSGD``, ``geometry_for``
+- ``reference``: float64 formulas every fast path is tested against
+
+Importing the package loads the ops, estimators, controller and optimizers (and the C++
+extension, which registers ``torch.ops.gns_kernels.*``); the data-parallel hooks, the
+sampler and the LR helper are imported on first access; neither torch.compile's machinery
+(torch._dynamo) nor, on a machine without CUDA, Triton is imported.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from . import reference  # noqa: F401  (float64 oracle)
-from .spectral import gram, sqrt_trace, nuclear_stats  # noqa: F401
-from .controller import AdaptiveBatchSize  # noqa: F401
-from .ops import variance_norms, square_pack, accumulate_sq, variance_norms_multi, accumulate_sq_multi  # noqa: F401
-from .optim import SignSGD, Signum, SpecSGD, geometry_for  # noqa: F401
-from .estimators import GNSEstimate, estimate, estimate_from_stats, critical_batch_size  # noqa: F401
-from .distributed import GNSHookState, ddp_gns_hook, MicroBatchGNS  # noqa: F401
-from .distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement, FSDPGNSHandle  # noqa: F401
+from ._version import __version__
+
+from . import reference  # float64 formulas every fast path is tested against
+from .controller import AdaptiveBatchSize
+from .estimators import GNSEstimate, critical_batch_size, estimate
+from .ops import accumulate_sq, accumulate_sq_multi, square_pack, variance_norms, variance_norms_multi
+from .optim import SignSGD, Signum, SpecSGD, geometry_for
+from .spectral import gram, nuclear_stats, sqrt_trace
+
+# public name -> submodule that defines it, imported on first access (PEP 562)
+_LAZY: dict[str, str] = {
+    "GNSHookState": "distributed",
+    "ddp_gns_hook": "distributed",
+    "MicroBatchGNS": "distributed",
+    "attach_fsdp_gns": "distributed.fsdp",
+    "fsdp_gns_shard_placement": "distributed.fsdp",
+    "AdaptiveBatchSampler": "sampler",
+    "LRMultiplier": "lr",
+}
+
+# submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
+_SUBMODULES = (
+    "bias", "cli", "controller", "demo", "distributed", "estimators", "lr", "ops", "optim",
+    "reference", "sampler", "spectral", "triton",
+)
+
+__all__ = [
+    "__version__",
+    "reference",
+    "estimate",
+    "GNSEstimate",
+    "critical_batch_size",
+    "variance_norms",
+    "variance_norms_multi",
+    "square_pack",
+    "accumulate_sq",
+    "accumulate_sq_multi",
+    "gram",
+    "sqrt_trace",
+    "nuclear_stats",
+    "AdaptiveBatchSize",
+    "SignSGD",
+    "Signum",
+    "SpecSGD",
+    "geometry_for",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later accesses skip __getattr__
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
+if TYPE_CHECKING:  # static type checkers see the lazy names without importing them
+    from .distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
+    from .distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
+    from .lr import LRMultiplier
+    from .sampler import AdaptiveBatchSampler

@@ -1,14 +1,23 @@
-"""Command line: ``gns-kernels <command> [options]``.
+"""Command line: gns-kernels COMMAND [options]; gns-kernels COMMAND --help for each command.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up. Only the module of the command
-being run is imported, so one command's heavy (or broken) imports never affect another.
+being run (or asked for --help) is imported, so ``gns-kernels --help`` stays fast and one
+command's heavy (or broken) imports never affect another.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from ._version import __version__
+
+DESCRIPTION = (
+    "Gradient noise scales (l2, l1, nuclear) in the optimizer's geometry: estimates on "
+    "built-in models, a training demo that grows the batch by the GNS, and benchmarks.\n"
+    "Run 'gns-kernels COMMAND --help' for the options of a command."
+)
 
 # command path -> (module, one-line help). A path of two words is a sub-command
 # ("bench overhead").
@@ -27,6 +36,25 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
 }
 
+# one-line help of each command group (the first word of a two-word path)
+GROUPS: dict[str, str] = {
+    "bench": "benchmarks: 'gns-kernels bench SUBCOMMAND --help' for each",
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions keep their line breaks; each option's help ends with its default.
+
+    The default is not appended where the help text already states it (it mentions
+    "default"), nor for options whose default is None or False (flags, optional values).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default is None or action.default is False:
+            return help_text
+        return super()._get_help_string(action)
+
 
 def _selected(argv: list[str]) -> tuple[str, ...] | None:
     words = [a for a in argv if not a.startswith("-")]
@@ -40,29 +68,49 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """Parser with every command listed; only the selected command's module is imported."""
     argv = sys.argv[1:] if argv is None else argv
     selected = _selected(argv)
-    parser = argparse.ArgumentParser(prog="gns-kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gns-kernels", description=DESCRIPTION,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.set_defaults(_parser=parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, (module, help_text) in COMMANDS.items():
         if len(path) == 1:
-            p = sub.add_parser(path[0], help=help_text, description=help_text)
+            p = sub.add_parser(path[0], help=help_text, description=help_text,
+                               formatter_class=HelpFormatter)
         else:
             if path[0] not in groups:
-                g = sub.add_parser(path[0], help=f"{path[0]} commands")
+                group_help = GROUPS.get(path[0], f"{path[0]} commands")
+                g = sub.add_parser(path[0], help=group_help, description=group_help,
+                                   formatter_class=HelpFormatter)
+                g.set_defaults(_parser=g)
                 groups[path[0]] = g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
-            p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+            p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text,
+                                           formatter_class=HelpFormatter)
+        p.set_defaults(_module=module, _parser=p)
         if path == selected:
             importlib.import_module(module).add_arguments(p)
+            _show_bare_defaults(p)
     return parser
 
 
+def _show_bare_defaults(parser: argparse.ArgumentParser) -> None:
+    """Options added without a help text still show their default in --help."""
+    for action in parser._actions:
+        default = action.default
+        if (action.help is None and action.option_strings and default is not None
+                and default is not False and default is not argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command named in argv; no command (or a group without its sub-command)
+    prints that level's help and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "_module", None) is None:
-        parser.print_help()
+        args._parser.print_help()
         return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 

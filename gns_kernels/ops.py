@@ -27,7 +27,9 @@ both, before anything is written); inputs may share memory.
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
 - "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
             (C++ CUDA build, or Triton via gns_kernels.triton.register_cuda_kernels),
-            else "triton" if triton imports; any other device -> "eager".
+            else "triton" if triton imports; any other device -> "eager". In an install
+            built without the extension (GNS_KERNELS_NO_EXTENSION=1, or no C++ compiler
+            found), CPU -> "eager" with a one-time warning.
 - "cpp":    the torch ops ``torch.ops.gns_kernels.*`` (C++ kernels in csrc/, extension
             gns_kernels._C). Raises with rebuild instructions if the extension is missing.
 - "triton": gns_kernels.triton.fused.* (imported lazily).
@@ -36,6 +38,7 @@ Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -60,16 +63,27 @@ _ENV = "GNS_KERNELS_BACKEND"
 # --------------------------------------------------------------------------------------
 # Loading the C++ extension (schemas live in csrc/ops.cpp, TORCH_LIBRARY(gns_kernels)).
 # --------------------------------------------------------------------------------------
+# GNS_KERNELS_NO_EXTENSION=1: setup.py builds no extension and this loader skips _C. An
+# install without _C (asked for, or built where no C++ compiler was found) runs every op
+# through the eager formulas, announced once by a warning at the first CPU op.
+_NO_EXT_ENV = "GNS_KERNELS_NO_EXTENSION"
 _C_ERROR: Optional[BaseException] = None
-try:
-    from . import _C  # noqa: F401  (importing registers torch.ops.gns_kernels.*)
-except ImportError as exc:  # the extension is not built (or built for another torch)
+_NO_EXTENSION = False  # True: no _C by design (env var, or no compiled _C file installed)
+_here = os.path.dirname(os.path.abspath(__file__))
+if os.environ.get(_NO_EXT_ENV, "0") not in ("", "0"):
     _C = None
-    _here = os.path.dirname(os.path.abspath(__file__))
-    if not any(f.startswith("_C.") and f.endswith((".so", ".pyd")) for f in os.listdir(_here)):
-        _C_ERROR = ImportError(f"no compiled _C*.so in {_here}")
-    else:
-        _C_ERROR = exc
+    _NO_EXTENSION = True
+    _C_ERROR = ImportError(f"skipped: {_NO_EXT_ENV}={os.environ[_NO_EXT_ENV]}")
+else:
+    try:
+        from . import _C  # noqa: F401  (importing registers torch.ops.gns_kernels.*)
+    except ImportError as exc:  # the extension is not built (or built for another torch)
+        _C = None
+        if not any(f.startswith("_C.") and f.endswith((".so", ".pyd")) for f in os.listdir(_here)):
+            _NO_EXTENSION = True
+            _C_ERROR = ImportError(f"no compiled _C*.so in {_here}")
+        else:
+            _C_ERROR = exc
 
 _REBUILD_HINT = (
     "the C++ extension gns_kernels._C is not built or does not load ({err}). Rebuild it "
@@ -87,6 +101,25 @@ def cpp_available() -> bool:
 def _require_cpp() -> None:
     if _C is None:
         raise RuntimeError("gns_kernels.ops: " + _REBUILD_HINT.format(err=_C_ERROR))
+
+
+_WARNED_NO_EXTENSION = False
+
+
+def _warn_no_extension() -> None:
+    """One warning per process: the ops run the eager formulas because there is no _C."""
+    global _WARNED_NO_EXTENSION
+    if _WARNED_NO_EXTENSION:
+        return
+    _WARNED_NO_EXTENSION = True
+    warnings.warn(
+        f"gns_kernels: no C++ extension ({_C_ERROR}), so the ops use the eager torch formulas "
+        "(same results, slower, input-sized temporaries); for the fused kernels reinstall "
+        f"gns-kernels where a C++ compiler and ninja are found, without {_NO_EXT_ENV} "
+        "(README: Set up)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 # Fake (meta) kernels: output shapes/dtypes for torch.compile, FakeTensor and opcheck.
@@ -208,7 +241,16 @@ def _env_backend() -> str:
     return os.environ.get(_ENV, "auto") or "auto"
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without importing torch._dynamo (which also
+    pulls in triton and FSDP: about 2 s of `import gns_kernels`, bench/RESULTS.md). That
+    decorator only sets this attribute, which Dynamo reads when it traces; a test checks
+    that both set the same."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _has_cuda_kernel(op_name: str) -> bool:
     """True when a CUDA kernel (C++ build or Triton registration) serves gns_kernels::op_name.
 
@@ -231,7 +273,10 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
             _require_cpp()
         return b
     if device.type == "cpu":
-        _require_cpp()  # no silent fallback: eager stays available explicitly
+        if _C is None and _NO_EXTENSION:  # installed without _C: eager, announced once
+            _warn_no_extension()
+            return "eager"
+        _require_cpp()  # a _C that fails to load is an error, not a silent fallback
         return "cpp"
     if device.type == "cuda":
         _register_triton_cuda()
