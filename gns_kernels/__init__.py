@@ -11,15 +11,20 @@ Public API (every name below is an attribute of this package; see README.md and 
 - nuclear (S1) statistics: ``gram``, ``sqrt_trace``, ``nuclear_stats``
 - data-parallel measurement: ``GNSHookState``, ``ddp_gns_hook`` (DDP comm hook),
   ``attach_fsdp_gns`` / ``fsdp_gns_shard_placement`` (FSDP2), ``MicroBatchGNS`` (one rank)
-- Algorithm 1: ``AdaptiveBatchSize`` (controller), ``AdaptiveBatchSampler`` (data loading
-  at a changing batch size), ``LRMultiplier`` (learning-rate scaling)
+- adaptive batching in a training loop: ``AdaptiveBatching`` (one object that owns the step
+  counter, the measuring period, the batch size and the learning-rate multiplier),
+  ``MicroBatchSampler`` (a DataLoader batch sampler of fixed-size micro-batches),
+  ``CSVWriter`` / ``to_tensorboard`` / ``tensorboard_writer`` (metrics)
+- Algorithm 1 pieces: ``AdaptiveBatchSize`` (controller), ``AdaptiveBatchSampler`` (data
+  loading at a changing batch size), ``LRMultiplier``, ``warmup_cosine`` (learning rate)
 - optimizers: ``SignSGD``, ``Signum``, ``SpecSGD``, ``geometry_for``
 - ``reference``: float64 formulas every fast path is tested against
 
 Importing the package loads the ops, estimators, controller and optimizers (and the C++
 extension, which registers ``torch.ops.gns_kernels.*``); the data-parallel hooks, the
-sampler and the LR helper are imported on first access; neither torch.compile's machinery
-(torch._dynamo) nor, on a machine without CUDA, Triton is imported.
+coordinator, samplers, metrics writers and the LR helpers are imported on first access;
+neither torch.compile's machinery (torch._dynamo) nor, on a machine without CUDA, Triton
+is imported.
 """
 from __future__ import annotations
 
@@ -44,11 +49,17 @@ _LAZY: dict[str, str] = {
     "fsdp_gns_shard_placement": "distributed.fsdp",
     "AdaptiveBatchSampler": "sampler",
     "LRMultiplier": "lr",
+    "warmup_cosine": "lr",
+    "AdaptiveBatching": "adaptive",
+    "MicroBatchSampler": "data",
+    "CSVWriter": "metrics",
+    "to_tensorboard": "metrics",
+    "tensorboard_writer": "metrics",
 }
 
 # submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
 _SUBMODULES = (
-    "bias", "cli", "controller", "demo", "distributed", "estimators", "lr", "ops", "optim",
+    "adaptive", "bias", "cli", "controller", "data", "demo", "distributed", "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim",
     "reference", "sampler", "spectral", "triton",
 )
 
@@ -92,5 +103,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static type checkers see the lazy names without importing them
     from .distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
     from .distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
-    from .lr import LRMultiplier
+    from .adaptive import AdaptiveBatching
+    from .data import MicroBatchSampler
+    from .lr import LRMultiplier, warmup_cosine
+    from .metrics import CSVWriter, tensorboard_writer, to_tensorboard
     from .sampler import AdaptiveBatchSampler

@@ -1,7 +1,7 @@
 """Gradient noise scale estimates from R sample gradients (ranks or ranks x micro-batches).
 
 Paper eqs. (GNS_estimate_SGD_signSGD), (spec_sample_variance_estimate), (GNS_estimates);
-DESIGN.md "The math". R samples g^j, each the MEAN gradient over b = B/R examples of a
+README "The math in brief". R samples g^j, each the MEAN gradient over b = B/R examples of a
 global batch B (equal split), g = mean_j g^j, S an optional shift identical on all samples:
 
     s2_i = B/(R-1) * ( mean_j (g^j_i - S_i)^2 - (g_i - S_i)^2 )          (clamped at 0)

@@ -74,6 +74,10 @@ def test_public_names():
 
     assert gk.attach_fsdp_gns is attach_fsdp_gns
     assert gk.LRMultiplier is LRMultiplier and gk.AdaptiveBatchSampler is AdaptiveBatchSampler
+    from gns_kernels.adaptive import AdaptiveBatching
+    from gns_kernels.data import MicroBatchSampler
+
+    assert gk.AdaptiveBatching is AdaptiveBatching and gk.MicroBatchSampler is MicroBatchSampler
     # internal builders stay in their modules
     for internal in ("estimate_from_stats", "FSDPGNSHandle"):
         assert internal not in gk.__all__
