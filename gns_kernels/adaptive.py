@@ -67,6 +67,8 @@ from .lr import LRMultiplier
 __all__ = ["AdaptiveBatching", "Measurement"]
 
 _STATE_VERSION = 1
+_STATE_KEYS = ("step", "samples_seen", "world_size", "micro_batch_size", "controller",
+               "lr_multiplier", "schedulers", "sampler", "hook")
 
 
 class Measurement(NamedTuple):
@@ -551,10 +553,29 @@ class AdaptiveBatching:
         EMAs carry over, and a saved batch that is not a multiple of the new R x b is
         rounded up to one (capped at max_batch_size) with a warning; the LR multiplier
         follows the batch. strict: the controller's other settings must equal the saved
-        ones (as ``AdaptiveBatchSize.load_state_dict``)."""
+        ones (as ``AdaptiveBatchSize.load_state_dict``). A rejected state_dict leaves the
+        coordinator, its controller, sampler, schedulers and hook state as they were."""
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
             raise ValueError(f"AdaptiveBatching.load_state_dict: expected a state_dict of version "
                              f"{_STATE_VERSION}")
+        missing = [k for k in _STATE_KEYS if k not in sd]
+        if missing:
+            raise KeyError(f"AdaptiveBatching.load_state_dict: missing keys {missing}")
+        if not isinstance(sd["controller"], dict) or not isinstance(sd["controller"].get("config"), dict):
+            raise ValueError("AdaptiveBatching.load_state_dict: 'controller' is not a controller state_dict")
+        if not isinstance(sd["schedulers"], (list, tuple)) or not isinstance(sd["hook"], dict):
+            raise ValueError("AdaptiveBatching.load_state_dict: 'schedulers' must be a list and 'hook' a dict")
+        saved, attrs = self.state_dict(), dict(self.__dict__)
+        try:
+            self._load_state_dict(sd, strict)
+        except BaseException:
+            self.__dict__.update(attrs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._load_state_dict(saved, strict=False)
+            raise
+
+    def _load_state_dict(self, sd: dict, strict: bool) -> None:
         ctrl = self.controller
         csd = dict(sd["controller"])
         csd["config"] = dict(csd["config"])
@@ -568,7 +589,7 @@ class AdaptiveBatching:
                 details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
                 raise ValueError(f"AdaptiveBatching.load_state_dict: the controller's settings differ "
                                  f"({details}); construct it with the saved settings or pass strict=False")
-        batch = int(csd["batch_size"])
+        batch = _check_int("state_dict: controller batch_size", csd.get("batch_size"), 1)
         if batch % m:
             new = -(-batch // m) * m
             if ctrl.max_batch_size is not None:

@@ -297,16 +297,23 @@ class GNSHookState:
                 "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Resume from ``state_dict()``. Every entry is checked before anything changes: a
+        rejected state_dict leaves this state as it was."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"state_dict: expected a dict, got {type(sd).__name__}")
         for key in ("step", "every", "batch_size", "geometry"):
             if key not in sd:
                 raise KeyError(f"state_dict: missing key {key!r}")
         if sd["geometry"] != self.geometry:
             raise ValueError(f"state_dict: geometry {sd['geometry']!r} differs from this state's {self.geometry!r}")
-        self.every = _check_positive_int("every", sd["every"])
-        self.step = sd["step"]
-        self.batch_size = sd["batch_size"]
+        every = _check_positive_int("state_dict: every", sd["every"])
+        step = _check_positive_int("state_dict: step", sd["step"], minimum=0)
+        batch_size = _check_batch_size(sd["batch_size"])
         # absent in checkpoints written before the hints existed
+        hints = type(self.eig_hints)()
+        hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
         self.eig_hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
+        self.every, self._step, self._batch_size = every, step, batch_size
 
     def __repr__(self) -> str:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
