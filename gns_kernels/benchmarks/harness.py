@@ -12,8 +12,8 @@
   2F, ... measure); F = 1 rows: ``f1_rounds * f1_block`` steps, all measuring.
 - ``LiveBytes`` / ``peak_memory(step, states, names)``: peak bytes of the tensor storages
   allocated during a backward that are alive at once, observed through a
-  ``TorchDispatchMode`` and weak references to the storages (no patching of the code
-  measured).
+  ``TorchDispatchMode`` and weak references to the storages (nothing in the code
+  measured is patched or wrapped).
 - ``format_tables(times, F, labels, baseline_of)``: the summary tables.
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ import contextlib
 import os
 import statistics
 import tempfile
-import threading
 import time
 import weakref
 from datetime import timedelta
@@ -179,25 +178,31 @@ class LiveBytes(TorchDispatchMode):
     thread that entered it) that are alive at the same time.
 
     A storage counts from the op that returns it (an output that shares no storage with
-    the op's inputs: views, in-place and ``out=`` results are not new memory) until it is
-    freed, whichever thread frees it: each counted storage carries a ``weakref.finalize``
-    that subtracts its bytes (storages freed by gloo's worker threads after their
-    all-reduce are seen when they really go). Allocations made on other threads (a
-    future's callback running on a gloo thread) are not counted. ``peak`` and ``live``:
-    bytes; ``count``: storages counted.
+    the op's inputs: views, in-place and ``out=`` results are not new memory) with its
+    current size, until it is freed or resized to 0 (FSDP2 frees parameter memory that
+    way), whichever thread does it: the mode holds only a weak reference to each storage
+    and re-reads their sizes at every new allocation, where the peak can only grow.
+    Allocations made on other threads (a future's callback running on a gloo thread) and
+    memory allocated by resizing a storage (FSDP2's all-gathered parameters) are not
+    counted. ``peak``, ``live``: bytes; ``count``: storages counted.
     """
 
     def __init__(self):
         super().__init__()
-        self._lock = threading.Lock()
-        self._tracked: dict[int, int] = {}  # data_ptr -> bytes of the live counted storages
-        self.live = 0
+        self._refs: dict[int, weakref.ref] = {}  # data_ptr when counted -> the storage
         self.peak = 0
         self.count = 0
 
-    def _free(self, ptr: int) -> None:
-        with self._lock:
-            self.live -= self._tracked.pop(ptr, 0)
+    @property
+    def live(self) -> int:
+        total = 0
+        for ptr, ref in list(self._refs.items()):
+            s = ref()
+            if s is None:
+                self._refs.pop(ptr, None)
+            else:
+                total += s.nbytes()
+        return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -206,19 +211,23 @@ class LiveBytes(TorchDispatchMode):
             s = _storage(t)
             if s is not None:
                 inputs.add(s.data_ptr())
+        new = False
         for t in _tensors(out):
             s = _storage(t)
             if s is None or s.nbytes() == 0:
                 continue
             ptr = s.data_ptr()
-            with self._lock:
-                if ptr in inputs or ptr in self._tracked:
-                    continue
-                self._tracked[ptr] = s.nbytes()
-                self.live += s.nbytes()
-                self.count += 1
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(s, self._free, ptr)
+            if ptr in inputs:
+                continue
+            old = self._refs.get(ptr)
+            old = None if old is None else old()
+            if old is not None and old.data_ptr() == ptr:
+                continue  # already counted (an op returning a tensor it allocated earlier)
+            self._refs[ptr] = weakref.ref(s)
+            self.count += 1
+            new = True
+        if new:
+            self.peak = max(self.peak, self.live)
         return out
 
 

@@ -37,6 +37,15 @@ def test_live_bytes_sees_a_free_on_another_thread():
     del x
 
 
+def test_live_bytes_a_storage_resized_to_zero_is_freed():
+    with harness.LiveBytes() as m:
+        a = torch.empty(1000)                              # 4000
+        a.untyped_storage().resize_(0)                     # freed as FSDP2 frees parameters
+        b = torch.empty(500)                               # 2000, not 6000
+    assert m.peak == 4000 and m.live == 2000
+    del a, b
+
+
 def test_live_bytes_ignores_memory_allocated_before():
     before = torch.ones(10_000)
     with harness.LiveBytes() as m:
