@@ -5,7 +5,7 @@ loop calls ``ctrl.update(k, estimate)`` and then reads ``ctrl.batch_size`` (B_{k
 global batch of the next step) and ``ctrl.lr_multiplier`` (omega_{k+1}, to multiply the
 scheduled learning rate eta_{k+1} with).
 
-Rule (DESIGN.md "batch rule"; paper Algorithm 1 and eq. (var_ema_method)):
+Rule (paper Algorithm 1 and eq. (var_ema_method)):
 
 - Measuring steps are those with ``k % every == 0`` (F = ``every``). At a measuring step
   with a *valid* estimate the EMAs are updated, also during warm-up::
@@ -111,8 +111,8 @@ class AdaptiveBatchSize:
         every: F >= 1, measuring period in optimizer steps (measure at k % F == 0).
         warmup_steps: I >= 0; the batch is frozen while k < I (EMAs still update).
         max_batch_size: cap on B (a multiple of ``multiple_of``, >= initial), or None.
-        multiple_of: B is always a multiple of this (ranks x micro-batches for the equal
-            split of DESIGN.md).
+        multiple_of: B is always a multiple of this (ranks x micro-batches, so that every
+            rank and micro-batch averages the same number of examples).
         lr_scaling: "sqrt" (paper, omega = sqrt(B/B_0)), "linear" (B/B_0) or "none" (1).
 
     Read-outs: ``batch_size`` (B_{k+1}), ``lr_multiplier`` (omega_{k+1}), ``noise_ema``,

@@ -1,6 +1,6 @@
 """Adaptive batch sampler: a global batch B split into R ranks x A micro-batches of b.
 
-DESIGN.md "equal split": every rank and every micro-batch averages the same number of
+Equal split: every rank and every micro-batch averages the same number of
 examples, B = R * A * b, so the rank (or rank x micro-batch) gradients are identically
 distributed samples for the GNS estimators.
 
