@@ -128,7 +128,8 @@ def interleaved_times(step: Callable, states: Mapping, names: Sequence[str], *, 
     untimed measuring steps per configuration first. Then the F rows (``f_names``, default
     all ``names``): ``rounds * every`` steps each with ``state.every = every`` from
     ``state.step = 0``; then the F = 1 rows (all ``names``): ``f1_rounds * f1_block`` steps
-    each. Steps of different configurations alternate one by one in a rotating order.
+    each (``every = 1``: only these). Steps of different configurations alternate one by
+    one in a rotating order.
     ``times["<name>_F<f>"]``: seconds per step; ``estimates[name]``: [gns, valid] of the
     last estimate (None if none)."""
     names = list(names)
@@ -139,7 +140,8 @@ def interleaved_times(step: Callable, states: Mapping, names: Sequence[str], *, 
         for _ in range(warmup):
             step(name)
     times = {f"{n}_F{f}": [] for n in names for f in (1, every)}
-    for f, n_steps, order in ((every, rounds * every, f_names), (1, f1_rounds * f1_block, names)):
+    phases = [(every, rounds * every, f_names)] if every > 1 else []  # every = 1: the F = 1 rows only
+    for f, n_steps, order in phases + [(1, f1_rounds * f1_block, names)]:
         for name in order:
             if name in states:
                 states[name].every = f
@@ -270,7 +272,7 @@ def format_tables(times: Mapping[str, list], F: int, labels: Mapping[str, str],
     if main:
         lines += ["| F | steps / config | baseline (s/step) | + l1 GNS (s/step) | overhead | + S1 GNS (s/step) | overhead |",
                   "|---|---|---|---|---|---|---|"]
-        for f in (1, F):
+        for f in dict.fromkeys((1, F)):  # F = 1: one row
             b, l1, s1 = mean[f"base_F{f}"], mean[f"l1_F{f}"], mean[f"s1_F{f}"]
             lines.append(f"| {f} | {len(times[f'base_F{f}'])} | {b:.4f} | {l1:.4f} | {100 * (l1 / b - 1):+.1f}% | "
                          f"{s1:.4f} | {100 * (s1 / b - 1):+.1f}% |")

@@ -87,6 +87,10 @@ def test_interleaved_schedule_rotates_and_measures_every_F():
     assert est == {"l1": None}
     # times are the step's return values, in the order each configuration ran
     assert times["l1_F3"][0] == 5.0
+    # every = 1: the F = 1 rows once, not twice into the same list
+    times, _ = harness.interleaved_times(step, states, ["base", "l1"], every=1, rounds=3,
+                                         f1_rounds=2, f1_block=2, warmup=0)
+    assert set(times) == {"base_F1", "l1_F1"} and len(times["base_F1"]) == 4
 
 
 def test_tables_amortize_by_the_F_given():
