@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PAPER_MODELS = {"160M": 160e6, "1B": 1e9}  # parameters
 BANDWIDTH = 3e12  # bytes/s (H100 SXM: about 3.35 TB/s)
 
-# The paper's 160M Llama without embeddings (issue 6): 12 layers x (q, k, v, o: 768x768;
+# The paper's 160M Llama without embeddings: 12 layers x (q, k, v, o: 768x768;
 # gate, up: 2048x768; down: 768x2048).
 LLAMA_160M_SHAPES = ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12
 

@@ -35,7 +35,7 @@ from gns_kernels import spectral as sp
 from gns_kernels.spectral.grams import _GRAM_BLOCK
 
 SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
-H100_FP32 = 60e12  # FLOP/s, fp32 without tensor cores (issue 6 yardstick)
+H100_FP32 = 60e12  # FLOP/s, fp32 without tensor cores: the estimated H100 times below
 H100_BF16 = 750e12
 PAPER_STEP_S = 0.447  # 160M baseline s/step (paper Table 9)
 PAPER_S1_OVERHEAD = 0.139  # +13.9% at F = 100

@@ -111,8 +111,8 @@ class AdaptiveBatchSize:
         every: F >= 1, measuring period in optimizer steps (measure at k % F == 0).
         warmup_steps: I >= 0; the batch is frozen while k < I (EMAs still update).
         max_batch_size: cap on B (a multiple of ``multiple_of``, >= initial), or None.
-        multiple_of: B is always a multiple of this (ranks x micro-batches: every sample
-            averages the same number of examples).
+        multiple_of: B is always a multiple of this (ranks x micro-batches, so that every
+            rank and micro-batch averages the same number of examples).
         lr_scaling: "sqrt" (paper, omega = sqrt(B/B_0)), "linear" (B/B_0) or "none" (1).
 
     Read-outs: ``batch_size`` (B_{k+1}), ``lr_multiplier`` (omega_{k+1}), ``noise_ema``,

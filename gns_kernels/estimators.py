@@ -1,12 +1,13 @@
 """Gradient noise scale estimates from R sample gradients (ranks or ranks x micro-batches).
 
-Paper eqs. (GNS_estimate_SGD_signSGD), (spec_sample_variance_estimate), (GNS_estimates);
-README "The math in brief". R samples g^j, each the MEAN gradient over b = B/R examples of a
+Paper eqs. (GNS_estimate_SGD_signSGD), (spec_sample_variance_estimate), (GNS_estimates).
+R samples g^j, each the MEAN gradient over b = B/R examples of a
 global batch B (equal split), g = mean_j g^j, S an optional shift identical on all samples:
 
     s2_i = B/(R-1) * ( mean_j (g^j_i - S_i)^2 - (g_i - S_i)^2 )          (clamped at 0)
     C    = B/(R-1) * ( mean_j (G^j-S)(G^j-S)^T - (G-S)(G-S)^T )         (m x m, m <= n;
-           the n x n column side when m > n: tr(C_row^{1/2}) = tr(C_col^{1/2}))
+           the n x n column side when m > n: spectral.smaller_side. The two sides
+           agree only for R = 2; the smaller side is the definition, as in the hooks)
 
     geometry  noise N                           signal M                     GNS = N / M
     'l2'      sum_i s2_i                        ||g||_2^2
@@ -32,6 +33,7 @@ import torch
 from . import bias as _bias
 from ._validation import check_int
 from .ops import eager_variance_sums
+from .spectral import smaller_side
 
 Tensor = torch.Tensor
 
@@ -349,11 +351,10 @@ def estimate(
     noise_sum, noise_unc, signal_sum = 0.0, 0.0, 0.0
     for p in mats:
         x, S = shifted(p)
-        m, n = x.shape[-2], x.shape[-1]
-        if m > n:  # column Gram: same sqrt-trace, smaller matrix
+        if smaller_side(x.shape) == "col":  # the Gram side of spectral.nuclear_stats and the hooks
             x = x.mT
             S = None if S is None else S.mT
-            m, n = n, m
+        m, n = x.shape[-2], x.shape[-1]
         d = x.mean(dim=0)
         y = x - d  # centered: C = B/(R-1) mean_j y_j y_j^T, free of the A - d d^T cancellation
         C = scale * (y @ y.mT).mean(dim=0)

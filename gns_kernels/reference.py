@@ -4,7 +4,7 @@ Clarity over speed: nothing here is fused, vectorised across layers or clever. E
 fast path (C++, Triton, CUDA, the spectral ops, the distributed hooks) is tested against
 these functions. Functions take a ``dtype`` (default float64) and compute in it.
 
-Notation (README, "The math in brief"): R samples (ranks, or ranks x micro-batches), each the
+Notation: R samples (ranks, or ranks x micro-batches), each the
 local MEAN gradient over b = B/R examples of a global batch B; g^j the sample j gradient,
 g = mean_j g^j.
 

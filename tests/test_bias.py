@@ -1,5 +1,5 @@
 """Bias corrections: closed forms of c4 and of the nuclear correction, and statistical
-tests of the corrected estimators against closed-form truths (issue 2, item 3).
+tests of the corrected estimators against closed-form truths.
 
 Statistical tests: fixed seeds; every assertion keeps a margin of 4 standard errors computed
 from the draws. Problems (gns_kernels.demo.synthetic): Gaussian matrix noise and least

@@ -375,7 +375,8 @@ def test_with_real_gns_estimates():
 
 
 def _algorithm1(stream, B0, theta, bN, bM, F, I, cap, mult):
-    """Algorithm 1 transcribed from the paper and docs/controller.md (valid-only EMAs, rounding, cap)."""
+    """Algorithm 1 transcribed from the paper, with the controller's documented rules (valid-only
+    EMAs, rounding, cap)."""
     B, omega, N, M, out = B0, 1.0, None, None, []
     for k, e in enumerate(stream):
         if k % F == 0 and e is not None and e.valid and math.isfinite(e.noise) \

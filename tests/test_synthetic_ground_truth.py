@@ -1,6 +1,6 @@
 """Ground truth from per-example gradients (torch.func vmap(grad)) on the built-in MLP and
 attention block: the estimators, averaged over simulated partitions into ranks, agree with
-the exact single-example noise (issue 2, "Ground truth" test).
+the exact single-example noise.
 
 Stated tolerances (R = 8 ranks of b = 16 examples, 160 partitions, 4 standard errors of
 margin computed from the draws):

@@ -3,7 +3,7 @@ and sm_90 without a GPU: registers, spills and PTX statistics per (arch, input d
 
     python tools/gram_aot.py [--json]
 
-Uses the PTX / cubin helpers of gns_kernels.triton._aot. Compilation needs a process whose
+Uses the PTX / cubin helpers of tools/fused_aot.py. Compilation needs a process whose
 triton was imported without TRITON_INTERPRET=1; from test processes use aot_isolated(),
 which runs this file in a fresh interpreter without it.
 """
@@ -19,13 +19,25 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 
 
+def _sibling(name: str):
+    """The module tools/<name>.py (tools/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look the module up while it executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
     """triton.compile the Gram kernel for each (arch, dtype); registers/spills/PTX stats."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gns_kernels.triton._aot import _res_usage, _spills, ptx_stats
+    fused_aot = _sibling("fused_aot")
+    _res_usage, _spills, ptx_stats = fused_aot._res_usage, fused_aot._spills, fused_aot.ptx_stats
     from gns_kernels.triton.gram import BLOCK, BLOCK_N, NUM_WARPS, _gram_upper_kernel
 
     kern = _gram_upper_kernel.jit

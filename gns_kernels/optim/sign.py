@@ -13,8 +13,8 @@ Conventions:
 - Signum's momentum is the exponential moving average form ("EMA parameter beta" in the
   paper's tables). The heavy-ball form m <- beta m + g gives the same sign (it is the EMA
   scaled by 1/(1-beta) from m_0 = 0), but the EMA keeps ``state["momentum_buffer"]`` on the
-  gradient's scale, which makes it a good ``shift`` for the GNS estimators (docs/estimators.md,
-  the shift: a tensor identical on all DDP ranks close to the mean gradient).
+  gradient's scale, which makes it a good ``shift`` for the GNS estimators (a tensor
+  identical on all DDP ranks close to the mean gradient; docs/fused_ops.md, "Cancellation").
 - weight_decay is decoupled (AdamW / Lion / torch.optim.Muon style): x <- x (1 - lr wd)
   before the sign step; it never enters the sign or the momentum.
 - Parameters are updated in their own dtype; the momentum buffer has the parameter's dtype.

@@ -76,7 +76,7 @@ def run_world(module: str, fn_name: str, world: int, timeout: float = 150.0, **k
             if not os.path.exists(path):
                 errors.append(f"rank {r}: no result")
                 continue
-            rec = torch.load(path, weights_only=False)
+            rec = torch.load(path, weights_only=True)
             if rec["ok"]:
                 results.append(rec["result"])
             else:

@@ -17,7 +17,7 @@ test (checked, triton 3.9):
 - Ahead-of-time compilation cannot run in a process whose triton standard library was
   built for the interpreter (codegen rejects interpreted callees such as tl.sum), so the
   AOT tests compile in a fresh subprocess with the variable removed
-  (gns_kernels.triton._aot.run_isolated); they pass whatever this process did before.
+  (tools/fused_aot.py's run_isolated); they pass whatever this process did before.
 - setdefault keeps an explicit TRITON_INTERPRET from the caller.
 """
 from __future__ import annotations

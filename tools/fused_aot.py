@@ -8,9 +8,10 @@ caching allocator) and nothing about sizes, so the PTX is what a launch on an ar
 size gets. From the PTX we count global loads (128-bit ``ld.global.*.v4`` vs narrower);
 from the cubin the registers (``cuobjdump -res-usage``); spill bytes from ``ptxas -v``.
 
-Run as ``python -m gns_kernels.triton._aot [--json] [--full]``; it re-executes itself in a
-fresh interpreter without TRITON_INTERPRET when triton's standard library was built for
-the interpreter in this process (the compiled path cannot be built then).
+Run as ``python tools/fused_aot.py [--json] [--full]`` in the source tree; it re-executes
+itself in a fresh interpreter without TRITON_INTERPRET when triton's standard library was
+built for the interpreter in this process (the compiled path cannot be built then).
+tools/gram_aot.py uses its PTX / cubin helpers for the Gram kernel.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 ARCHS = (80, 90)
+_ROOT = Path(__file__).resolve().parent.parent  # the source tree holding gns_kernels/
 
 _ALIGN = [["tt.divisibility", 16]]
 
@@ -47,7 +50,7 @@ def variants(full: bool = False) -> list[Variant]:
     """Compilation variants: every kernel; dtypes fp32/bf16 (+fp16 and no-shift when full)."""
     import triton.language as tl
 
-    from . import fused
+    from gns_kernels.triton import fused
 
     tl_dt = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
     dts = ("fp32", "bf16", "fp16") if full else ("fp32", "bf16")
@@ -168,7 +171,7 @@ def compile_all(full: bool = False, archs=ARCHS) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import fused
+    from gns_kernels.triton import fused
 
     results = []
     for v in variants(full):
@@ -196,7 +199,7 @@ def compile_int_forms(cap: int = 90) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import fused
+    from gns_kernels.triton import fused
 
     results, seen = [], set()
     for v in variants(False):
@@ -222,7 +225,8 @@ def run_isolated(full: bool = False, timeout: float = 600, int_forms: bool = Fal
     """compile_all in a fresh Python without TRITON_INTERPRET (safe from any test process)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "gns_kernels.triton._aot", "--json", "--inprocess"]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--inprocess"]
     if full:
         cmd.append("--full")
     if int_forms:
@@ -250,7 +254,7 @@ def main(argv=None) -> int:
                    help="instead: compile each kernel with i64 sizes and with sizes == 1 (sm_90)")
     p.add_argument("--inprocess", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    from ._runtime import interpreter_mode_at_import
+    from gns_kernels.triton._runtime import interpreter_mode_at_import
 
     if not a.inprocess and interpreter_mode_at_import():
         res = run_isolated(a.full, int_forms=a.int_forms)
