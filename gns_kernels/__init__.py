@@ -11,7 +11,10 @@ __version__ = "0.1.0"
 from . import reference  # noqa: F401  (float64 oracle)
 from .spectral import gram, sqrt_trace, nuclear_stats  # noqa: F401
 from .controller import AdaptiveBatchSize  # noqa: F401
-from .ops import variance_norms, square_pack, accumulate_sq, variance_norms_multi, accumulate_sq_multi  # noqa: F401
+from .ops import (  # noqa: F401
+    variance_norms, square_pack, accumulate_sq, variance_norms_multi, accumulate_sq_multi,
+    square_pack_multi,
+)
 from .optim import SignSGD, Signum, SpecSGD, geometry_for  # noqa: F401
 from .estimators import GNSEstimate, estimate, estimate_from_stats, critical_batch_size  # noqa: F401
 from .distributed import GNSHookState, ddp_gns_hook, MicroBatchGNS  # noqa: F401
