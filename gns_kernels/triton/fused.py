@@ -502,9 +502,10 @@ def _meta(t) -> tuple:
 
 
 def _signature(op: str, lists) -> Optional[tuple]:
-    """(op, per-list metas) of a call; None when an entry is not a tensor (slow path)."""
+    """(op, work-split constants, per-list metas) of a call; None when an entry is not a
+    tensor (the full checks then raise)."""
     try:
-        return (op,) + tuple(
+        return (op, BLOCK, MAX_PROGRAMS, MAX_TILES_PER_PROGRAM) + tuple(
             None if xs is None else tuple(None if t is None else _meta(t) for t in xs)
             for xs in lists)
     except (AttributeError, TypeError):
