@@ -11,7 +11,8 @@ not a speed of the ops. On a GPU the same Python runs before each launch, plus t
 costs themselves (not measured here).
 
 Run: ``python bench/bench_host_overhead.py [--repeat 200] [--norms]``; prints one line per
-case: median microseconds per call over ``repeat`` calls (5 rounds, median of rounds).
+case: wall-clock and process-CPU microseconds per call (medians of 5 rounds of ``repeat``
+calls).
 """
 from __future__ import annotations
 
@@ -31,16 +32,19 @@ from gns_kernels.triton import _runtime, fused  # noqa: E402
 SHAPES_160M = ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12
 
 
-def _per_call_us(fn, repeat: int, rounds: int = 5) -> float:
+def _per_call_us(fn, repeat: int, rounds: int = 5) -> tuple[float, float]:
+    """(wall, process CPU) microseconds per call: medians over ``rounds`` of ``repeat`` calls.
+    The CPU time is the steadier figure on a shared machine (waiting for a core is not in it)."""
     fn()
     fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(repeat):
             fn()
-        times.append((time.perf_counter() - t0) / repeat * 1e6)
-    return statistics.median(times)
+        wall.append((time.perf_counter() - t0) / repeat * 1e6)
+        cpu.append((time.process_time() - c0) / repeat * 1e6)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv=None) -> int:
@@ -77,8 +81,10 @@ def main(argv=None) -> int:
                       lambda: gk.square_pack_multi(ds, outs, backend="triton")))
     print(f"host-side Python time per call (launches replaced by a no-op), {len(shapes)} tensors, "
           f"{sum(numels) / 1e6:.1f}M elements, torch {torch.__version__}, {sys.platform}")
+    print(f"  {'case':66s} {'wall us':>9s} {'CPU us':>9s}")
     for name, fn in cases:
-        print(f"  {name:66s} {_per_call_us(fn, args.repeat):9.1f} us")
+        wall, cpu = _per_call_us(fn, args.repeat)
+        print(f"  {name:66s} {wall:9.1f} {cpu:9.1f}")
     return 0
 
 
