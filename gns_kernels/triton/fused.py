@@ -43,6 +43,7 @@ Work split (no float atomics anywhere; results bit-identical run to run on one d
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -489,6 +490,7 @@ _PLAN_CACHE_SIZE = 64  # plans hold host metadata and unpinned tables only: evic
 _TABLES_PER_PLAN = 16
 _PINNED_TABLES: list = []  # (host source, device table) handed out under capture; never freed
 _CUDA = torch.cuda.is_available()
+_CACHE_LOCK = threading.Lock()  # the caches may be used from several threads at once
 
 
 def _capturing() -> bool:
@@ -556,9 +558,10 @@ def _get_plan(sig: Optional[tuple], validate, build) -> _Plan:
     validate()
     p = build()
     if sig is not None:
-        _PLAN_CACHE[sig] = p
-        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
+        with _CACHE_LOCK:
+            p = _PLAN_CACHE.setdefault(sig, p)
+            while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+                _PLAN_CACHE.popitem(last=False)
     return p
 
 
@@ -579,11 +582,12 @@ def _tables(p: _Plan, lists, check_overlap=None) -> list:
             ptrs.append(b_l[i].data_ptr())
             ptrs.append((a if c is None else c).data_ptr())
     key = tuple(ptrs)
-    tabs = p.tables.get(key)
     capturing = _capturing()
-    if tabs is not None:
-        p.tables.move_to_end(key)
-    else:
+    with _CACHE_LOCK:
+        tabs = p.tables.get(key)
+        if tabs is not None:
+            p.tables.move_to_end(key)
+    if tabs is None:
         if check_overlap is not None:
             check_overlap()
         tabs, k = [], 0
@@ -600,13 +604,15 @@ def _tables(p: _Plan, lists, check_overlap=None) -> list:
             else:
                 dev = host.to(p.device)
             tabs.append((host, dev, aligned))
-        p.tables[key] = tabs
-        if len(p.tables) > _TABLES_PER_PLAN:
-            p.tables.popitem(last=False)
+        with _CACHE_LOCK:
+            p.tables[key] = tabs
+            while len(p.tables) > _TABLES_PER_PLAN:
+                p.tables.popitem(last=False)
     if capturing:
-        for t in tabs:
-            if not any(t is q for q in _PINNED_TABLES):
-                _PINNED_TABLES.append(t)
+        with _CACHE_LOCK:
+            for t in tabs:
+                if not any(t is q for q in _PINNED_TABLES):
+                    _PINNED_TABLES.append(t)
     return tabs
 
 
