@@ -281,7 +281,13 @@ def _kernel_validates(b: str, device: Optional[torch.device]) -> bool:
     return device is not None and (b == "triton" or (b == "cpp" and device.type == "cuda"))
 
 
-def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
+def _plain(t) -> bool:
+    """A plain tensor with real storage (not a subclass such as FakeTensor, not wrapped by a
+    functorch transform): the dispatcher has nothing to add for it."""
+    return type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _resolve(backend: Optional[str], device: torch.device, op_name: str, probe=None) -> str:
     b = backend if backend is not None else _env_backend()
     if b not in BACKENDS:
         src = "backend" if backend is not None else f"environment variable {_ENV}"
@@ -297,8 +303,10 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
         _register_triton_cuda()
         if _has_cuda_kernel(op_name):
             # the CUDA kernel is our Triton launcher: call it directly (same function, no
-            # dispatcher), except while torch.compile traces, which must see the torch op
-            if not torch.compiler.is_compiling() and _triton_registered(op_name):
+            # dispatcher) for plain tensors, except while torch.compile traces, which must
+            # see the torch op (probe: the call's first tensor)
+            if (probe is not None and _plain(probe) and not torch.compiler.is_compiling()
+                    and _triton_registered(op_name)):
                 return "triton"
             return "cpp"
         try:
@@ -393,7 +401,7 @@ def variance_norms(
     """
     scale = _v.check_scale(scale)
     dev = _device_of(mean_grad)
-    b = None if dev is None else _resolve(backend, dev, "variance_norms")
+    b = None if dev is None else _resolve(backend, dev, "variance_norms", mean_grad)
     if not _kernel_validates(b, dev):
         _v.check_vn(mean_grad, mean_sq, shift)
         b = b or _resolve(backend, mean_grad.device, "variance_norms")
@@ -413,7 +421,7 @@ def square_pack(
     2n elements: out[:n] = x, out[n:] = x^2 (computed in float32).
     """
     dev = _device_of(grad)
-    b = None if dev is None else _resolve(backend, dev, "square_pack")
+    b = None if dev is None else _resolve(backend, dev, "square_pack", grad)
     if not _kernel_validates(b, dev):
         _v.check_square_pack(grad, out, shift)
         b = b or _resolve(backend, grad.device, "square_pack")
@@ -435,7 +443,7 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor, *, backend: Optional[s
     all contiguous with the same numel; d and d^2 computed in float32.
     """
     dev = _device_of(grad)
-    b = None if dev is None else _resolve(backend, dev, "accumulate_sq")
+    b = None if dev is None else _resolve(backend, dev, "accumulate_sq", grad)
     if not _kernel_validates(b, dev):
         _v.check_acc(grad, prev, sq)
         b = b or _resolve(backend, grad.device, "accumulate_sq")
@@ -470,7 +478,7 @@ def variance_norms_multi(
     """
     scale = _v.check_scale(scale)
     dev = _list_device("mean_grads", mean_grads)
-    b = None if dev is None else _resolve(backend, dev, "variance_norms_multi")
+    b = None if dev is None else _resolve(backend, dev, "variance_norms_multi", mean_grads[0])
     if b == "triton":  # the launcher validates (once per list signature)
         return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
     if not _kernel_validates(b, dev):
@@ -505,7 +513,7 @@ def accumulate_sq_multi(
 ) -> None:
     """accumulate_sq over lists of tensors in one call (in place on prevs and sqs)."""
     dev = _list_device("grads", grads)
-    b = None if dev is None else _resolve(backend, dev, "accumulate_sq_multi")
+    b = None if dev is None else _resolve(backend, dev, "accumulate_sq_multi", grads[0])
     if b == "triton":  # the launcher validates (once per list signature)
         return _triton_fused().accumulate_sq_multi(grads, prevs, sqs)
     if not _kernel_validates(b, dev):
@@ -539,7 +547,7 @@ def square_pack_multi(
     with any other argument of the call (ValueError naming both, before anything is written).
     """
     dev = _list_device("grads", grads)
-    b = None if dev is None else _resolve(backend, dev, "square_pack_multi")
+    b = None if dev is None else _resolve(backend, dev, "square_pack_multi", grads[0])
     if b == "triton":  # the launcher validates (once per list signature)
         return _triton_fused().square_pack_multi(grads, outs, shifts)
     if not _kernel_validates(b, dev):

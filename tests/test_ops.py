@@ -803,3 +803,25 @@ def test_extension_loads_from_another_cwd(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[0.0, 3.0, 0.0, 3.0]"
+
+
+def test_registered_triton_kernel_is_called_without_the_dispatcher_for_plain_tensors(monkeypatch):
+    """On CUDA, when the op's CUDA kernel is the Triton launcher, the face calls the launcher
+    directly (one validation, no dispatcher) for plain tensors only: a FakeTensor (or any
+    subclass) goes through the torch op, whose fake kernel handles it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ops, "_has_cuda_kernel", lambda name: True)
+    monkeypatch.setattr(ops, "_triton_registered", lambda name: True)
+    cuda = torch.device("cuda")
+    plain = torch.zeros(3)
+    assert ops._resolve(None, cuda, "variance_norms_multi", plain) == "triton"
+    assert ops._resolve(None, cuda, "variance_norms_multi") == "cpp"  # no probe: the torch op
+    with FakeTensorMode():
+        fake = torch.zeros(3)
+    assert ops._resolve(None, cuda, "variance_norms_multi", fake) == "cpp"
+    monkeypatch.setattr(ops, "_triton_registered", lambda name: False)  # C++ CUDA kernels
+    assert ops._resolve(None, cuda, "variance_norms_multi", plain) == "cpp"
+    assert ops._kernel_validates("cpp", cuda) and ops._kernel_validates("triton", torch.device("cpu"))
+    assert not ops._kernel_validates("cpp", torch.device("cpu"))
+    assert not ops._kernel_validates("eager", cuda)
