@@ -36,6 +36,10 @@ TORCH_LIBRARY(gns_kernels, m) {
       "Tensor?[] shifts) -> Tensor");
   // out (float32, 2n): out[:n] = grad - shift, out[n:] = (grad - shift)^2.
   m.def("square_pack(Tensor grad, Tensor(a!) out, Tensor? shift=None) -> ()");
+  // square_pack over lists: outs[i] (float32, 2 * grads[i].numel()) = [x_i, x_i^2] with
+  // x_i = grads[i] - shifts[i]. shifts: one entry per tensor (None: no shift for it), or an
+  // empty list for no shift at all.
+  m.def("square_pack_multi(Tensor[] grads, Tensor(a!)[] outs, Tensor?[] shifts) -> ()");
   // d = grad - prev; sq += d*d; prev = grad   (in place).
   m.def("accumulate_sq(Tensor grad, Tensor(a!) prev, Tensor(b!) sq) -> ()");
   m.def("accumulate_sq_multi(Tensor[] grads, Tensor(a!)[] prevs, Tensor(b!)[] sqs) -> ()");

@@ -6,7 +6,8 @@ Public API (every name below is an attribute of this package; see README.md and 
 
 - offline estimates: ``estimate``, ``GNSEstimate``, ``critical_batch_size``
 - fused l1/l2 ops (C++ on CPU, CUDA or Triton on GPU, eager fallback):
-  ``variance_norms``, ``variance_norms_multi``, ``square_pack``, ``accumulate_sq``,
+  ``variance_norms``, ``variance_norms_multi``, ``square_pack``, ``square_pack_multi``,
+  ``accumulate_sq``,
   ``accumulate_sq_multi``
 - nuclear (S1) statistics: ``gram``, ``sqrt_trace``, ``nuclear_stats``
 - data-parallel measurement: ``GNSHookState``, ``ddp_gns_hook`` (DDP comm hook),
@@ -36,7 +37,10 @@ from ._version import __version__
 from . import reference  # float64 formulas every fast path is tested against
 from .controller import AdaptiveBatchSize
 from .estimators import GNSEstimate, critical_batch_size, estimate
-from .ops import accumulate_sq, accumulate_sq_multi, square_pack, variance_norms, variance_norms_multi
+from .ops import (
+    accumulate_sq, accumulate_sq_multi, square_pack, square_pack_multi, variance_norms,
+    variance_norms_multi,
+)
 from .optim import SignSGD, Signum, SpecSGD, geometry_for
 from .spectral import gram, nuclear_stats, sqrt_trace
 
@@ -59,8 +63,8 @@ _LAZY: dict[str, str] = {
 
 # submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
 _SUBMODULES = (
-    "adaptive", "bias", "cli", "controller", "data", "demo", "distributed", "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim",
-    "reference", "sampler", "spectral", "triton",
+    "adaptive", "benchmarks", "bias", "cli", "controller", "data", "demo", "distributed",
+    "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim", "reference", "sampler", "spectral", "triton",
 )
 
 __all__ = [
@@ -72,6 +76,7 @@ __all__ = [
     "variance_norms",
     "variance_norms_multi",
     "square_pack",
+    "square_pack_multi",
     "accumulate_sq",
     "accumulate_sq_multi",
     "gram",

@@ -119,14 +119,16 @@ def check_vn(mean_grad: Any, mean_sq: Any, shift: Any, suffix: str = "") -> None
         check_like(ns, shift, ng, mean_grad)
 
 
-def check_square_pack(grad: Any, out: Any, shift: Any) -> None:
-    """Arguments of square_pack (out: float32 with 2 * grad.numel() elements)."""
-    check_tensor("grad", grad)
-    check_tensor("out", out, allowed=(torch.float32,))
-    check_like("out", out, "grad (2x)", grad, numel=2 * grad.numel())
+def check_square_pack(grad: Any, out: Any, shift: Any, suffix: str = "") -> None:
+    """Arguments of square_pack (out: float32 with 2 * grad.numel() elements); suffix as in
+    check_vn."""
+    ng, no, ns = (f"grad{suffix}", f"out{suffix}", f"shift{suffix}")
+    check_tensor(ng, grad)
+    check_tensor(no, out, allowed=(torch.float32,))
+    check_like(no, out, f"{ng} (2x)", grad, numel=2 * grad.numel())
     if shift is not None:
-        check_tensor("shift", shift)
-        check_like("shift", shift, "grad", grad)
+        check_tensor(ns, shift)
+        check_like(ns, shift, ng, grad)
 
 
 def check_acc(grad: Any, prev: Any, sq: Any, suffix: str = "") -> None:

@@ -18,11 +18,19 @@ The ops (see docs/fused_ops.md; float64 oracle in gns_kernels.reference):
 - ``variance_norms_multi(mean_grads, mean_sqs, scale, shifts=None) -> Tensor[4]``: the sums
   of variance_norms over lists of tensors, in one call.
 - ``accumulate_sq_multi(grads, prevs, sqs) -> None``: accumulate_sq over lists, one call.
+- ``square_pack_multi(grads, outs, shifts=None) -> None``: square_pack over lists, one call
+  (the DDP hook packs a whole bucket with it).
 
 Inputs are flat-viewed (only numel matters), contiguous, float32 / bfloat16 / float16;
 results accumulate in float32 or wider. No output (out, prev, sq) may share memory with
 another argument of the call, across whole lists for the _multi ops (ValueError naming
 both, before anything is written); inputs may share memory.
+
+Validation happens once per call: the faces below check the arguments in Python for the
+"eager" backend and for CPU tensors; on CUDA (and for backend="triton") they only look at
+the first tensor to pick the backend, and the kernel that runs validates (the C++ CUDA
+kernels in C++, the Triton launchers in Python, once per list signature), with the same
+argument names in the messages.
 
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
 - "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
@@ -53,6 +61,7 @@ __all__ = [
     "accumulate_sq",
     "variance_norms_multi",
     "accumulate_sq_multi",
+    "square_pack_multi",
     "BACKENDS",
     "cpp_available",
 ]
@@ -159,6 +168,32 @@ def _check_acc_lists(grads, prevs, sqs) -> None:
     _v.common_device("grads", grads)
 
 
+def _check_pack_lists(grads, outs, shifts, *, empty_shifts_ok: bool) -> list:
+    """Validate the list arguments of square_pack_multi; returns one shift per tensor."""
+    grads = _v.check_list("grads", grads)
+    outs = _v.check_list("outs", outs)
+    if len(outs) != len(grads):
+        raise ValueError(f"outs: expected {len(grads)} tensors like grads, got {len(outs)}")
+    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
+        shifts = [None] * len(grads)
+    shifts = _v.check_list("shifts", shifts)
+    if len(shifts) != len(grads):
+        raise ValueError(f"shifts: expected {len(grads)} tensors like grads, got {len(shifts)}")
+    for i, (g, o) in enumerate(zip(grads, outs)):
+        _v.check_square_pack(g, o, shifts[i], suffix=f"s[{i}]")
+    _v.common_device("grads", grads)
+    return shifts
+
+
+def _pack_overlap(grads: list, outs: list, shifts: list) -> None:
+    """No outs[i] shares memory with any other argument of the whole call."""
+    _v.check_no_overlap(
+        [(f"outs[{i}]", o) for i, o in enumerate(outs)],
+        [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+        + [(f"shifts[{i}]", s) for i, s in enumerate(shifts) if s is not None],
+    )
+
+
 def _acc_overlap(grads: list, prevs: list, sqs: list) -> None:
     """No prevs[i] / sqs[i] shares memory with any other argument of the whole call."""
     _v.check_no_overlap(
@@ -183,6 +218,11 @@ if _C is not None:
     @torch.library.register_fake("gns_kernels::square_pack")
     def _square_pack_fake(grad, out, shift=None):
         _v.check_square_pack(grad, out, shift)
+        return None
+
+    @torch.library.register_fake("gns_kernels::square_pack_multi")
+    def _square_pack_multi_fake(grads, outs, shifts):
+        _check_pack_lists(grads, outs, shifts, empty_shifts_ok=True)
         return None
 
     @torch.library.register_fake("gns_kernels::accumulate_sq")
@@ -263,7 +303,33 @@ def _has_cuda_kernel(op_name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"gns_kernels::{op_name}", "CUDA")
 
 
-def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
+def _triton_registered(op_name: str) -> bool:
+    """True when gns_kernels.triton registered its launcher as the op's CUDA kernel."""
+    if not _TRITON_REGISTERED:
+        return False
+    from .triton import _REGISTERED
+
+    return op_name in _REGISTERED
+
+
+def _device_of(t) -> Optional[torch.device]:
+    """t.device for a tensor, else None (the full checks then name the argument)."""
+    return t.device if isinstance(t, torch.Tensor) else None
+
+
+def _kernel_validates(b: str, device: Optional[torch.device]) -> bool:
+    """True when the kernel backend ``b`` runs on ``device`` validates its arguments itself
+    (Triton launchers; C++ CUDA kernels), so the face does not check them a second time."""
+    return device is not None and (b == "triton" or (b == "cpp" and device.type == "cuda"))
+
+
+def _plain(t) -> bool:
+    """A plain tensor with real storage (not a subclass such as FakeTensor, not wrapped by a
+    functorch transform): the dispatcher has nothing to add for it."""
+    return type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _resolve(backend: Optional[str], device: torch.device, op_name: str, probe=None) -> str:
     b = backend if backend is not None else _env_backend()
     if b not in BACKENDS:
         src = "backend" if backend is not None else f"environment variable {_ENV}"
@@ -281,6 +347,12 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str) -> str:
     if device.type == "cuda":
         _register_triton_cuda()
         if _has_cuda_kernel(op_name):
+            # the CUDA kernel is our Triton launcher: call it directly (same function, no
+            # dispatcher) for plain tensors, except while torch.compile traces, which must
+            # see the torch op (probe: the call's first tensor)
+            if (probe is not None and _plain(probe) and not torch.compiler.is_compiling()
+                    and _triton_registered(op_name)):
+                return "triton"
             return "cpp"
         try:
             _triton_fused()
@@ -372,9 +444,12 @@ def variance_norms(
     (mean_sq the dtype of mean_grad; shift any of the three). g = d + S (d without shift),
     s2 = max(scale * (q - d^2), 0) with NaN kept, s = sqrt(s2). Shapes: any, flattened.
     """
-    _v.check_vn(mean_grad, mean_sq, shift)
     scale = _v.check_scale(scale)
-    b = _resolve(backend, mean_grad.device, "variance_norms")
+    dev = _device_of(mean_grad)
+    b = None if dev is None else _resolve(backend, dev, "variance_norms", mean_grad)
+    if not _kernel_validates(b, dev):
+        _v.check_vn(mean_grad, mean_sq, shift)
+        b = b or _resolve(backend, mean_grad.device, "variance_norms")
     if b == "cpp":
         return torch.ops.gns_kernels.variance_norms(mean_grad, mean_sq, scale, shift)
     if b == "triton":
@@ -390,8 +465,11 @@ def square_pack(
     grad, shift: n elements, contiguous, float32/bfloat16/float16. out: float32, contiguous,
     2n elements: out[:n] = x, out[n:] = x^2 (computed in float32).
     """
-    _v.check_square_pack(grad, out, shift)
-    b = _resolve(backend, grad.device, "square_pack")
+    dev = _device_of(grad)
+    b = None if dev is None else _resolve(backend, dev, "square_pack", grad)
+    if not _kernel_validates(b, dev):
+        _v.check_square_pack(grad, out, shift)
+        b = b or _resolve(backend, grad.device, "square_pack")
     # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.square_pack(grad, out, shift)
@@ -409,8 +487,11 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor, *, backend: Optional[s
     grad: float32/bfloat16/float16; prev: grad's dtype or float32; sq: float32;
     all contiguous with the same numel; d and d^2 computed in float32.
     """
-    _v.check_acc(grad, prev, sq)
-    b = _resolve(backend, grad.device, "accumulate_sq")
+    dev = _device_of(grad)
+    b = None if dev is None else _resolve(backend, dev, "accumulate_sq", grad)
+    if not _kernel_validates(b, dev):
+        _v.check_acc(grad, prev, sq)
+        b = b or _resolve(backend, grad.device, "accumulate_sq")
     # memory overlap: the C++ kernels and the Triton launchers check it themselves
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq(grad, prev, sq)
@@ -419,6 +500,12 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor, *, backend: Optional[s
     else:
         _v.check_no_overlap([("prev", prev), ("sq", sq)], [("grad", grad)])
         _eager_accumulate_sq(grad, prev, sq)
+
+
+def _list_device(name: str, xs) -> Optional[torch.device]:
+    """Device of the first tensor of a non-empty list argument (None: let the checks speak)."""
+    xs = _v.check_list(name, xs)
+    return _device_of(xs[0]) if xs else None
 
 
 def variance_norms_multi(
@@ -435,11 +522,16 @@ def variance_norms_multi(
     Returns float32 Tensor[4] (zeros for empty lists), on the tensors' device (CPU if empty).
     """
     scale = _v.check_scale(scale)
-    shifts_list = _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=False)
+    dev = _list_device("mean_grads", mean_grads)
+    b = None if dev is None else _resolve(backend, dev, "variance_norms_multi", mean_grads[0])
+    if b == "triton":  # the launcher validates (once per list signature)
+        return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
+    if not _kernel_validates(b, dev):
+        shifts_list = _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=False)
+        shifts = None if shifts is None else shifts_list
+        dev = _v.common_device("mean_grads", list(mean_grads))
+        b = b or _resolve(backend, dev, "variance_norms_multi")
     mean_grads, mean_sqs = list(mean_grads), list(mean_sqs)
-    shifts = None if shifts is None else shifts_list
-    dev = _v.common_device("mean_grads", mean_grads)
-    b = _resolve(backend, dev, "variance_norms_multi")
     if not mean_grads:  # nothing to dispatch on: the sums are zero
         return torch.zeros(4, dtype=torch.float32, device=dev)
     if b == "cpp":
@@ -447,7 +539,7 @@ def variance_norms_multi(
         # Triton via register_cuda_kernels) sees the same list form; the C++ kernels also
         # accept an empty list for "no shift at all"
         return torch.ops.gns_kernels.variance_norms_multi(
-            mean_grads, mean_sqs, scale, [None] * len(mean_grads) if shifts is None else shifts
+            mean_grads, mean_sqs, scale, [None] * len(mean_grads) if shifts is None else list(shifts)
         )
     if b == "triton":
         return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
@@ -465,18 +557,56 @@ def accumulate_sq_multi(
     backend: Optional[str] = None,
 ) -> None:
     """accumulate_sq over lists of tensors in one call (in place on prevs and sqs)."""
-    _check_acc_lists(grads, prevs, sqs)
+    dev = _list_device("grads", grads)
+    b = None if dev is None else _resolve(backend, dev, "accumulate_sq_multi", grads[0])
+    if b == "triton":  # the launcher validates (once per list signature)
+        return _triton_fused().accumulate_sq_multi(grads, prevs, sqs)
+    if not _kernel_validates(b, dev):
+        _check_acc_lists(grads, prevs, sqs)
+        dev = _v.common_device("grads", list(grads))
+        b = b or _resolve(backend, dev, "accumulate_sq_multi")
     grads, prevs, sqs = list(grads), list(prevs), list(sqs)
-    dev = _v.common_device("grads", grads)
-    b = _resolve(backend, dev, "accumulate_sq_multi")
     if not grads:
         return
     # memory overlap across the lists: the C++ kernels and the Triton launchers check it
     if b == "cpp":
         torch.ops.gns_kernels.accumulate_sq_multi(grads, prevs, sqs)
-    elif b == "triton":
-        _triton_fused().accumulate_sq_multi(grads, prevs, sqs)
     else:
         _acc_overlap(grads, prevs, sqs)
         for g, p, s in zip(grads, prevs, sqs):
             _eager_accumulate_sq(g, p, s)
+
+
+def square_pack_multi(
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    shifts: Optional[Sequence[Optional[Tensor]]] = None,
+    *,
+    backend: Optional[str] = None,
+) -> None:
+    """square_pack over lists in one call: outs[i][:n_i] = x_i, outs[i][n_i:] = x_i^2.
+
+    grads[i], shifts[i]: n_i elements, contiguous, float32/bfloat16/float16 (any mix);
+    outs[i]: float32, contiguous, 2 n_i elements; x_i = grads[i] - shifts[i] computed in
+    float32 (grads[i] when shifts is None or shifts[i] is None). No output may share memory
+    with any other argument of the call (ValueError naming both, before anything is written).
+    """
+    dev = _list_device("grads", grads)
+    b = None if dev is None else _resolve(backend, dev, "square_pack_multi", grads[0])
+    if b == "triton":  # the launcher validates (once per list signature)
+        return _triton_fused().square_pack_multi(grads, outs, shifts)
+    if not _kernel_validates(b, dev):
+        shifts_list = _check_pack_lists(grads, outs, shifts, empty_shifts_ok=False)
+        shifts = None if shifts is None else shifts_list
+        dev = _v.common_device("grads", list(grads))
+        b = b or _resolve(backend, dev, "square_pack_multi")
+    grads, outs = list(grads), list(outs)
+    if not grads:
+        return
+    sh = [None] * len(grads) if shifts is None else list(shifts)
+    if b == "cpp":
+        torch.ops.gns_kernels.square_pack_multi(grads, outs, sh)
+    else:
+        _pack_overlap(grads, outs, sh)
+        for g, o, s in zip(grads, outs, sh):
+            _eager_square_pack(g, o, s)

@@ -199,6 +199,84 @@ def test_accumulate_sq_sequence_of_microbatches(gen):
 # ----------------------------------------------------------------------------------------
 # multi-tensor versions
 # ----------------------------------------------------------------------------------------
+def _pack_multi_inputs(gen, with_shift, backend_dtypes=DTYPES):
+    """Gradients of odd sizes in every dtype (one empty), shifts in other dtypes (some None),
+    and the outs as back-to-back slices of one pack buffer, filled with NaN."""
+    sizes = [5, 0, 4097, 1, 70001, 33, 1031]
+    grads, shifts = [], []
+    for k, n in enumerate(sizes):
+        dt = backend_dtypes[k % len(backend_dtypes)]
+        grads.append(_randn(n, gen, dt, scale=3.0))
+        sdt = backend_dtypes[(k + 1) % len(backend_dtypes)]
+        shifts.append(_randn(n, gen, sdt) if with_shift and k % 3 != 2 else None)
+    pack = torch.full((2 * sum(sizes),), float("nan"))
+    outs, off = [], 0
+    for n in sizes:
+        outs.append(pack[off:off + 2 * n])
+        off += 2 * n
+    return grads, outs, (shifts if with_shift else None), pack
+
+
+@pytest.mark.parametrize("with_shift", [False, True])
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+def test_square_pack_multi_matches_reference(with_shift, backend, gen):
+    grads, outs, shifts, pack = _pack_multi_inputs(gen, with_shift)
+    assert gk.square_pack_multi(grads, outs, shifts, backend=backend) is None
+    want = torch.cat([ref.square_pack(g, None if shifts is None else shifts[i]) for i, g in enumerate(grads)])
+    _close(pack, want, rtol=3e-7)
+    assert not torch.isnan(pack).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_square_pack_multi_equals_square_pack_per_tensor(dtype, gen):
+    """One call over the list writes exactly what one square_pack per tensor writes."""
+    grads, outs, shifts, pack = _pack_multi_inputs(gen, True, backend_dtypes=[dtype])
+    gk.square_pack_multi(grads, outs, shifts)
+    other = torch.full_like(pack, float("nan"))
+    off = 0
+    for g, s in zip(grads, shifts):
+        n = g.numel()
+        gk.square_pack(g, other[off:off + 2 * n], s)
+        off += 2 * n
+    assert torch.equal(pack, other)
+
+
+def test_square_pack_multi_empty_list_and_raw_empty_shifts(gen):
+    gk.square_pack_multi([], [])  # nothing to do
+    g = _randn(9, gen)
+    out = torch.empty(18)
+    torch.ops.gns_kernels.square_pack_multi([g], [out], [])  # [] = no shift at all
+    _close(out, ref.square_pack(g), rtol=3e-7)
+
+
+@pytest.mark.parametrize("backend", ["auto", "raw", "eager"])
+def test_square_pack_multi_bad_arguments(backend):
+    call = (torch.ops.gns_kernels.square_pack_multi if backend == "raw"
+            else lambda g, o, s: gk.square_pack_multi(g, o, s if s else None, backend=backend))
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match=r"^outs: expected 2 tensors like grads, got 1"):
+        call([x, x], [torch.zeros(8)], [])
+    with pytest.raises(ValueError, match=r"^outs\[1\]: expected 6 elements"):
+        call([x, torch.zeros(3)], [torch.zeros(8), torch.zeros(7)], [])
+    with pytest.raises(TypeError, match=r"^outs\[0\]: expected dtype float32"):
+        call([x], [torch.zeros(8, dtype=torch.bfloat16)], [])
+    with pytest.raises(TypeError, match=r"^grads\[0\]: expected dtype"):
+        call([x.double()], [torch.zeros(8)], [])
+    with pytest.raises(ValueError, match=r"^shifts\[0\]: expected 4 elements"):
+        call([x], [torch.zeros(8)], [torch.zeros(5)])
+    with pytest.raises(ValueError, match=r"^grads\[0\]: expected a contiguous tensor"):
+        call([torch.zeros(4, 2).t()], [torch.zeros(16)], [])
+    # overlap across the list: an out must not share memory with any other argument
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"^outs\[1\]: must not share memory with outs\[0\]"):
+        call([x, x], [buf[:8], buf[4:12]], [])
+    with pytest.raises(ValueError, match=r"^outs\[0\]: must not share memory with grads\[1\]"):
+        call([x, buf[2:6]], [buf[:8], torch.zeros(8)], [])
+    assert torch.equal(buf, torch.zeros(16))  # nothing written before the checks raised
+    call([x, x], [buf[:8], buf[8:]], [])  # adjacent outs, a grad read twice: fine
+    assert torch.equal(buf, torch.ones(16))
+
+
 def _multi_inputs(gen, with_shift):
     sizes = [5, 0, 4096, 1, 70001, 33]
     dts = [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, torch.float16]
@@ -460,6 +538,7 @@ _RAW = {
     "square_pack": (lambda x: torch.ops.gns_kernels.square_pack(x[0], x[1], x[2]), 3),
     "accumulate_sq": (lambda x: torch.ops.gns_kernels.accumulate_sq(x[0], x[1], x[2]), 3),
     "accumulate_sq_multi": (lambda x: torch.ops.gns_kernels.accumulate_sq_multi([x[0]], [x[1]], [x[2]]), 3),
+    "square_pack_multi": (lambda x: torch.ops.gns_kernels.square_pack_multi([x[0]], [x[1]], [x[2]]), 3),
 }
 _RAW_NAMES = {
     "variance_norms": ("mean_grad", "mean_sq", "shift"),
@@ -467,6 +546,7 @@ _RAW_NAMES = {
     "square_pack": ("grad", "out", "shift"),
     "accumulate_sq": ("grad", "prev", "sq"),
     "accumulate_sq_multi": (r"grads\[0\]", r"prevs\[0\]", r"sqs\[0\]"),
+    "square_pack_multi": (r"grads\[0\]", r"outs\[0\]", r"shifts\[0\]"),
 }
 
 
@@ -476,7 +556,7 @@ def test_raw_op_with_a_meta_tensor_raises(op, where):
     """A direct torch.ops call mixing CPU and meta tensors is refused (it used to run the
     fake kernel: uninitialised output, or a silent no-op)."""
     n = 5
-    sizes = {"square_pack": (n, 2 * n, n)}.get(op, (n, n, n))
+    sizes = {"square_pack": (n, 2 * n, n), "square_pack_multi": (n, 2 * n, n)}.get(op, (n, n, n))
     xs = [torch.randn(k) for k in sizes]
     xs[where] = torch.empty(sizes[where], device="meta")
     fn, _ = _RAW[op]
@@ -489,7 +569,7 @@ def test_raw_op_with_a_meta_tensor_raises(op, where):
 @pytest.mark.parametrize("op", sorted(_RAW))
 def test_raw_op_all_meta_gives_shapes(op):
     n = 5
-    sizes = {"square_pack": (n, 2 * n, n)}.get(op, (n, n, n))
+    sizes = {"square_pack": (n, 2 * n, n), "square_pack_multi": (n, 2 * n, n)}.get(op, (n, n, n))
     out = _RAW[op][0]([torch.empty(k, device="meta") for k in sizes])
     if op.startswith("variance_norms"):
         assert out.device.type == "meta" and out.shape == (4,) and out.dtype == torch.float32
@@ -550,6 +630,11 @@ def test_triton_backend_matches_reference(gen):
     gk.accumulate_sq_multi([d], [p_t], [sq_t], backend="triton")
     gk.accumulate_sq(d, p_c, sq_c, backend="cpp")
     assert torch.equal(sq_t, sq_c) and torch.equal(p_t, p_c)
+    m_t = [torch.empty(2 * n), torch.empty(2 * 7)]
+    m_c = [torch.empty(2 * n), torch.empty(2 * 7)]
+    gk.square_pack_multi([d, q[:7].half()], m_t, [s, None], backend="triton")
+    gk.square_pack_multi([d, q[:7].half()], m_c, [s, None], backend="cpp")
+    assert torch.equal(m_t[0], m_c[0]) and torch.equal(m_t[1], m_c[1])
 
 
 def test_missing_extension_fails_loudly(monkeypatch):
@@ -581,6 +666,8 @@ def test_opcheck(dtype, gen):
         (o.accumulate_sq.default, (d, s.clone(), torch.rand(n, generator=gen))),
         (o.accumulate_sq.default, (d, s.float(), torch.rand(n, generator=gen))),
         (o.accumulate_sq_multi.default, ([d, q], [s.clone(), q.float().clone()], [torch.rand(n), torch.rand(n)])),
+        (o.square_pack_multi.default, ([d, s], [torch.empty(2 * n), torch.empty(2 * n)], [s, None])),
+        (o.square_pack_multi.default, ([d], [torch.empty(2 * n)], [])),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)
@@ -589,11 +676,12 @@ def test_opcheck(dtype, gen):
 def test_torch_compile_fullgraph_no_graph_break(gen):
     n = 4099
 
-    def step(d, q, s, grad, out, prev, sq):
+    def step(d, q, s, grad, out, prev, sq, out2, out3):
         stats = gk.variance_norms(d, q, 2.0, s) + gk.variance_norms_multi([d, grad], [q, q], 2.0, [s, None])
         gk.square_pack(grad, out, s)
         gk.accumulate_sq(grad, prev, sq)
         gk.accumulate_sq_multi([grad], [prev], [sq])
+        gk.square_pack_multi([grad, d], [out2, out3], [s, None])
         return stats * 2.0, out[:3] + 1.0
 
     d, q, s = _vn_inputs(n, torch.float32, gen, True)
@@ -602,12 +690,15 @@ def test_torch_compile_fullgraph_no_graph_break(gen):
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)  # raises on any graph break
     o1, p1, s1 = torch.empty(2 * n), prev0.clone(), sq0.clone()
-    got = compiled(d, q, s, grad, o1, p1, s1)
+    m1 = [torch.empty(2 * n), torch.empty(2 * n)]
+    got = compiled(d, q, s, grad, o1, p1, s1, *m1)
     o2, p2, s2 = torch.empty(2 * n), prev0.clone(), sq0.clone()
-    want = step(d, q, s, grad, o2, p2, s2)
+    m2 = [torch.empty(2 * n), torch.empty(2 * n)]
+    want = step(d, q, s, grad, o2, p2, s2, *m2)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert torch.equal(o1, o2) and torch.equal(p1, p2) and torch.equal(s1, s2)
+    assert torch.equal(m1[0], m2[0]) and torch.equal(m1[1], m2[1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -712,3 +803,25 @@ def test_extension_loads_from_another_cwd(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[0.0, 3.0, 0.0, 3.0]"
+
+
+def test_registered_triton_kernel_is_called_without_the_dispatcher_for_plain_tensors(monkeypatch):
+    """On CUDA, when the op's CUDA kernel is the Triton launcher, the face calls the launcher
+    directly (one validation, no dispatcher) for plain tensors only: a FakeTensor (or any
+    subclass) goes through the torch op, whose fake kernel handles it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ops, "_has_cuda_kernel", lambda name: True)
+    monkeypatch.setattr(ops, "_triton_registered", lambda name: True)
+    cuda = torch.device("cuda")
+    plain = torch.zeros(3)
+    assert ops._resolve(None, cuda, "variance_norms_multi", plain) == "triton"
+    assert ops._resolve(None, cuda, "variance_norms_multi") == "cpp"  # no probe: the torch op
+    with FakeTensorMode():
+        fake = torch.zeros(3)
+    assert ops._resolve(None, cuda, "variance_norms_multi", fake) == "cpp"
+    monkeypatch.setattr(ops, "_triton_registered", lambda name: False)  # C++ CUDA kernels
+    assert ops._resolve(None, cuda, "variance_norms_multi", plain) == "cpp"
+    assert ops._kernel_validates("cpp", cuda) and ops._kernel_validates("triton", torch.device("cpu"))
+    assert not ops._kernel_validates("cpp", torch.device("cpu"))
+    assert not ops._kernel_validates("eager", cuda)

@@ -80,6 +80,13 @@ def variants(full: bool = False) -> list[Variant]:
                  **_ints("n", "num_tiles", "tiles_per_prog"),
                  "HAS_SHIFT": "constexpr", "BLOCK": "constexpr"},
                 {"HAS_SHIFT": sh, "BLOCK": B}, ("g_ptr", "s_ptr", "out_ptr"), True))
+            out.append(Variant(
+                "square_pack_multi", lab,
+                {"table_ptr": "*i64", **_ints("n_tensors", "total_tiles", "tiles_per_prog"),
+                 "G_DT": "constexpr", "S_DT": "constexpr", "HAS_SHIFT": "constexpr",
+                 "ALIGNED": "constexpr", "BLOCK": "constexpr"},
+                {"G_DT": tl_dt[dt], "S_DT": tl_dt[dt], "HAS_SHIFT": sh, "ALIGNED": True, "BLOCK": B},
+                ("table_ptr",), True))
         if dt == "fp32":
             # n % 16 == 0 (the JIT specializes on it): out + n is aligned too, so the x^2 half
             # is stored with 128-bit stores as well.

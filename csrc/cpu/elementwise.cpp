@@ -1,4 +1,4 @@
-// CPU kernels of the element-wise fused ops: square_pack, accumulate_sq, accumulate_sq_multi.
+// CPU kernels of the element-wise fused ops: square_pack(_multi), accumulate_sq(_multi).
 // One pass, no temporaries; work split into the fixed blocks of cpu_common.h (each element
 // is written by exactly one thread, so the results do not depend on the thread count).
 #include <torch/library.h>
@@ -30,39 +30,90 @@ GNS_CPU_CLONES void square_pack_block(const void* gv, const void* sv, float* out
 
 using SquarePackFn = void (*)(const void*, const void*, float*, int64_t, int64_t, int64_t);
 
-void square_pack_cpu(const at::Tensor& grad, const at::Tensor& out, const c10::optional<at::Tensor>& shift) {
-  check_input(grad, "grad");
-  check_float32(out, "out");
+struct PackTensor {
+  const void* g;
+  const void* s;
+  float* out;
+  int64_t n;
+  SquarePackFn fn;
+};
+
+// Validates one (grad, out, shift) triple and adds its memory to spans (out is the output).
+PackTensor make_pack_tensor(const at::Tensor& grad, const at::Tensor& out,
+                            const c10::optional<at::Tensor>& shift, const std::string& suffix,
+                            std::vector<gns::Span>& spans) {
+  const std::string ng = "grad" + suffix, no = "out" + suffix, ns = "shift" + suffix;
+  check_input(grad, ng);
+  check_float32(out, no);
   const int64_t n = grad.numel();
-  check_numel(out, "out", 2 * n, "2x grad");
+  check_numel(out, no, 2 * n, suffix.empty() ? "2x grad" : "2x " + ng);
   const bool has_shift = shift.has_value() && shift->defined();
   if (has_shift) {
-    check_input(*shift, "shift");
-    check_numel(*shift, "shift", n, "grad");
+    check_input(*shift, ns);
+    check_numel(*shift, ns, n, ng);
   }
-  std::vector<gns::Span> spans;
-  gns::add_span(spans, out, "out", true);
-  gns::add_span(spans, grad, "grad", false);
-  if (has_shift) gns::add_span(spans, *shift, "shift", false);
-  gns::check_no_overlap(std::move(spans));
-  SquarePackFn fn = nullptr;
+  gns::add_span(spans, out, no, true);
+  gns::add_span(spans, grad, ng, false);
+  if (has_shift) gns::add_span(spans, *shift, ns, false);
+  PackTensor t;
+  t.g = grad.data_ptr();
+  t.s = has_shift ? shift->data_ptr() : nullptr;
+  t.out = out.data_ptr<float>();
+  t.n = n;
+  t.fn = nullptr;
   dispatch_float(grad.scalar_type(), [&](auto gtag) {
     using T = decltype(gtag);
     if (!has_shift) {
-      fn = &square_pack_block<T, float, false>;
+      t.fn = &square_pack_block<T, float, false>;
     } else {
-      dispatch_float(shift->scalar_type(), [&](auto stag) { fn = &square_pack_block<T, decltype(stag), true>; });
+      dispatch_float(shift->scalar_type(), [&](auto stag) { t.fn = &square_pack_block<T, decltype(stag), true>; });
     }
   });
-  const void* g = grad.data_ptr();
-  const void* s = has_shift ? shift->data_ptr() : nullptr;
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, num_blocks(n), 1, [&](int64_t begin, int64_t end) {
+  return t;
+}
+
+// One parallel loop over the fixed blocks of every tensor of the list.
+void run_square_pack(const std::vector<PackTensor>& ts) {
+  std::vector<int64_t> first;  // first[k] = index of tensor k's first block
+  int64_t nb = 0;
+  for (const PackTensor& t : ts) {
+    first.push_back(nb);
+    nb += num_blocks(t.n);
+  }
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    size_t k = 0;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t off = b * kBlock;
-      fn(g, s, o, n, off, std::min(kBlock, n - off));
+      while (k + 1 < ts.size() && first[k + 1] <= b) ++k;
+      const int64_t off = (b - first[k]) * kBlock;
+      ts[k].fn(ts[k].g, ts[k].s, ts[k].out, ts[k].n, off, std::min(kBlock, ts[k].n - off));
     }
   });
+}
+
+void square_pack_cpu(const at::Tensor& grad, const at::Tensor& out, const c10::optional<at::Tensor>& shift) {
+  std::vector<gns::Span> spans;
+  const PackTensor t = make_pack_tensor(grad, out, shift, "", spans);
+  gns::check_no_overlap(std::move(spans));
+  run_square_pack({t});
+}
+
+void square_pack_multi_cpu(at::TensorList grads, at::TensorList outs,
+                           const c10::List<c10::optional<at::Tensor>>& shifts) {
+  const size_t n = grads.size();
+  TORCH_CHECK_VALUE(outs.size() == n, "outs: expected ", n, " tensors like grads, got ", outs.size());
+  TORCH_CHECK_VALUE(shifts.size() == 0 || shifts.size() == n, "shifts: expected ", n,
+                    " entries like grads (or an empty list for no shift), got ", shifts.size());
+  std::vector<PackTensor> ts;
+  ts.reserve(n);
+  std::vector<gns::Span> spans;
+  spans.reserve(3 * n);
+  for (size_t i = 0; i < n; ++i) {
+    c10::optional<at::Tensor> s = shifts.size() == 0 ? c10::nullopt : c10::optional<at::Tensor>(shifts.get(i));
+    ts.push_back(make_pack_tensor(grads[i], outs[i], s, "s[" + std::to_string(i) + "]", spans));
+  }
+  // across the whole list: an out must not alias any other argument
+  gns::check_no_overlap(std::move(spans));
+  run_square_pack(ts);
 }
 
 // ---- accumulate_sq: d = grad - prev; sq += d*d; prev = grad ------------------------------
@@ -170,6 +221,7 @@ void accumulate_sq_multi_cpu(at::TensorList grads, at::TensorList prevs, at::Ten
 
 TORCH_LIBRARY_IMPL(gns_kernels, CPU, m) {
   m.impl("square_pack", &gns_cpu::square_pack_cpu);
+  m.impl("square_pack_multi", &gns_cpu::square_pack_multi_cpu);
   m.impl("accumulate_sq", &gns_cpu::accumulate_sq_cpu);
   m.impl("accumulate_sq_multi", &gns_cpu::accumulate_sq_multi_cpu);
 }

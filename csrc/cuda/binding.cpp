@@ -176,6 +176,55 @@ void square_pack_cuda(const at::Tensor& grad, const at::Tensor& out,
                "square_pack");
 }
 
+void square_pack_multi_cuda(at::TensorList grads, at::TensorList outs,
+                            const c10::List<c10::optional<at::Tensor>>& shifts) {
+  const size_t n = grads.size();
+  TORCH_CHECK_VALUE(outs.size() == n, "outs: expected ", n, " tensors like grads, got ",
+                    outs.size());
+  TORCH_CHECK_VALUE(shifts.size() == 0 || shifts.size() == n, "shifts: expected ", n,
+                    " entries like grads (or an empty list for no shift), got ", shifts.size());
+  if (n == 0) return;
+  const at::Device device = grads[0].device();
+  std::vector<int64_t> numels;
+  std::vector<const void*> g, s;
+  std::vector<float*> o;
+  std::vector<DType> gt, st;
+  std::vector<gns::Span> spans;
+  bool any_shift = false;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string suffix = "s[" + std::to_string(i) + "]";
+    const std::string ng = "grad" + suffix, no = "out" + suffix, ns = "shift" + suffix;
+    const at::Tensor& grad = grads[i];
+    check_input(grad, ng, device);
+    check_float32(outs[i], no, device);
+    check_numel(outs[i], no, 2 * grad.numel(), ng + " (2x)");
+    c10::optional<at::Tensor> sh =
+        shifts.size() == 0 ? c10::nullopt : c10::optional<at::Tensor>(shifts.get(i));
+    const bool has_shift = sh.has_value() && sh->defined();
+    if (has_shift) {
+      check_input(*sh, ns, device);
+      check_numel(*sh, ns, grad.numel(), ng);
+    }
+    gns::add_span(spans, outs[i], no, true);
+    gns::add_span(spans, grad, ng, false);
+    if (has_shift) gns::add_span(spans, *sh, ns, false);
+    numels.push_back(grad.numel());
+    g.push_back(grad.data_ptr());
+    s.push_back(has_shift ? sh->data_ptr() : nullptr);
+    o.push_back(outs[i].data_ptr<float>());
+    gt.push_back(to_dtype(grad.scalar_type()));
+    st.push_back(has_shift ? to_dtype(sh->scalar_type()) : DType::Float32);
+    any_shift = any_shift || has_shift;
+  }
+  // across the whole list: an out must not alias any other argument
+  gns::check_no_overlap(std::move(spans));
+  const c10::cuda::CUDAGuard guard(device);
+  check_launch(square_pack_multi(static_cast<int>(n), numels.data(), g.data(),
+                                 any_shift ? s.data() : nullptr, gt.data(), st.data(), o.data(),
+                                 at::cuda::getCurrentCUDAStream().stream()),
+               "square_pack_multi");
+}
+
 // ----------------------------------------------------------------------------------------
 // accumulate_sq
 // ----------------------------------------------------------------------------------------
@@ -248,6 +297,7 @@ TORCH_LIBRARY_IMPL(gns_kernels, CUDA, m) {
   m.impl("variance_norms", &gns_cuda::variance_norms_cuda);
   m.impl("variance_norms_multi", &gns_cuda::variance_norms_multi_cuda);
   m.impl("square_pack", &gns_cuda::square_pack_cuda);
+  m.impl("square_pack_multi", &gns_cuda::square_pack_multi_cuda);
   m.impl("accumulate_sq", &gns_cuda::accumulate_sq_cuda);
   m.impl("accumulate_sq_multi", &gns_cuda::accumulate_sq_multi_cuda);
 }

@@ -64,6 +64,17 @@ cudaError_t variance_norms(int ntensors, const int64_t* numels, const void* cons
 cudaError_t square_pack(int64_t n, const void* grad, const void* shift, DType dtype,
                         DType shift_dtype, float* out, cudaStream_t stream);
 
+// square_pack over a tensor list: for each tensor t, x = grads[t] - shifts[t] (grads[t] where
+// shifts is nullptr or shifts[t] is nullptr), outs[t][i] = x_i and outs[t][numels[t] + i] =
+// x_i * x_i (outs[t] float32 with 2 * numels[t] elements). grads[t] has type dtypes[t],
+// shifts[t] type shift_dtypes[t] (shift_dtypes may be nullptr when shifts is). One launch per
+// (dtype, shift dtype or none) group of up to kMaxTensorsPerLaunch tensors; an invalid dtype
+// gives cudaErrorInvalidValue before anything is launched.
+cudaError_t square_pack_multi(int ntensors, const int64_t* numels, const void* const* grads,
+                              const void* const* shifts, const DType* dtypes,
+                              const DType* shift_dtypes, float* const* outs,
+                              cudaStream_t stream);
+
 // accumulate_sq over a tensor list, in place: d = grad - prev; sq += d*d; prev = grad.
 // grads[t] has type dtypes[t]; prevs[t] has type prev_dtypes[t], which must be dtypes[t] or
 // Float32 (else cudaErrorInvalidValue and nothing is launched); sqs are float32.

@@ -1,4 +1,4 @@
-// CUDA square_pack: x = grad - shift (grad when no shift); out[i] = x_i, out[n + i] = x_i^2,
+// CUDA square_pack (single and multi-tensor): x = grad - shift (grad when no shift); out[i] = x_i, out[n + i] = x_i^2,
 // out float32 of 2n elements, so one collective carries both halves. One pass.
 // Per-element math: gns::shifted from csrc/gns_math.h (shared with the CPU kernels).
 #include <cstdint>
@@ -74,25 +74,36 @@ __global__ void __launch_bounds__(kBlockThreads) square_pack_kernel(Table3 tb) {
 }
 
 template <typename T, typename TS, bool HasShift>
-cudaError_t launch_typed(int64_t n, const void* const* const (&lists)[3], cudaStream_t stream) {
+cudaError_t launch_typed(const std::vector<int>& idx, const int64_t* numels,
+                         const void* const* const (&lists)[3], cudaStream_t stream) {
   return for_each_launch<3, kMaxTensorsPerLaunch>(
-      std::vector<int>{0}, &n, lists, 0, [&](const Table3& tb, int grid, int64_t /*slot_base*/) {
+      idx, numels, lists, 0, [&](const Table3& tb, int grid, int64_t /*slot_base*/) {
         square_pack_kernel<T, TS, HasShift><<<grid, kBlockThreads, 0, stream>>>(tb);
         return cudaGetLastError();
       });
 }
 
+// One launch group per (grad dtype, shift dtype or no shift): key = 4 * dtype + shift key,
+// shift key 0..2 = the shift's dtype, 3 = no shift.
+constexpr int kNumKeys = 12;
+
+bool valid(DType t) {
+  return t == DType::Float32 || t == DType::BFloat16 || t == DType::Float16;
+}
+
 template <typename T>
-cudaError_t launch_shift(int64_t n, const void* const* const (&lists)[3], DType shift_dtype,
+cudaError_t launch_shift(const std::vector<int>& idx, const int64_t* numels,
+                         const void* const* const (&lists)[3], int shift_key,
                          cudaStream_t stream) {
-  if (lists[1] == nullptr) return launch_typed<T, T, false>(n, lists, stream);
-  switch (shift_dtype) {
-    case DType::Float32:
-      return launch_typed<T, float, true>(n, lists, stream);
-    case DType::BFloat16:
-      return launch_typed<T, __nv_bfloat16, true>(n, lists, stream);
-    case DType::Float16:
-      return launch_typed<T, __half, true>(n, lists, stream);
+  switch (shift_key) {
+    case 3:
+      return launch_typed<T, T, false>(idx, numels, lists, stream);
+    case static_cast<int>(DType::Float32):
+      return launch_typed<T, float, true>(idx, numels, lists, stream);
+    case static_cast<int>(DType::BFloat16):
+      return launch_typed<T, __nv_bfloat16, true>(idx, numels, lists, stream);
+    case static_cast<int>(DType::Float16):
+      return launch_typed<T, __half, true>(idx, numels, lists, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -100,21 +111,49 @@ cudaError_t launch_shift(int64_t n, const void* const* const (&lists)[3], DType 
 }  // namespace
 }  // namespace detail
 
+cudaError_t square_pack_multi(int ntensors, const int64_t* numels, const void* const* grads,
+                              const void* const* shifts, const DType* dtypes,
+                              const DType* shift_dtypes, float* const* outs,
+                              cudaStream_t stream) {
+  for (int t = 0; t < ntensors; ++t) {
+    const bool has_shift = shifts != nullptr && shifts[t] != nullptr;
+    if (!detail::valid(dtypes[t]) || (has_shift && !detail::valid(shift_dtypes[t]))) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  const void* const* const lists[3] = {grads, shifts,
+                                       reinterpret_cast<const void* const*>(outs)};
+  const auto groups = detail::group_by(ntensors, detail::kNumKeys, [&](int t) {
+    const bool has_shift = shifts != nullptr && shifts[t] != nullptr;
+    return 4 * static_cast<int>(dtypes[t]) + (has_shift ? static_cast<int>(shift_dtypes[t]) : 3);
+  });
+  for (int key = 0; key < detail::kNumKeys; ++key) {
+    const std::vector<int>& idx = groups[static_cast<size_t>(key)];
+    if (idx.empty()) continue;
+    cudaError_t err = cudaErrorInvalidValue;
+    switch (static_cast<DType>(key / 4)) {
+      case DType::Float32:
+        err = detail::launch_shift<float>(idx, numels, lists, key % 4, stream);
+        break;
+      case DType::BFloat16:
+        err = detail::launch_shift<__nv_bfloat16>(idx, numels, lists, key % 4, stream);
+        break;
+      case DType::Float16:
+        err = detail::launch_shift<__half>(idx, numels, lists, key % 4, stream);
+        break;
+    }
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t square_pack(int64_t n, const void* grad, const void* shift, DType dtype,
                         DType shift_dtype, float* out, cudaStream_t stream) {
   const void* const grads[1] = {grad};
   const void* const shifts[1] = {shift};
-  const void* const outs[1] = {out};
-  const void* const* const lists[3] = {grads, shift ? shifts : nullptr, outs};
-  switch (dtype) {
-    case DType::Float32:
-      return detail::launch_shift<float>(n, lists, shift_dtype, stream);
-    case DType::BFloat16:
-      return detail::launch_shift<__nv_bfloat16>(n, lists, shift_dtype, stream);
-    case DType::Float16:
-      return detail::launch_shift<__half>(n, lists, shift_dtype, stream);
-  }
-  return cudaErrorInvalidValue;
+  float* const outs[1] = {out};
+  return square_pack_multi(1, &n, grads, shift ? shifts : nullptr, &dtype, &shift_dtype, outs,
+                           stream);
 }
 
 }  // namespace gns_cuda

@@ -108,10 +108,16 @@ def _segments(bucket, state: GNSHookState):
 
 def _pack_l(buf: Tensor, segs, state: GNSHookState, micro):
     """Pack [x, x^2] per measured parameter (copies for the others). Returns (pack, plan)
-    with plan = [(buf_off, n, pack_off, param, shift or None, measured)]."""
+    with plan = [(buf_off, n, pack_off, param, shift or None, measured)].
+
+    The measured parameters of the bucket are packed by ONE square_pack_multi call and the
+    unmeasured ones copied by one multi-tensor copy (micro-batch states pack per parameter:
+    their squares come from the per-parameter accumulators)."""
     total = sum(2 * n if m else n for _, n, _, m in segs)
     pack = torch.empty(total, dtype=torch.float32, device=buf.device)
     plan = []
+    grads, outs, shifts = [], [], []  # square_pack_multi arguments
+    srcs, dsts = [], []  # plain copies
     q = 0
     for off, n, p, m in segs:
         src = buf[off:off + n]
@@ -124,39 +130,54 @@ def _pack_l(buf: Tensor, segs, state: GNSHookState, micro):
             q += 2 * n
         elif m:
             s = state.shift_for(p)
-            ops.square_pack(src, pack[q:q + 2 * n], None if s is None else s.view(-1))
+            grads.append(src)
+            outs.append(pack[q:q + 2 * n])
+            shifts.append(None if s is None else s.view(-1))
             plan.append((off, n, q, p, s, True))
             q += 2 * n
         else:
-            pack[q:q + n].copy_(src)
+            srcs.append(src)
+            dsts.append(pack[q:q + n])
             plan.append((off, n, q, p, None, False))
             q += n
+    if grads:
+        any_shift = any(s is not None for s in shifts)
+        ops.square_pack_multi(grads, outs, shifts if any_shift else None)
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)
     return pack, plan
 
 
 def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) -> Tensor:
     st = ctx.state
     ds, qs, shifts = [], [], []
+    means, dsts, shifted, shift_vals = [], [], [], []
     for off, n, q, p, s, m in plan:
+        mean = pack[q:q + n]
         if m:
-            ds.append(pack[q:q + n])
+            ds.append(mean)
             qs.append(pack[q + n:q + 2 * n])
             shifts.append(None if s is None else s.view(-1))
+        if s is not None:
+            shifted.append(mean)
+            shift_vals.append(s.view(-1))
+        means.append(mean)
+        dsts.append(buf[off:off + n])
     if ds:
         any_shift = any(s is not None for s in shifts)
         ctx.l_terms[index] = ops.variance_norms_multi(ds, qs, ctx.scale, shifts if any_shift else None)
-    for off, n, q, p, s, m in plan:
-        mean = pack[q:q + n]
-        if s is not None:
-            mean.add_(s.view(-1))  # d + S: the mean gradient
+    if shifted:
+        torch._foreach_add_(shifted, shift_vals)  # d + S: the mean gradient
+    for (off, n, q, p, s, m), mean in zip(plan, means):
         if m:
             st.keep_mean(p, mean)
-        buf[off:off + n].copy_(mean)
+    torch._foreach_copy_(dsts, means)
     return buf
 
 
 def _pack_nuclear(buf: Tensor, segs, state: GNSHookState, micro):
-    """Pack [bucket gradients (float32), local Grams of the measured matrices]."""
+    """Pack [bucket gradients (float32), local Grams of the measured matrices] (the Grams
+    copied in by one multi-tensor copy)."""
     n_buf = buf.numel()
     mats = [(off, n, p) for off, n, p, m in segs if m]
     shifts = [None if micro is not None else state.shift_for(p) for _, _, p in mats]
@@ -172,12 +193,15 @@ def _pack_nuclear(buf: Tensor, segs, state: GNSHookState, micro):
     pack = torch.empty(total, dtype=torch.float32, device=buf.device)
     pack[:n_buf].copy_(buf)
     plan = []
+    dsts = []
     q = n_buf
     for (off, n, p), s, G in zip(mats, shifts, grams):
         k = G.numel()
-        pack[q:q + k].copy_(G.view(-1))
+        dsts.append(pack[q:q + k])
         plan.append((off, n, p, s, q, G.shape))
         q += k
+    if grams:
+        torch._foreach_copy_(dsts, [G.reshape(-1) for G in grams])
     del grams
     return pack, plan
 

@@ -1,7 +1,7 @@
 """Triton kernels of gns_kernels (the GPU path of the fused ops; optional dependency).
 
 - ``gns_kernels.triton.fused``: variance_norms, square_pack, accumulate_sq,
-  variance_norms_multi, accumulate_sq_multi with the signatures of gns_kernels.ops, for
+  variance_norms_multi, accumulate_sq_multi, square_pack_multi with the signatures of gns_kernels.ops, for
   CUDA tensors (compiled) and CPU tensors (Triton's interpreter). Importing it needs triton.
 - ``register_cuda_kernels()``: make those kernels the CUDA implementations of the torch
   ops ``torch.ops.gns_kernels.*`` (defined in C++, csrc/ops.cpp) when no CUDA kernel is
@@ -26,7 +26,8 @@ import torch
 __all__ = ["available", "register_cuda_kernels", "OPS"]
 
 # torch op name -> name of the launcher in gns_kernels.triton.fused (same signature).
-OPS = ("variance_norms", "variance_norms_multi", "square_pack", "accumulate_sq", "accumulate_sq_multi")
+OPS = ("variance_norms", "variance_norms_multi", "square_pack", "accumulate_sq", "accumulate_sq_multi",
+       "square_pack_multi")
 
 _LIB = None  # torch.library.Library holding our registrations (kept alive here)
 _REGISTERED: list[str] = []

@@ -43,6 +43,7 @@ Work split (no float atomics anywhere; results bit-identical run to run on one d
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -60,6 +61,7 @@ __all__ = [
     "accumulate_sq",
     "variance_norms_multi",
     "accumulate_sq_multi",
+    "square_pack_multi",
     "BLOCK",
     "NUM_WARPS",
     "MAX_PROGRAMS",
@@ -321,6 +323,58 @@ def _accumulate_sq_multi_kernel(table_ptr, n_tensors, total_tiles, tiles_per_pro
         k += 1
 
 
+@dual_kernel
+def _square_pack_multi_kernel(table_ptr, n_tensors, total_tiles, tiles_per_prog,
+                              G_DT: tl.constexpr, S_DT: tl.constexpr,
+                              HAS_SHIFT: tl.constexpr, ALIGNED: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """square_pack over a table of tensors; row = [grad, out, shift, numel, tile0]."""
+    pid = tl.program_id(0)
+    t0 = pid.to(tl.int64) * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
+    lo = pid.to(tl.int64) * 0  # int64 whatever integer width the sizes were given in
+    hi = lo + (n_tensors - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(table_ptr + mid * 5 + 4) <= t0
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    lane = tl.arange(0, BLOCK)
+    t = t0
+    k = lo
+    while t < t1:
+        row = table_ptr + k * 5
+        gp = tl.load(row).to(tl.pointer_type(G_DT), bitcast=True)
+        op = tl.load(row + 1).to(tl.pointer_type(tl.float32), bitcast=True)
+        sp = tl.load(row + 2).to(tl.pointer_type(S_DT), bitcast=True)
+        if ALIGNED:
+            gp = tl.multiple_of(gp, 16)
+            op = tl.multiple_of(op, 16)
+            sp = tl.multiple_of(sp, 16)
+        numel = tl.load(row + 3)
+        first = tl.load(row + 4)
+        n_full = numel // BLOCK
+        end_k = tl.minimum(first + (numel + (BLOCK - 1)) // BLOCK, t1)
+        full_end = tl.minimum(first + n_full, end_k)
+        for tt in range(t, full_end):
+            offs = (tt - first) * BLOCK + lane
+            x = tl.load(gp + offs).to(tl.float32)
+            if HAS_SHIFT:
+                x = x - tl.load(sp + offs).to(tl.float32)
+            tl.store(op + offs, x)
+            tl.store(op + numel + offs, x * x)
+        if full_end < end_k:
+            offs = n_full * BLOCK + lane
+            m = offs < numel
+            x = tl.load(gp + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_SHIFT:
+                x = x - tl.load(sp + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(op + offs, x, mask=m)
+            tl.store(op + numel + offs, x * x, mask=m)
+        t = end_k
+        k += 1
+
+
 KERNELS = {
     "variance_norms": _variance_norms_kernel,
     "variance_norms_multi": _variance_norms_multi_kernel,
@@ -328,6 +382,7 @@ KERNELS = {
     "square_pack": _square_pack_kernel,
     "accumulate_sq": _accumulate_sq_kernel,
     "accumulate_sq_multi": _accumulate_sq_multi_kernel,
+    "square_pack_multi": _square_pack_multi_kernel,
 }
 
 
@@ -412,44 +467,170 @@ def accumulate_sq(grad: Tensor, prev: Tensor, sq: Tensor) -> None:
     return None
 
 
-# Device-side tables, cached by their exact content (pointers and sizes), so a cached
-# table is always correct; a few entries cover the buffers a training loop reuses.
-_TABLE_CACHE: "OrderedDict[tuple, Tensor]" = OrderedDict()
-_TABLE_CACHE_SIZE = 16
+# --------------------------------------------------------------------------------------
+# Multi-tensor launches: list plans and pointer tables
+# --------------------------------------------------------------------------------------
+# A *plan* is everything about a list call that depends only on the tensors' dtypes, sizes,
+# devices and contiguity (not on their addresses): the arguments are fully validated once
+# when a plan is made, then the plan is cached under that signature, so a later call on
+# lists of the same signature (every training step) re-checks nothing but the signature.
+# A plan holds its dtype groups, tile plans, the static table columns (numel, first tile)
+# and the pointer tables built for it.
+#
+# A *pointer table* (device int64, one row per non-empty tensor: [ptr_a, ptr_b, ptr_c,
+# numel, first_tile]) is cached in its plan by the tensors' addresses, so a cached table is
+# always correct; the first call on new addresses builds it with one host tensor and one
+# host-to-device copy. Each plan keeps its 16 most recently used tables. CUDA graphs: a
+# graph captured around a launch keeps the table's device address, so a table handed out
+# while the current CUDA stream is capturing is pinned (with its host source) for the life
+# of the process: it is never evicted or freed, and replays of the graph always read it.
+# Tables built during capture are copied from pinned host memory (a capturable copy).
+_PLAN_CACHE: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_PLAN_CACHE_SIZE = 64  # plans hold host metadata and unpinned tables only: evicting is safe
+_TABLES_PER_PLAN = 16
+_PINNED_TABLES: list = []  # (host source, device table) handed out under capture; never freed
+_CUDA = torch.cuda.is_available()
+_CACHE_LOCK = threading.Lock()  # the caches may be used from several threads at once
 
 
-def _table(rows: list[tuple[int, ...]], device: torch.device) -> Tensor:
-    key = (str(device), tuple(rows))
-    t = _TABLE_CACHE.get(key)
-    if t is not None:
-        _TABLE_CACHE.move_to_end(key)
-        return t
-    t = torch.tensor(rows, dtype=torch.int64).to(device)
-    _TABLE_CACHE[key] = t
-    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-        _TABLE_CACHE.popitem(last=False)
-    return t
+def _capturing() -> bool:
+    """True while the current CUDA stream captures a CUDA graph (False without CUDA)."""
+    return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
-def _groups(triples: list[tuple[Tensor, Tensor, Optional[Tensor]]], key_fn):
-    """Group non-empty (a, b, c) triples by key_fn (dtype combination), first-seen order."""
-    groups: "OrderedDict[tuple, list]" = OrderedDict()
-    for tr in triples:
-        if tr[0].numel() == 0:
+def _meta(t) -> tuple:
+    """The part of a tensor's description the checks depend on (not its address)."""
+    return (t.dtype, t.numel(), t.device, t.is_contiguous())
+
+
+def _signature(op: str, lists) -> Optional[tuple]:
+    """(op, work-split constants, per-list metas) of a call; None when an entry is not a
+    tensor (the full checks then raise)."""
+    try:
+        return (op, BLOCK, MAX_PROGRAMS, MAX_TILES_PER_PROGRAM) + tuple(
+            None if xs is None else tuple(None if t is None else _meta(t) for t in xs)
+            for xs in lists)
+    except (AttributeError, TypeError):
+        return None
+
+
+class _Plan:
+    """Launch plan of a validated list signature (see above)."""
+
+    __slots__ = ("device", "groups", "total_progs", "tables")
+
+    def __init__(self, device: torch.device, groups: list, total_progs: int):
+        self.device = device
+        # groups: (indices, constexprs, static rows [(numel, first_tile)], tiles, tpp,
+        #          programs, first partial column)
+        self.groups = groups
+        self.total_progs = total_progs
+        self.tables: "OrderedDict[tuple, list]" = OrderedDict()
+
+
+def _make_plan(device: torch.device, lists, key_fn, consts_fn) -> _Plan:
+    """Group the non-empty tensors (lists[0][i] decides emptiness) by key_fn(i)."""
+    by_key: "OrderedDict[tuple, list]" = OrderedDict()
+    for i, a in enumerate(lists[0]):
+        if a.numel() == 0:
             continue
-        groups.setdefault(key_fn(tr), []).append(tr)
-    return groups
+        by_key.setdefault(key_fn(i), []).append(i)
+    groups, col0 = [], 0
+    for key, idx in by_key.items():
+        rows, first = [], 0
+        for i in idx:
+            n = lists[0][i].numel()
+            rows.append((n, first))
+            first += _cdiv(n, BLOCK)
+        tpp, progs = plan(first)
+        groups.append((tuple(idx), consts_fn(key), rows, first, tpp, progs, col0))
+        col0 += progs
+    return _Plan(device, groups, col0)
 
 
-def _rows(triples) -> tuple[list[tuple[int, ...]], int, bool]:
-    rows, first, aligned = [], 0, True
-    for a, b, c in triples:
-        ptrs = (a.data_ptr(), b.data_ptr(), (a if c is None else c).data_ptr())
-        aligned = aligned and all(p % 16 == 0 for p in ptrs)
-        n = a.numel()
-        rows.append(ptrs + (n, first))
-        first += _cdiv(n, BLOCK)
-    return rows, first, aligned
+def _get_plan(sig: Optional[tuple], validate, build) -> _Plan:
+    """The cached plan of ``sig``; on a miss (or sig None) validate() raises or passes and
+    build() makes the plan, which is cached."""
+    if sig is not None:
+        p = _PLAN_CACHE.get(sig)
+        if p is not None:
+            return p
+    validate()
+    p = build()
+    if sig is not None:
+        with _CACHE_LOCK:
+            p = _PLAN_CACHE.setdefault(sig, p)
+            while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+                _PLAN_CACHE.popitem(last=False)
+    return p
+
+
+def _tables(p: _Plan, lists, check_overlap=None) -> list:
+    """Device tables of p's groups for these tensors (lists[2] entries None -> lists[0]).
+
+    check_overlap(): called when the addresses are new, before anything is built (the ops
+    with outputs check that no output shares memory with another argument; the result
+    depends only on the addresses and sizes, so it holds for every cache hit).
+    """
+    a_l, b_l, c_l = lists
+    ptrs = []
+    for idx, *_ in p.groups:
+        for i in idx:
+            a = a_l[i]
+            c = None if c_l is None else c_l[i]
+            ptrs.append(a.data_ptr())
+            ptrs.append(b_l[i].data_ptr())
+            ptrs.append((a if c is None else c).data_ptr())
+    key = tuple(ptrs)
+    capturing = _capturing()
+    with _CACHE_LOCK:
+        tabs = p.tables.get(key)
+        if tabs is not None:
+            p.tables.move_to_end(key)
+    if tabs is None:
+        if check_overlap is not None:
+            check_overlap()
+        tabs, k = [], 0
+        for idx, consts, rows, *_ in p.groups:
+            flat = []
+            for n, first in rows:
+                flat += (ptrs[k], ptrs[k + 1], ptrs[k + 2], n, first)
+                k += 3
+            aligned = all(x % 16 == 0 for x in ptrs[k - 3 * len(rows):k])
+            host = torch.tensor(flat, dtype=torch.int64)
+            if p.device.type == "cuda" and capturing:
+                host = host.pin_memory()
+                dev = host.to(p.device, non_blocking=True)
+            else:
+                dev = host.to(p.device)
+            tabs.append((host, dev, aligned))
+        with _CACHE_LOCK:
+            p.tables[key] = tabs
+            while len(p.tables) > _TABLES_PER_PLAN:
+                p.tables.popitem(last=False)
+    if capturing:
+        with _CACHE_LOCK:
+            for t in tabs:
+                if not any(t is q for q in _PINNED_TABLES):
+                    _PINNED_TABLES.append(t)
+    return tabs
+
+
+def _check_vn_call(mean_grads, mean_sqs, sh) -> None:
+    if len(mean_sqs) != len(mean_grads):
+        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
+    if len(sh) != len(mean_grads):
+        raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(sh)}")
+    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
+        _v.check_vn(d, q, sh[i], suffix=f"s[{i}]")
+    dev = _v.common_device("mean_grads", mean_grads)
+    _v.common_device("mean_sqs", mean_sqs)
+    _v.common_device("shifts", [s for s in sh if s is not None])
+    for i, s in enumerate(sh):
+        if s is not None and s.device != dev:
+            raise ValueError(f"shifts[{i}]: expected device {dev} like mean_grads, got {s.device}")
+    if mean_grads:
+        _check_device("mean_grads[0]", mean_grads[0])
 
 
 def variance_norms_multi(
@@ -462,46 +643,47 @@ def variance_norms_multi(
 
     One launch per distinct (mean_grad dtype, shift dtype or None) combination over a
     device-side table of the non-empty tensors, then one fixed-order reduction of all
-    partial slots.
+    partial slots. Arguments are validated once per list signature (see _Plan).
     """
     mean_grads = _v.check_list("mean_grads", mean_grads)
     mean_sqs = _v.check_list("mean_sqs", mean_sqs)
-    if len(mean_sqs) != len(mean_grads):
-        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
     if shifts is not None:
         shifts = _v.check_list("shifts", shifts)
-        if len(shifts) != len(mean_grads):
-            raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
+        if not shifts and mean_grads:  # the op schema's form of "no shift at all"
+            shifts = None
     scale = _v.check_scale(scale)
     sh = [None] * len(mean_grads) if shifts is None else shifts
-    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
-        _v.check_vn(d, q, sh[i], suffix=f"s[{i}]")
-    dev = _v.common_device("mean_grads", mean_grads)
-    _v.common_device("mean_sqs", mean_sqs)
-    _v.common_device("shifts", [s for s in sh if s is not None])
-    for i, s in enumerate(sh):
-        if s is not None and s.device != dev:
-            raise ValueError(f"shifts[{i}]: expected device {dev} like mean_grads, got {s.device}")
-    if mean_grads:
-        _check_device("mean_grads[0]", mean_grads[0])
-    groups = _groups(list(zip(mean_grads, mean_sqs, sh)),
-                     lambda tr: (tr[0].dtype, None if tr[2] is None else tr[2].dtype))
-    if not groups:
+    p = _get_plan(
+        _signature("vn", (mean_grads, mean_sqs, sh)),
+        lambda: _check_vn_call(mean_grads, mean_sqs, sh),
+        lambda: _make_plan(
+            mean_grads[0].device if mean_grads else torch.device("cpu"), (mean_grads, mean_sqs, sh),
+            lambda i: (mean_grads[i].dtype, None if sh[i] is None else sh[i].dtype),
+            lambda k: dict(G_DT=_TL_DTYPE[k[0]], S_DT=_TL_DTYPE[k[0] if k[1] is None else k[1]],
+                           HAS_SHIFT=k[1] is not None)))
+    dev = p.device
+    if not p.groups:
         return torch.zeros(4, dtype=torch.float32, device=dev)
-    launches, total_progs = [], 0
-    for (g_dt, s_dt), triples in groups.items():
-        rows, tiles, aligned = _rows(triples)
-        tpp, progs = plan(tiles)
-        launches.append((g_dt, s_dt, rows, tiles, aligned, tpp, progs, total_progs))
-        total_progs += progs
-    part = torch.empty((4, total_progs), dtype=torch.float32, device=dev)
-    for g_dt, s_dt, rows, tiles, aligned, tpp, progs, col0 in launches:
-        table = _table(rows, dev)
+    tabs = _tables(p, (mean_grads, mean_sqs, sh))
+    part = torch.empty((4, p.total_progs), dtype=torch.float32, device=dev)
+    for (idx, consts, rows, tiles, tpp, progs, col0), (_, table, aligned) in zip(p.groups, tabs):
         _variance_norms_multi_kernel.launch(
-            dev, (progs,), table, part[:, col0:], total_progs, len(rows), tiles, tpp, scale,
-            G_DT=_TL_DTYPE[g_dt], S_DT=_TL_DTYPE[g_dt if s_dt is None else s_dt],
-            HAS_SHIFT=s_dt is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            dev, (progs,), table, part[:, col0:], p.total_progs, len(rows), tiles, tpp, scale,
+            ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS, **consts)
     return _reduce(part, dev)
+
+
+def _check_acc_call(grads, prevs, sqs) -> None:
+    for name, xs in (("prevs", prevs), ("sqs", sqs)):
+        if len(xs) != len(grads):
+            raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
+    for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
+        _v.check_acc(g, p, s, suffix=f"s[{i}]")
+    _v.common_device("grads", grads)
+    _v.common_device("prevs", prevs)
+    _v.common_device("sqs", sqs)
+    if grads:
+        _check_device("grads[0]", grads[0])
 
 
 def accumulate_sq_multi(grads: Sequence[Tensor], prevs: Sequence[Tensor], sqs: Sequence[Tensor]) -> None:
@@ -509,27 +691,86 @@ def accumulate_sq_multi(grads: Sequence[Tensor], prevs: Sequence[Tensor], sqs: S
     grads = _v.check_list("grads", grads)
     prevs = _v.check_list("prevs", prevs)
     sqs = _v.check_list("sqs", sqs)
-    for name, xs in (("prevs", prevs), ("sqs", sqs)):
-        if len(xs) != len(grads):
-            raise ValueError(f"{name}: expected {len(grads)} tensors like grads, got {len(xs)}")
-    for i, (g, p, s) in enumerate(zip(grads, prevs, sqs)):
-        _v.check_acc(g, p, s, suffix=f"s[{i}]")
-    dev = _v.common_device("grads", grads)
-    _v.common_device("prevs", prevs)
-    _v.common_device("sqs", sqs)
-    _v.check_no_overlap(
-        [(f"prevs[{i}]", p) for i, p in enumerate(prevs)] + [(f"sqs[{i}]", s) for i, s in enumerate(sqs)],
-        [(f"grads[{i}]", g) for i, g in enumerate(grads)],
-    )
-    if grads:
-        _check_device("grads[0]", grads[0])
-    groups = _groups(list(zip(grads, prevs, sqs)), lambda tr: (tr[0].dtype, tr[1].dtype))
-    for (g_dt, p_dt), triples in groups.items():
-        rows, tiles, aligned = _rows(triples)
-        tpp, progs = plan(tiles)
-        table = _table(rows, dev)
+    p = _get_plan(
+        _signature("acc", (grads, prevs, sqs)),
+        lambda: _check_acc_call(grads, prevs, sqs),
+        lambda: _make_plan(
+            grads[0].device if grads else torch.device("cpu"), (grads, prevs, sqs),
+            lambda i: (grads[i].dtype, prevs[i].dtype),
+            lambda k: dict(G_DT=_TL_DTYPE[k[0]], P_DT=_TL_DTYPE[k[1]])))
+    if not p.groups:
+        return None
+
+    def overlap():
+        _v.check_no_overlap(
+            [(f"prevs[{i}]", x) for i, x in enumerate(prevs)] + [(f"sqs[{i}]", x) for i, x in enumerate(sqs)],
+            [(f"grads[{i}]", g) for i, g in enumerate(grads)],
+        )
+
+    tabs = _tables(p, (grads, prevs, sqs), overlap)
+    dev = p.device
+    for (idx, consts, rows, tiles, tpp, progs, _), (_, table, aligned) in zip(p.groups, tabs):
         _accumulate_sq_multi_kernel.launch(
             dev, (progs,), table, len(rows), tiles, tpp,
-            G_DT=_TL_DTYPE[g_dt], P_DT=_TL_DTYPE[p_dt], ALIGNED=aligned, BLOCK=BLOCK,
-            num_warps=NUM_WARPS)
+            ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS, **consts)
+    return None
+
+
+def _check_pack_call(grads, outs, sh) -> None:
+    if len(outs) != len(grads):
+        raise ValueError(f"outs: expected {len(grads)} tensors like grads, got {len(outs)}")
+    if len(sh) != len(grads):
+        raise ValueError(f"shifts: expected {len(grads)} tensors like grads, got {len(sh)}")
+    for i, (g, o) in enumerate(zip(grads, outs)):
+        _v.check_square_pack(g, o, sh[i], suffix=f"s[{i}]")
+    dev = _v.common_device("grads", grads)
+    for name, xs in (("outs", outs), ("shifts", sh)):
+        for i, t in enumerate(xs):
+            if t is not None and t.device != dev:
+                raise ValueError(f"{name}[{i}]: expected device {dev} like grads[0], got {t.device}")
+    if grads:
+        _check_device("grads[0]", grads[0])
+
+
+def square_pack_multi(
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    shifts: Optional[Sequence[Optional[Tensor]]] = None,
+) -> None:
+    """square_pack over lists: outs[i][:n_i] = x_i, outs[i][n_i:] = x_i^2 (float32),
+    x_i = grads[i] - shifts[i] (grads[i] where there is no shift). One launch per
+    (grad dtype, shift dtype or None) combination; no output may share memory with any
+    other argument of the call."""
+    grads = _v.check_list("grads", grads)
+    outs = _v.check_list("outs", outs)
+    if shifts is not None:
+        shifts = _v.check_list("shifts", shifts)
+        if not shifts and grads:  # the op schema's form of "no shift at all"
+            shifts = None
+    sh = [None] * len(grads) if shifts is None else shifts
+    p = _get_plan(
+        _signature("pack", (grads, outs, sh)),
+        lambda: _check_pack_call(grads, outs, sh),
+        lambda: _make_plan(
+            grads[0].device if grads else torch.device("cpu"), (grads, outs, sh),
+            lambda i: (grads[i].dtype, None if sh[i] is None else sh[i].dtype),
+            lambda k: dict(G_DT=_TL_DTYPE[k[0]], S_DT=_TL_DTYPE[k[0] if k[1] is None else k[1]],
+                           HAS_SHIFT=k[1] is not None)))
+    if not p.groups:
+        return None
+
+    def overlap():
+        _v.check_no_overlap(
+            [(f"outs[{i}]", o) for i, o in enumerate(outs)],
+            [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+            + [(f"shifts[{i}]", s) for i, s in enumerate(sh) if s is not None],
+        )
+
+    # table rows [grad, out, shift (grad when none), numel, tile0]
+    tabs = _tables(p, (grads, outs, sh), overlap)
+    dev = p.device
+    for (idx, consts, rows, tiles, tpp, progs, _), (_, table, aligned) in zip(p.groups, tabs):
+        _square_pack_multi_kernel.launch(
+            dev, (progs,), table, len(rows), tiles, tpp,
+            ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS, **consts)
     return None

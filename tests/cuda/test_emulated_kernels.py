@@ -232,6 +232,35 @@ def test_square_pack(lib, n, dtype, shift_dtype, offset, out_offset, gen):
     _close(out, ref.square_pack(grad, shift), rtol=3e-7)
 
 
+def test_square_pack_multi(lib, gen):
+    """One call over a list: every dtype pair (and no shift), odd sizes across chunk
+    boundaries, more tensors than one launch's table holds, misaligned views, empty tensors."""
+    dts = [torch.float32, torch.bfloat16, torch.float16]
+    grads, shifts, outs = [], [], []
+    n_tensors = 70  # > kMaxTensorsPerLaunch (64) in one dtype group: two launches
+    for i in range(n_tensors):
+        n = [0, 1, 7, CHUNK - 1, CHUNK + 5, 2 * CHUNK + 3][i % 6] + (i // 6)
+        dt = dts[i % 3] if i < 30 else torch.float32
+        sdt = None if i % 4 == 3 or i >= 30 else dts[(i // 3) % 3]
+        off = i % 2
+        g, _, s = _inputs(n, dt, gen, sdt, off)
+        grads.append(g)
+        shifts.append(s)
+        outs.append(torch.full((2 * n + off,), float("nan"))[off:])
+    numels = _arr(ctypes.c_int64, [g.numel() for g in grads])
+    rc = lib.emu_square_pack_multi(
+        n_tensors, numels, _arr(P, [_ptr(g) for g in grads]), _arr(P, [_ptr(s) for s in shifts]),
+        _arr(ctypes.c_int, [CODES[g.dtype] for g in grads]),
+        _arr(ctypes.c_int, [0 if s is None else CODES[s.dtype] for s in shifts]),
+        _arr(P, [_ptr(o) for o in outs]))
+    assert rc == 0
+    for i, (g, s, o) in enumerate(zip(grads, shifts, outs)):
+        _close(o, ref.square_pack(g, s), rtol=3e-7)
+    bad = lib.emu_square_pack_multi(1, numels, _arr(P, [_ptr(grads[1])]), None, _arr(ctypes.c_int, [7]),
+                                    None, _arr(P, [_ptr(outs[1])]))
+    assert bad == CUDA_ERROR_INVALID_VALUE
+
+
 # --------------------------------------------------------------------------------------
 # accumulate_sq
 # --------------------------------------------------------------------------------------

@@ -56,6 +56,21 @@ def test_ops_on_gpu(n, dtype, shift, gen):
     assert torch.equal(prev, d)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_square_pack_multi_on_gpu(dtype, gen):
+    sizes = (1, 7, 4096, 65537, 1031)
+    grads = [torch.randn(n, generator=gen).to(dtype).cuda() for n in sizes]
+    shifts = [None if i % 2 else torch.randn(n, generator=gen).cuda() for i, n in enumerate(sizes)]
+    pack = torch.full((2 * sum(sizes) + 1,), float("nan"), device="cuda")
+    outs, off = [], 1  # an odd offset: the outs are not 16-byte aligned
+    for n in sizes:
+        outs.append(pack[off:off + 2 * n])
+        off += 2 * n
+    fused.square_pack_multi(grads, outs, shifts)
+    for g, s, o in zip(grads, shifts, outs):
+        torch.testing.assert_close(o.double().cpu(), ref.square_pack(g, s).cpu(), rtol=1e-6, atol=1e-30)
+
+
 def test_nan_propagates_on_gpu():
     d = torch.zeros(4096 + 7, device="cuda")
     q = torch.full_like(d, -1.0)

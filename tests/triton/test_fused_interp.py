@@ -301,3 +301,94 @@ def test_interpreter_independent_of_env_and_import_order():
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+# ------------------------------------------------------------ square_pack_multi, plans
+@pytest.mark.parametrize("max_programs", [1024, 2])  # 2: programs walk across many tensors
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("shift", [False, True])
+def test_square_pack_multi(max_programs, misaligned, shift, gen, monkeypatch):
+    monkeypatch.setattr(fused, "MAX_PROGRAMS", max_programs)
+    gs, ss = [], []
+    for i, n in enumerate(LIST_SIZES):
+        g = torch.randn(n, generator=gen).to(DTYPES[i % 3])
+        s = torch.randn(n, generator=gen).to(DTYPES[(i + 1) % 3]) if shift and i % 3 != 1 else None
+        if misaligned and n:
+            g = _misaligned(g)
+            s = None if s is None else _misaligned(s)
+        gs.append(g)
+        ss.append(s)
+    pack = torch.full((2 * sum(LIST_SIZES) + 1,), float("nan"))
+    outs, off = [], 1 if misaligned else 0
+    for n in LIST_SIZES:
+        outs.append(pack[off:off + 2 * n])
+        off += 2 * n
+    assert fused.square_pack_multi(gs, outs, ss if shift else None) is None
+    for i, (g, s, o) in enumerate(zip(gs, ss, outs)):
+        torch.testing.assert_close(o.double(), ref.square_pack(g, s), rtol=1e-6, atol=1e-30,
+                                   msg=f"outs[{i}]")
+
+
+def test_plans_validate_once_and_tables_follow_addresses(gen, monkeypatch):
+    """A list signature is validated on its first call only, and a later call on new
+    buffers of the same signature reads the new buffers (tables are keyed by address)."""
+    from gns_kernels import _validation
+
+    calls = []
+    real = _validation.check_vn
+    monkeypatch.setattr(_validation, "check_vn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sizes = (1031, 7, 2050)
+    mk = lambda: ([torch.randn(n, generator=gen) for n in sizes], [torch.rand(n, generator=gen) + 2 for n in sizes])
+    ds, qs = mk()
+    monkeypatch.setattr(fused, "MAX_PROGRAMS", 4097)  # a signature no other test used
+    got = ops.variance_norms_multi(ds, qs, 2.0, backend="triton")
+    assert len(calls) == len(sizes)  # the face did not check a second time
+    _close(got, sum(ref.variance_norms(d, q, 2.0) for d, q in zip(ds, qs)))
+    ds2, qs2 = mk()
+    got2 = ops.variance_norms_multi(ds2, qs2, 2.0, backend="triton")
+    assert len(calls) == len(sizes)  # cached plan: no per-tensor checks
+    _close(got2, sum(ref.variance_norms(d, q, 2.0) for d, q in zip(ds2, qs2)))
+    # same signature, new addresses that overlap: the overlap check still runs
+    g = torch.randn(10, generator=gen)
+    buf = torch.zeros(40)
+    fused.square_pack_multi([g, g], [buf[:20], buf[20:]])
+    with pytest.raises(ValueError, match=r"^outs\[1\]: must not share memory with outs\[0\]"):
+        fused.square_pack_multi([g, g], [buf[:20], buf[10:30]])
+
+
+def test_pointer_tables_handed_out_during_capture_are_never_freed(gen, monkeypatch):
+    """A CUDA graph keeps the device address of every table its launches read. A table
+    handed out while the stream is capturing must outlive any later cache traffic; one
+    handed out outside capture is evicted (and freed) after _TABLES_PER_PLAN newer ones."""
+    import gc
+    import weakref
+
+    handed = []
+    real = fused._tables
+    monkeypatch.setattr(fused, "_tables", lambda *a, **k: handed.append(real(*a, **k)) or handed[-1])
+    monkeypatch.setattr(fused, "_CUDA", True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(fused, "MAX_PROGRAMS", 4098)  # a signature no other test used
+    n = 33
+
+    def call():
+        g = torch.randn(n, generator=gen)
+        out = torch.empty(2 * n)
+        fused.square_pack_multi([g], [out])
+        torch.testing.assert_close(out.double(), ref.square_pack(g), rtol=1e-6, atol=1e-30)
+        return g, out  # keep the buffers alive: new calls get new addresses
+
+    keep = [call()]
+    plain = weakref.ref(handed[-1][0][1])  # device table handed out outside capture
+    capturing[0] = True
+    keep.append(call())
+    pinned = weakref.ref(handed[-1][0][1])  # handed out during capture
+    capturing[0] = False
+    for _ in range(fused._TABLES_PER_PLAN + 4):
+        keep.append(call())
+    handed.clear()
+    gc.collect()
+    assert plain() is None  # evicted and freed: the cache is bounded
+    assert pinned() is not None  # pinned for the process lifetime
+    assert any(t[1] is pinned() for t in fused._PINNED_TABLES)

@@ -113,3 +113,11 @@ def test_registered_impls_match_the_schemas(gen):
     scratch.accumulate_sq_multi([d], [p1], [sq1])
     fused.accumulate_sq_multi([d], [p2], [sq2])
     assert torch.equal(p1, p2) and torch.equal(sq1, sq2)
+    m1 = [torch.full((2 * n,), float("nan")), torch.full((14,), float("nan"))]
+    m2 = [torch.full((2 * n,), float("nan")), torch.full((14,), float("nan"))]
+    assert scratch.square_pack_multi([d, q[:7]], m1, [s, None]) is None
+    fused.square_pack_multi([d, q[:7]], m2, [s, None])
+    assert torch.equal(m1[0], m2[0]) and torch.equal(m1[1], m2[1])
+    assert scratch.square_pack_multi([d], m1[:1], []) is None  # [] = no shift at all
+    fused.square_pack_multi([d], m2[:1])
+    assert torch.equal(m1[0], m2[0])

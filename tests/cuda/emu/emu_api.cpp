@@ -32,6 +32,14 @@ int emu_square_pack(int64_t n, const void* grad, const void* shift, int dt, int 
                                                 static_cast<gns_cuda::DType>(st), out, nullptr));
 }
 
+int emu_square_pack_multi(int n, const int64_t* numels, const void* const* g, const void* const* s,
+                          const int* dt, const int* st, float* const* out) {
+  const auto dts = dtypes_of(n, dt);
+  const auto sts = st ? dtypes_of(n, st) : std::vector<gns_cuda::DType>{};
+  return static_cast<int>(gns_cuda::square_pack_multi(n, numels, g, s, dts.data(),
+                                                      st ? sts.data() : nullptr, out, nullptr));
+}
+
 int emu_accumulate_sq(int n, const int64_t* numels, const void* const* g, void* const* p,
                       float* const* sq, const int* dt, const int* pt) {
   const auto dts = dtypes_of(n, dt);

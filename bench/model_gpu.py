@@ -1,0 +1,237 @@
+"""Cost model (a PREDICTION, nothing here ran on a GPU) of one GNS measurement step on one rank.
+
+What it predicts: the wall time a measurement step adds to a training step on ONE rank of
+R data-parallel ranks (H100 SXM, NVLink), term by term, for the l1/l2 geometries and for
+the nuclear (S1) geometry with the Newton path, plus the bytes moved, FLOPs and host syncs
+of each term. Every efficiency factor is a named parameter of ``Hardware`` / ``Solver``
+(printed with the table), so a measured factor can replace an assumed one.
+
+Terms of the nuclear measurement (per rank, per measurement):
+- pack: copy the bucket gradients into the float32 pack and the local Grams after them
+  (HBM bandwidth: read + write).
+- grams: the local Grams (G^j - S)(G^j - S)^T of every matrix on its smaller side m
+  (2 m^2 n FLOPs, n the larger side), and after the all-reduce the Gram of the mean
+  gradient G G^T (another 2 m^2 n), plus C = scale (mean Gram - G G^T) (m^2 elementwise).
+- collective: the EXTRA bytes of the all-reduce over plain DDP's gradient all-reduce (the
+  Grams, float32; plus the float32 widening of a bf16 gradient) with a ring all-reduce
+  time  bytes * 2 (R - 1) / R / bus_bw  + latency, and one small collective that shares
+  the solved traces (latency only). R = 1: no collective.
+- solves: 2 sqrt-traces per matrix (noise tr C^{1/2}, signal ||G||_S1 = tr (G G^T)^{1/2}),
+  each by coupled Newton-Schulz: iters x 3 batched matmuls of 2 m^3 FLOPs, plus the shift
+  correction's 6 matmuls (W = e Z^2 and a degree-5 Horner polynomial); no positive-part
+  projection (the nuclear path calls it with project=False). Ranks share the solves,
+  balanced by m^3: this rank does 1/R of the FLOPs (rounded up to whole matrices of the
+  largest size).
+- bias: the bias correction's extra cost, ``bias_solves`` Newton-like solves per noise
+  matrix (a parameter: 1 unless told otherwise), shared by ranks like the solves.
+- launch floor: the kernels the solves issue (per chunk of 16 matrices per iteration:
+  ~10 launches) times a per-launch host cost; the solve term is max(GPU time, floor).
+- host syncs: 1 per measurement (the estimate is materialized when read).
+
+The old path (eigh): quoted, not modelled: batched cuSOLVER eigvalsh plus float64 refits is
+latency-bound (FLOPs do not model it); the review predicts 2-8 s per measurement at 160M.
+
+Run: ``python bench/model_gpu.py`` (prints the table in Markdown). Shapes: the 160M set
+12 x {q, k, v, o: 768x768; gate, up: 2048x768; down: 768x2048} (ASSUMED: the paper lists no
+shapes) and a 1B Llama-3-style model, 16 layers, width 2048, 8 KV heads of 64:
+{q, o: 2048x2048; k, v: 512x2048; gate, up: 8192x2048; down: 2048x8192}.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
+SHAPES_1B = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048),
+             (8192, 2048), (8192, 2048), (2048, 8192)]
+MODELS = {"160M": (12, SHAPES_160M), "1B": (16, SHAPES_1B)}
+OLD_PATH_S = (2.0, 8.0)  # the review's prediction for the eigh path (seconds), not modelled
+TARGET_MS = 50.0  # at 160M, R = 8
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """H100 SXM figures and the efficiency factors applied to them (all assumptions)."""
+
+    hbm_bw: float = 3.35e12  # bytes/s, peak
+    hbm_eff: float = 0.80  # fraction of peak a streaming copy reaches
+    fp32_flops: float = 67e12  # FFMA, dense
+    fp32_eff: float = 0.70  # batched fp32 matmul (m >= 512) fraction of peak
+    tf32_flops: float = 495e12  # tensor cores, dense
+    tf32_eff: float = 0.50  # batched TF32 matmul fraction of peak at m = 512..2048
+    bf16_flops: float = 990e12  # tensor cores, dense
+    bf16_eff: float = 0.50
+    bus_bw: float = 450e9  # bytes/s NCCL all-reduce bus bandwidth within one NVLink node
+    coll_latency: float = 25e-6  # s per collective (15-30 us assumed)
+    launch_s: float = 5e-6  # host cost per kernel launch (PyTorch eager)
+
+    def matmul_rate(self, precision: str) -> float:
+        """Achieved matmul FLOP/s in ``precision`` ('fp32' FFMA, 'tf32' or 'bf16')."""
+        return {"fp32": self.fp32_flops * self.fp32_eff,
+                "tf32": self.tf32_flops * self.tf32_eff,
+                "bf16": self.bf16_flops * self.bf16_eff}[precision]
+
+    def copy_rate(self) -> float:
+        return self.hbm_bw * self.hbm_eff
+
+
+@dataclass(frozen=True)
+class Solver:
+    """Newton-Schulz settings (defaults: gns_kernels.spectral.newton at eps = 1e-6)."""
+
+    iters: int = 25  # check_newton_args default: newton_min_iters(1e-6) + 3 = 22 + 3
+    matmuls_per_iter: int = 3  # Z Y, Y T, T Z
+    correction_matmuls: int = 6  # W = e Z^2, then 5 Horner steps
+    chunk: int = 16  # matrices per batched iteration (_NEWTON_CHUNK)
+    launches_per_iter: int = 10  # kernels per iteration and chunk (bmm x3, norm, where x2, ...)
+    bias_solves: float = 1.0  # extra Newton-like solves per noise matrix (bias correction)
+    precision: str = "fp32"  # matmul precision of the solves
+    gram_precision: str = "fp32"  # matmul precision of the Grams
+
+
+def gram_flops(a: int, b: int) -> int:
+    """FLOPs of the Gram X X^T of an a x b matrix on its smaller side m: 2 m^2 n."""
+    m, n = min(a, b), max(a, b)
+    return 2 * m * m * n
+
+
+def newton_flops(m: int, s: Solver) -> int:
+    """FLOPs of one sqrt-trace of an m x m matrix: (iters x per-iteration + correction)
+    matmuls of 2 m^3 each."""
+    return (s.iters * s.matmuls_per_iter + s.correction_matmuls) * 2 * m ** 3
+
+
+def allreduce_s(nbytes: float, ranks: int, hw: Hardware) -> float:
+    """Ring all-reduce time: bytes * 2 (R-1)/R / bus bandwidth + latency (0 for R = 1)."""
+    if ranks <= 1:
+        return 0.0
+    return nbytes * 2 * (ranks - 1) / ranks / hw.bus_bw + hw.coll_latency
+
+
+@dataclass
+class Terms:
+    """One rank's added cost of a measurement: seconds, bytes, FLOPs per term."""
+
+    seconds: dict = field(default_factory=dict)
+    bytes: dict = field(default_factory=dict)
+    flops: dict = field(default_factory=dict)
+    host_syncs: int = 1
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def dominant(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+
+def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = Solver(),
+                 grad_itemsize: int = 4) -> Terms:
+    """Predicted added cost of one S1 measurement on one rank (see the module docstring).
+
+    shapes: every measured matrix (a, b); ranks: R; grad_itemsize: bytes per element of the
+    bucket (4 float32, 2 bf16).
+    """
+    t = Terms()
+    n_param = sum(a * b for a, b in shapes)
+    gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
+    # pack: read gradients (bucket dtype) + write float32; copy Grams in (read + write)
+    t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
+    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
+    # Grams: local and mean, plus C (read 2 Grams, write 1)
+    t.flops["grams"] = 2 * sum(gram_flops(a, b) for a, b in shapes)
+    t.bytes["grams"] = gram_elems * 12
+    t.seconds["grams"] = (t.flops["grams"] / hw.matmul_rate(s.gram_precision)
+                          + t.bytes["grams"] / hw.copy_rate())
+    # collective: the extra bytes over plain DDP (Grams; float32 widening of the gradients),
+    # then one small collective sharing the per-matrix results (latency only)
+    t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
+    t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
+                               + (hw.coll_latency if ranks > 1 else 0.0))
+    # solves: 2 per matrix, shared by ranks balanced by m^3 (at least one largest matrix)
+    ms = [min(a, b) for a, b in shapes]
+    total = 2 * sum(newton_flops(m, s) for m in ms)
+    share = max(total / ranks, newton_flops(max(ms), s)) if ranks > 1 else total
+    t.flops["solves"] = int(share)
+    gpu = share / hw.matmul_rate(s.precision)
+    n_solves = math.ceil(2 * len(ms) / ranks)
+    floor = math.ceil(n_solves / s.chunk) * (s.iters + 2) * s.launches_per_iter * hw.launch_s
+    t.seconds["solves"] = max(gpu, floor)
+    # bias correction: bias_solves extra solves per noise matrix, shared the same way
+    bias = s.bias_solves * sum(newton_flops(m, s) for m in ms) / ranks
+    t.flops["bias"] = int(bias)
+    t.seconds["bias"] = bias / hw.matmul_rate(s.precision)
+    return t
+
+
+def l_step(shapes: list, ranks: int, hw: Hardware = Hardware(), grad_itemsize: int = 4,
+           bf16_grad_half: bool = False) -> Terms:
+    """Predicted added cost of one l1/l2 measurement on one rank: square_pack_multi (read
+    the gradient, write [x, x^2] float32), the extra all-reduce bytes over plain DDP, and
+    variance_norms_multi (read both halves). bf16_grad_half: the gradient half travels in
+    the bucket's bf16 (the squares stay float32)."""
+    t = Terms()
+    n = sum(a * b for a, b in shapes)
+    t.bytes["pack"] = n * (grad_itemsize + 8)
+    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
+    sent = n * (4 + (grad_itemsize if bf16_grad_half else 4))
+    t.bytes["collective"] = sent - n * grad_itemsize
+    t.seconds["collective"] = allreduce_s(t.bytes["collective"], ranks, hw)
+    t.bytes["reduce"] = n * 8
+    t.seconds["reduce"] = t.bytes["reduce"] / hw.copy_rate()
+    return t
+
+
+def table(hw: Hardware = Hardware(), ranks=(1, 2, 8), bias_solves: float = Solver.bias_solves) -> str:
+    """Markdown table of the predictions (nuclear: fp32 and TF32 matmuls; l1/l2)."""
+    rows = ["| model | R | path | pack ms | Grams ms | extra collective ms | solves ms | bias ms "
+            "| total ms (prediction) | dominant | extra bytes sent | solve+bias TFLOP/rank | host syncs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, (layers, per_layer) in MODELS.items():
+        shapes = per_layer * layers
+        for r in ranks:
+            for prec in ("fp32", "tf32"):
+                s = Solver(precision=prec, gram_precision=prec, bias_solves=bias_solves)
+                t = nuclear_step(shapes, r, hw, s)
+                ms = {k: v * 1e3 for k, v in t.seconds.items()}
+                rows.append(
+                    f"| {name} | {r} | S1 Newton, {prec} matmuls | {ms['pack']:.2f} | {ms['grams']:.2f} "
+                    f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {t.total_s * 1e3:.1f} "
+                    f"| {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
+                    f"| {(t.flops['solves'] + t.flops['bias']) / 1e12:.2f} | {t.host_syncs} |")
+            t = l_step(shapes, r, hw)
+            ms = {k: v * 1e3 for k, v in t.seconds.items()}
+            rows.append(
+                f"| {name} | {r} | l1/l2 (float32 pack) | {ms['pack']:.2f} | - | {ms['collective']:.2f} "
+                f"| - | - | {t.total_s * 1e3:.2f} | {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
+                f"| 0 | {t.host_syncs} |")
+            if name == "160M":
+                rows.append(f"| {name} | {r} | S1 eigh (old path, quoted, not modelled) | | | | | | "
+                            f"{OLD_PATH_S[0] * 1e3:.0f}-{OLD_PATH_S[1] * 1e3:.0f} | cuSOLVER latency "
+                            f"| | | one per matrix and bucket |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="GPU cost model of one measurement step (prediction)")
+    ap.add_argument("--bias-solves", type=float, default=Solver.bias_solves,
+                    help="extra Newton-like solves per noise matrix for the bias correction")
+    args = ap.parse_args(argv)
+    hw = Hardware()
+    s = Solver(bias_solves=args.bias_solves)
+    print("PREDICTION (no GPU measurement): one measurement step, one rank, H100 SXM.")
+    print(f"assumed: {hw}")
+    print(f"solver: iters={s.iters} x {s.matmuls_per_iter} matmuls + {s.correction_matmuls} "
+          f"correction matmuls of 2 m^3 FLOPs; bias_solves={s.bias_solves}")
+    print(table(hw, bias_solves=s.bias_solves))
+    for prec in ("fp32", "tf32"):
+        t = nuclear_step(SHAPES_160M * 12, 8, hw, replace(s, precision=prec, gram_precision=prec))
+        verdict = "meets" if t.total_s * 1e3 < TARGET_MS else "misses"
+        print(f"160M, R = 8, {prec} matmuls: {t.total_s * 1e3:.1f} ms predicted, {verdict} the "
+              f"{TARGET_MS:.0f} ms target; dominant term: {t.dominant()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

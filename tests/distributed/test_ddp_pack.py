@@ -1,0 +1,66 @@
+"""The DDP hook's pack / unpack of an l1/l2 bucket (single process, no collective).
+
+_pack_l must write [x, x^2] (x = g - S) for every measured parameter and a plain copy for
+the others, with ONE square_pack_multi call for the whole bucket (no per-parameter
+square_pack), and _unpack_l must give back the mean gradient and the variance sums of the
+packed halves. Checked against gns_kernels.reference on odd sizes, in every bucket dtype.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gns_kernels import ops
+from gns_kernels import reference as ref
+from gns_kernels.distributed import ddp
+from gns_kernels.distributed.state import GNSHookState
+
+pytestmark = pytest.mark.skipif(not ops.cpp_available(), reason="needs the C++ extension")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_shift", [False, True])
+def test_pack_l_one_multi_call_matches_reference(dtype, with_shift, gen, monkeypatch):
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in ((7, 3), (5,), (33, 2), (1,))]
+    measured = params[:1] + params[2:]  # params[1] is not measured
+    shifts = {p: torch.randn(p.shape, generator=gen).to(dtype) for p in measured} if with_shift else None
+    state = GNSHookState(geometry="l2", every=1, batch_size=8, shift=shifts, params=measured)
+    n_buf = sum(p.numel() for p in params)
+    buf = torch.randn(n_buf, generator=gen).to(dtype)
+    segs, off = [], 0
+    for p in params:
+        segs.append((off, p.numel(), p, state.measures(p)))
+        off += p.numel()
+    calls = []
+    real = ops.square_pack_multi
+    monkeypatch.setattr(ops, "square_pack_multi", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ops, "square_pack", lambda *a, **k: pytest.fail("per-parameter square_pack"))
+    pack, plan = ddp._pack_l(buf, segs, state, None)
+    assert len(calls) == 1
+    q = 0
+    for (o, n, p, m) in segs:
+        g = buf[o:o + n]
+        if m:
+            s = None if shifts is None else shifts[p].reshape(-1)
+            torch.testing.assert_close(pack[q:q + 2 * n].double(), ref.square_pack(g, s), rtol=3e-7, atol=0)
+            q += 2 * n
+        else:
+            assert torch.equal(pack[q:q + n], g.float())
+            q += n
+    assert q == pack.numel()
+
+    # two simulated ranks: the all-reduce average of two packs, then unpack
+    buf2 = torch.randn(n_buf, generator=gen).to(dtype)
+    pack2, _ = ddp._pack_l(buf2, segs, state, None)
+    avg = (pack + pack2) / 2
+    ds = [avg[q0:q0 + n].clone() for (_, n, q0, _, _, m) in plan if m]
+    qs = [avg[q0 + n:q0 + 2 * n].clone() for (_, n, q0, _, _, m) in plan if m]
+    ss = [None if s is None else s.reshape(-1) for (*_, s, m) in plan if m]
+    ctx = ddp._Measurement(state, 2, 2)
+    out = torch.full_like(buf, float("nan"))
+    ddp._unpack_l(out, avg, plan, ctx, 0)
+    want = sum(ref.variance_norms(d, qq, ctx.scale, s) for d, qq, s in zip(ds, qs, ss))
+    torch.testing.assert_close(ctx.l_terms[0].double(), want, rtol=1e-5, atol=1e-6)
+    mean = (buf.double() + buf2.double()) / 2  # the mean gradient, rounded once to the bucket dtype
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    torch.testing.assert_close(out.double(), mean, rtol=tol, atol=tol)

@@ -1,0 +1,67 @@
+"""bench/model_gpu.py's arithmetic on tiny hand-computed cases (not its assumptions)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "model_gpu.py"
+_spec = importlib.util.spec_from_file_location("model_gpu", _PATH)
+mg = importlib.util.module_from_spec(_spec)
+sys.modules["model_gpu"] = mg  # dataclasses look their module up there
+_spec.loader.exec_module(mg)
+
+# round numbers: 1 byte/s of copy, 1 FLOP/s of matmul, 1000 bytes/s of bus, no latency
+HW = mg.Hardware(hbm_bw=1.0, hbm_eff=1.0, fp32_flops=1.0, fp32_eff=1.0, bus_bw=1000.0,
+                 coll_latency=0.0, launch_s=0.0)
+S = mg.Solver(iters=2, matmuls_per_iter=3, correction_matmuls=1, bias_solves=0.5)
+
+
+def test_gram_and_newton_flops():
+    # X (2 x 3): Gram on the smaller side m = 2 over n = 3: 2 * 2^2 * 3
+    assert mg.gram_flops(2, 3) == 24 and mg.gram_flops(3, 2) == 24
+    # m = 2: (2 iterations x 3 + 1) matmuls of 2 * 2^3 = 16 FLOPs
+    assert mg.newton_flops(2, S) == 7 * 16
+    # the package defaults: 25 iterations x 3 + 6 correction matmuls of 2 m^3
+    assert mg.newton_flops(10, mg.Solver()) == 81 * 2000
+
+
+def test_allreduce_time():
+    assert mg.allreduce_s(1000.0, 1, HW) == 0.0
+    assert mg.allreduce_s(1000.0, 2, HW) == pytest.approx(1000 * 2 * 1 / 2 / 1000)
+    assert mg.allreduce_s(1000.0, 8, HW) == pytest.approx(1000 * 2 * 7 / 8 / 1000)
+
+
+def test_nuclear_step_one_matrix_one_rank():
+    t = mg.nuclear_step([(2, 3)], 1, HW, S)
+    # pack: 6 float32 gradients read and written (6 * 8) + the 2x2 Gram copied (4 * 8)
+    assert t.bytes["pack"] == 80 and t.seconds["pack"] == pytest.approx(80)
+    # Grams: local + mean = 2 * 24 FLOPs, plus C: 4 elements x 12 bytes
+    assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(48 + 48)
+    # no collective on one rank; two solves of m = 2; bias: 0.5 solve of the noise matrix
+    assert t.seconds["collective"] == 0.0
+    assert t.flops["solves"] == 2 * 112 and t.flops["bias"] == 56
+    assert t.total_s == pytest.approx(80 + 96 + 224 + 56)
+    assert t.host_syncs == 1
+
+
+def test_nuclear_step_ranks_share_the_solves():
+    # m = 4 and m = 2 matrices: 2 * (112 * 8 + 112) FLOPs in all, 1/R each rank, but never
+    # less than one solve of the largest matrix
+    total = 2 * (mg.newton_flops(4, S) + mg.newton_flops(2, S))
+    assert mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S).flops["solves"] == total // 2
+    assert mg.nuclear_step([(4, 4), (2, 2)], 8, HW, S).flops["solves"] == mg.newton_flops(4, S)
+    # the extra collective: the Grams (16 + 4 elements, float32), ring factor 2 (R-1)/R
+    t = mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S)
+    assert t.bytes["collective"] == 80
+    assert t.seconds["collective"] == pytest.approx(80 * 1 / 1000)
+
+
+def test_l_step_bytes():
+    t = mg.l_step([(2, 3)], 2, HW, grad_itemsize=2)
+    assert t.bytes["pack"] == 6 * (2 + 8)  # read bf16, write [x, x^2] float32
+    assert t.bytes["collective"] == 6 * 8 - 6 * 2  # float32 pack instead of the bf16 bucket
+    half = mg.l_step([(2, 3)], 2, HW, grad_itemsize=2, bf16_grad_half=True)
+    assert half.bytes["collective"] == 6 * 4  # only the float32 squares are extra
