@@ -32,6 +32,7 @@ every matmul of a solve run under ``set_float32_matmul_precision("medium")``.
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 from typing import Iterator, NamedTuple
 
@@ -153,3 +154,59 @@ def bmm(a: Tensor, b: Tensor, precision: str) -> Tensor:
     if log is not None:
         log.append(MatmulRecord(precision, route, flag, a.device.type, (a.shape[0], a.shape[1], a.shape[2], b.shape[2])))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Gram precision: which tensor-core mode keeps the noise tr(C^{1/2}) and the signal within
+# the end-to-end budget (docs/spectral.md, "Precision").
+#
+# Error model. With operands rounded to nearest (unit u_p) and float32 accumulation, each
+# sample Gram is that of G_j + E_j, |E_j| <= u_p |G_j| entrywise with independent signs,
+# and the mean-gradient Gram that of D + E_D. C = scale (mean_j G_j G_j^T - D D^T) is a
+# difference whose operands are rho = ||mean Gram||_F / ||mean Gram - D D^T||_F times
+# larger than the result, and the rounding of G_j and of D does not cancel in it, so
+#     |delta tr(C^{1/2})| / tr(C^{1/2}) <= kappa u_p rho,
+# kappa a constant below 1 because the first-order change (1/2) tr(C^{-1/2} delta C) sums
+# independent signs; it grows with the sqrt-trace's sensitivity to C's small eigenvalues
+# (delta lambda / (2 sqrt(lambda))), without bound for a rank-deficient C. Measured (float64
+# emulation of tf32 Grams, 12 seeds each, bench/RESULTS.md): kappa <= 0.07 for C well
+# conditioned (m, n in [33, 128], R in {2, 4}, (R-1) n >= 1.5 m, with and without a shift),
+# 0.31 for R = 2 and a square gradient (C = E E^T, E 48 x 48: eigenvalues near 0). The rule
+# takes kappa = GRAM_KAPPA = 0.5 and half the budget (the other half is the solver's):
+# tensor cores only where GRAM_KAPPA u_p rho <= 5e-4, i.e. rho <= 2.05 for tf32: when the
+# noise part of the mean Gram is at least as large as the signal part D D^T. The signal's
+# error is u_p-level with no amplification. Float32 ("ieee") Grams: the error comes from
+# float32 accumulation (~u sqrt(n) per entry), 1.8e-4 measured at rho = 1.5e4, m = 64,
+# n = 96 (tests/spectral/test_precision.py).
+GRAM_BUDGET = 1e-3
+GRAM_KAPPA = 0.5
+GRAM_PRECISIONS = ("ieee", "tf32", "bf16")
+
+
+def max_subtraction_condition(precision: str) -> float:
+    """Largest rho for which ``precision`` Grams keep the noise within half the budget:
+    GRAM_BUDGET / (2 GRAM_KAPPA u_p). ieee: 1.7e4, tf32: 2.05, bf16: 0.26
+    (never: rho >= 1 always) for operands that must be rounded."""
+    return GRAM_BUDGET / (2.0 * GRAM_KAPPA * UNIT_ROUNDOFF[check_precision(precision, "precision", GRAM_PRECISIONS)])
+
+
+def subtraction_condition(mean_gram: Tensor, mean_grad_gram: Tensor) -> Tensor:
+    """rho = ||mean_gram||_F / ||mean_gram - mean_grad_gram||_F (float64, shape (...)):
+    how much larger the operands of C's subtraction are than C. inf where C = 0. No sync."""
+    a = mean_gram.detach().double()
+    num = torch.linalg.matrix_norm(a)
+    den = torch.linalg.matrix_norm(a - mean_grad_gram.detach().double())
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.full_like(num, float("inf")))
+
+
+def gram_precision_rule(rho: float | None, input_dtype: torch.dtype = torch.float32) -> str:
+    """The Gram precision for the next measurement of a layer: "bf16" when the gradient is
+    already bfloat16 (its products are exact in float32: no rounding at all), "tf32" when
+    the previous measurement's subtraction condition rho (subtraction_condition) is at
+    most max_subtraction_condition("tf32") (2.05), else "ieee". rho None (no previous
+    measurement) or non-finite: "ieee"."""
+    if input_dtype == torch.bfloat16:
+        return "bf16"
+    if rho is None or not math.isfinite(float(rho)):
+        return "ieee"
+    return "tf32" if float(rho) <= max_subtraction_condition("tf32") else "ieee"
