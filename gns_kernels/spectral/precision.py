@@ -170,7 +170,7 @@ def bmm(a: Tensor, b: Tensor, precision: str) -> Tensor:
 # independent signs; it grows with the sqrt-trace's sensitivity to C's small eigenvalues
 # (delta lambda / (2 sqrt(lambda))), without bound for a rank-deficient C. Measured (float64
 # emulation of tf32 Grams, 12 seeds each, bench/RESULTS.md): kappa <= 0.07 for C well
-# conditioned (m, n in [33, 128], R in {2, 4}, (R-1) n >= 1.5 m, with and without a shift),
+# conditioned (m, n in [33, 128], R in {2, 4}, (R-1) n > m, with and without a shift),
 # 0.31 for R = 2 and a square gradient (C = E E^T, E 48 x 48: eigenvalues near 0). The rule
 # takes kappa = GRAM_KAPPA = 0.5 and half the budget (the other half is the solver's):
 # tensor cores only where GRAM_KAPPA u_p rho <= 5e-4, i.e. rho <= 2.05 for tf32: when the
