@@ -136,11 +136,11 @@ def test_corrected_noise_newton_path_matches_eigh(gen, dtype, m, n, R, rank):
     """The corrected noise from (Newton trace, Newton pair sum) is within 1e-3 of the
     eigenvalue-based correction of the float64 covariance, for a covariance formed by a
     subtraction (nuclear_stats' noise path: project=False, shift relative to the
-    subtraction's operand), rank-deficient included; 'columns' and a small nu (dof 1 per
-    sample: the strongest correction)."""
+    subtraction's operand), rank-deficient included; 'columns' and nu = (R-1) m (a
+    stronger correction that is not yet clamped at nu_eff = 1)."""
     C, refn, lam = _covariance_case(gen, m, n, R, dtype, rank)
     tr, pr = sp.sqrt_trace_pair_sum(C, ref_norm=refn, project=False)
-    for kw in ({"other_dim": n}, {"dof_per_sample": 1.0}):
+    for kw in ({"other_dim": n}, {"dof_per_sample": float(m)}):
         want = bias.nuclear_sqrt_trace_corrected(lam, R, **kw)
         got = bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr, R, gram_dim=m, **kw)
         assert got.dtype == dtype
