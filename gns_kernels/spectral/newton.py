@@ -26,6 +26,11 @@ the same definition as the eigenvalue path, sum_i sqrt(max(lambda_i, 0)).
    +-delta around them ~2.7 delta / sqrt(e) (signed) instead of sqrt(delta): the shift is
    a soft threshold at e ||A||_F.
 Result: sqrt(2^e f) tr(Y q(W)), float64 for float64 input, else float32.
+
+Precision: every matmul goes through precision.bmm with the precision passed per call
+("ieee" float32 by default, or "float64"), never the process-wide float32 matmul setting;
+the smallest allowed shift is tied to it (NEWTON_EPS_BY_PRECISION: 1e-6 for float32,
+1e-12 for float64).
 """
 from __future__ import annotations
 
