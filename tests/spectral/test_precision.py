@@ -40,6 +40,19 @@ def test_flag_reading_follows_the_process_setting(medium_precision):
     assert P.fp32_matmul_flag(torch.device("cpu")) == "ieee"
 
 
+def test_flag_reading_cuda_settings_without_a_gpu():
+    """The CUDA flag is read from torch.backends.cuda.matmul (no device needed to read it)."""
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    try:
+        m.fp32_precision = "tf32"
+        assert P.fp32_matmul_flag(torch.device("cuda")) == "tf32"
+        m.fp32_precision = "ieee"
+        assert P.fp32_matmul_flag(torch.device("cuda")) == "ieee"
+    finally:
+        m.fp32_precision = old
+
+
 def test_check_record_rejects_routes_that_would_be_downgraded():
     R = P.MatmulRecord
     assert not P.check_record(R("ieee", "float32", "bf16", "cpu", (1, 2, 2, 2)))
