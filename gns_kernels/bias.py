@@ -34,6 +34,12 @@ nuclear (second order in 1/nu, exact for m = 1)
     nuclear_dof_from_samples: nu matched to the samples' own fourth moments in Frobenius
     norm, E||C_hat - C||_F^2 = ((tr C)^2 + tr C^2)/nu, from an unbiased estimate of the
     left side (nuclear_frobenius_variance).
+
+    The correction needs two spectral sums of C_hat: tr(C_hat^{1/2}) = sum_i s_i and the
+    pair sum sum_{i,j} s_i s_j / (s_i + s_j) = int_0^inf tr(S e^{-tS})^2 dt, S = C_hat^{1/2}.
+    nuclear_sqrt_trace_corrected takes eigenvalues; nuclear_sqrt_trace_corrected_from_sums
+    takes the two sums, which gns_kernels.spectral.sqrt_trace_pair_sum computes by
+    Newton-Schulz and matmul quadrature (no eigenvalues).
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ __all__ = [
     "nuclear_dof_from_samples",
     "nuclear_frobenius_variance",
     "nuclear_sqrt_trace_corrected",
+    "nuclear_sqrt_trace_corrected_from_sums",
 ]
 
 
@@ -190,15 +197,56 @@ def nuclear_sqrt_trace_corrected(
     lam = eigvals.detach().to(torch.float64)
     lam = torch.where(lam < 0, torch.zeros_like(lam), lam)  # clamp, NaN preserved
     s = lam.sqrt()
-    raw = s.sum(dim=-1)
-    pair_sum = _pair_sum(s)
+    corrected = _corrected(s.sum(dim=-1), _pair_sum(s), nu)
+    return corrected.to(eigvals.dtype if eigvals.is_floating_point() else torch.float64)
+
+
+def _corrected(raw: Tensor, pair_sum: Tensor, nu) -> Tensor:
+    """raw / c4(nu / k + 1), k = (pair_sum + raw / 2) / raw (float64); raw = 0 gives 0."""
     # k = 4 nu beta / raw (nu cancels): 1 for one eigen-direction, (m+1)/2 for m equal ones
     k = (pair_sum + 0.5 * raw) / torch.where(raw > 0, raw, torch.ones_like(raw))
     if isinstance(nu, Tensor):
         nu = nu.to(device=raw.device)
     nu_eff = (nu / torch.where(raw > 0, k, torch.ones_like(k))).clamp_min(1.0)  # inf: no correction
-    corrected = torch.where(raw > 0, raw / c4_tensor(nu_eff + 1.0), raw)
-    return corrected.to(eigvals.dtype if eigvals.is_floating_point() else torch.float64)
+    return torch.where(raw > 0, raw / c4_tensor(nu_eff + 1.0), raw)
+
+
+def nuclear_sqrt_trace_corrected_from_sums(
+    sqrt_trace: Tensor,
+    pair_sum: Tensor,
+    num_samples: int,
+    batch_size: float | None = None,
+    *,
+    gram_dim: int,
+    other_dim: int | None = None,
+    dof_per_sample: float | Tensor | None = None,
+    dof_model: str = "columns",
+) -> Tensor:
+    """nuclear_sqrt_trace_corrected from the two spectral sums it needs, for solvers that do
+    not produce eigenvalues (the Newton path: gns_kernels.spectral.sqrt_trace_pair_sum).
+
+    sqrt_trace: (...) tr(C_hat^{1/2}) = sum_i s_i; pair_sum: (...) sum_{i,j} s_i s_j /
+    (s_i + s_j), s_i = sqrt(max(lambda_i, 0)) of the raw covariance estimate C_hat
+    (gram_dim x gram_dim). Other arguments as nuclear_sqrt_trace_corrected (gram_dim is
+    the m it reads from the eigenvalues' shape). Returns (...) in sqrt_trace's dtype:
+    tr(C_hat^{1/2}) / c4(nu / k + 1), k = (pair_sum + sqrt_trace / 2) / sqrt_trace; equal
+    to nuclear_sqrt_trace_corrected(eigenvalues, ...) when the two sums are computed from
+    them. No host synchronization; NaN propagates; a zero trace gives 0.
+    """
+    for name, t in (("sqrt_trace", sqrt_trace), ("pair_sum", pair_sum)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating tensor, got "
+                             f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+    if sqrt_trace.shape != pair_sum.shape:
+        raise ValueError(f"pair_sum: expected shape {tuple(sqrt_trace.shape)} like sqrt_trace, got {tuple(pair_sum.shape)}")
+    if isinstance(gram_dim, bool) or not isinstance(gram_dim, int) or gram_dim < 0:
+        raise ValueError(f"gram_dim: expected a non-negative int (the Gram side m), got {gram_dim!r}")
+    if gram_dim == 0:
+        _sample_count("num_samples", num_samples)
+        return torch.zeros_like(sqrt_trace)
+    nu = nuclear_dof(num_samples, gram_dim, other_dim, batch_size, dof_per_sample, dof_model)
+    raw = sqrt_trace.detach().to(torch.float64)
+    return _corrected(raw, pair_sum.detach().to(torch.float64), nu).to(sqrt_trace.dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,7 +30,7 @@ def _sibling(name: str):
     return mod
 
 
-def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
+def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16"), tensor_cores: bool = False) -> list[dict]:
     """triton.compile the Gram kernel for each (arch, dtype); registers/spills/PTX stats."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,18 +44,23 @@ def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
     align = [["tt.divisibility", 16]]
     attrs = {(kern.arg_names.index("x_ptr"),): align, (kern.arg_names.index("out_ptr"),): align}
     results = []
-    for dt in dtypes:
+    # precision="ieee" (MODE 0) variants; with tensor_cores, also "tf32" on fp32 input
+    # (MODE 1, variant "fp32-tf32") and "bf16" on bf16 input (MODE 2, variant "bf16-mma")
+    variants = [(dt, 0, dt) for dt in dtypes]
+    if tensor_cores:
+        variants += [("fp32", 1, "fp32-tf32"), ("bf16", 2, "bf16-mma")]
+    for dt, mode, name in variants:
         sig = {"x_ptr": f"*{dt}", "out_ptr": "*fp32", "K": "i32", "N": "i32", "T": "i32",
                "stride_xl": "i32", "stride_xk": "i32", "stride_xn": "i32", "stride_ol": "i32",
-               "stride_oi": "i32", "BLOCK": "constexpr", "BLOCK_N": "constexpr"}
-        consts = {"BLOCK": BLOCK, "BLOCK_N": BLOCK_N}
+               "stride_oi": "i32", "BLOCK": "constexpr", "BLOCK_N": "constexpr", "MODE": "constexpr"}
+        consts = {"BLOCK": BLOCK, "BLOCK_N": BLOCK_N, "MODE": mode}
         for cap in archs:
             src = ASTSource(kern, sig, constexprs=consts, attrs=attrs)
             ck = triton.compile(src, target=GPUTarget("cuda", cap, 32),
                                 options={"num_warps": NUM_WARPS, "enable_fp_fusion": True})
             ptx = ck.asm["ptx"]
             st = ptx_stats(ptx)
-            res = {"kernel": "gram_upper", "variant": dt, "arch": f"sm_{cap}",
+            res = {"kernel": "gram_upper", "variant": name, "arch": f"sm_{cap}",
                    "num_warps": ck.metadata.num_warps, "shared_bytes_meta": ck.metadata.shared,
                    "ptx_bytes": len(ptx), "cubin_bytes": len(ck.asm["cubin"]),
                    "mma": ptx.count("mma.sync") + ptx.count("wgmma"),
@@ -66,11 +71,12 @@ def compile_aot(archs=(80, 90), dtypes=("fp32", "bf16")) -> list[dict]:
     return results
 
 
-def aot_isolated(timeout: float = 600) -> list[dict]:
+def aot_isolated(timeout: float = 600, tensor_cores: bool = False) -> list[dict]:
     """compile_aot() in a fresh interpreter without TRITON_INTERPRET; returns its results."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json"],
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json"]
+                       + (["--tensor-cores"] if tensor_cores else []),
                        capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"gram AOT compilation failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -80,8 +86,9 @@ def aot_isolated(timeout: float = 600) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="AOT-compile the Triton Gram kernel for sm_80/sm_90")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tensor-cores", action="store_true", help="also the tf32 and bf16 precision variants")
     a = p.parse_args(argv)
-    res = compile_aot()
+    res = compile_aot(tensor_cores=a.tensor_cores)
     if a.json:
         print(json.dumps(res))
     else:

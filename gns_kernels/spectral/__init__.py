@@ -14,10 +14,15 @@ Public functions (gram / sqrt_trace / nuclear_stats are re-exported as gns_kerne
   only the Gram of the mean gradient exists (nuclear.py).
 - ``EigHints``: the per-shape float64 cost hint of the eigenvalue path (hints.py).
 - ``psd_eigvalsh(A)``: float64 eigenvalues accurate enough for sqrt-traces (eigh.py).
+- ``sqrt_trace_pair_sum(A) -> (trace, pair)``: the Newton sqrt-trace and the pair sum
+  sum_ij s_i s_j / (s_i + s_j) that the nuclear bias correction needs, by matmuls only
+  (pairsum.py; gns_kernels.bias.nuclear_sqrt_trace_corrected_from_sums takes both).
+- ``precision``: explicit per-call matmul precision (``bmm``, ``record_matmuls``).
 
 The heavy parts are torch.library custom ops with fake kernels (torch.compile keeps each
 as one opaque node): ``torch.ops.gns_kernels.gram_list`` / ``.gram_batched``,
-``.psd_eigvalsh`` / ``.psd_eigvalsh_list``, ``.newton_sqrt_trace``. See docs/spectral.md
+``.psd_eigvalsh`` / ``.psd_eigvalsh_list``, ``.newton_sqrt_trace``,
+``.newton_sqrt_trace_pair``. See docs/spectral.md
 for accuracy, cost and the method choice.
 """
 from __future__ import annotations
@@ -25,7 +30,9 @@ from __future__ import annotations
 from .eigh import EIGH_TOL, psd_eigvalsh
 from .grams import gram, gram_batched, gram_list, smaller_side
 from .hints import EigHints, shape_key
-from .newton import NEWTON_EPS, NEWTON_MAX_ITERS, newton_min_iters, sign_iters
+from .newton import NEWTON_EPS, NEWTON_EPS_BY_PRECISION, NEWTON_MAX_ITERS, NEWTON_PRECISIONS, newton_min_iters, sign_iters
+from .pairsum import sqrt_trace_pair_sum
+from .precision import record_matmuls
 from .nuclear import nuclear_stats, nuclear_stats_from_grams
 from .trace import sqrt_trace
 
@@ -44,5 +51,9 @@ __all__ = [
     "sign_iters",
     "NEWTON_EPS",
     "NEWTON_MAX_ITERS",
+    "NEWTON_PRECISIONS",
+    "NEWTON_EPS_BY_PRECISION",
+    "sqrt_trace_pair_sum",
+    "record_matmuls",
     "EIGH_TOL",
 ]

@@ -26,15 +26,30 @@ the same definition as the eigenvalue path, sum_i sqrt(max(lambda_i, 0)).
    +-delta around them ~2.7 delta / sqrt(e) (signed) instead of sqrt(delta): the shift is
    a soft threshold at e ||A||_F.
 Result: sqrt(2^e f) tr(Y q(W)), float64 for float64 input, else float32.
+
+Precision: every matmul goes through precision.bmm with the precision passed per call
+("ieee" float32 by default, or "float64"), never the process-wide float32 matmul setting;
+the smallest allowed shift is tied to it (NEWTON_EPS_BY_PRECISION: 1e-6 for float32,
+1e-12 for float64).
 """
 from __future__ import annotations
 
 import torch
 
+from .precision import bmm, check_precision
+
 Tensor = torch.Tensor
 
 NEWTON_EPS = 1e-6  # default relative shift (of A / ||A||_F); docs/spectral.md gives the trade-off
 NEWTON_EPS_RANGE = (1e-6, 1e-2)
+# Precisions the iteration runs in (precision.bmm, passed per call) and the smallest shift
+# each supports: the shift must stay above the rounding noise of the iterates, ~17 u
+# (u = 2^-24 for float32 "ieee": 1e-6; 2^-53 for "float64": 1e-12, reached in
+# newton_min_iters(1e-12) = 39 iterations). tf32 / bf16 (u >= 2^-11) would need a shift
+# near 1e-2, which eats the small eigenvalues of a decaying gradient spectrum beyond the
+# 1e-3 budget (docs/spectral.md): not offered.
+NEWTON_PRECISIONS = ("ieee", "float64")
+NEWTON_EPS_BY_PRECISION = {"ieee": 1e-6, "float64": 1e-12}
 NEWTON_MAX_ITERS = 200
 _FREEZE_SLACK = 1e-3  # guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
 _CONVERGED = 1e-7  # scalar convergence target of newton_min_iters and sign_iters
@@ -62,12 +77,15 @@ def sign_iters(eps: float = NEWTON_EPS) -> int:
     return k
 
 
-def check_newton_args(iters: int | None, eps: float | None) -> tuple[int, float]:
-    """(iters, eps) with defaults (newton_min_iters(eps) + 3, NEWTON_EPS), validated."""
-    eps = NEWTON_EPS if eps is None else float(eps)
-    if not (NEWTON_EPS_RANGE[0] <= eps <= NEWTON_EPS_RANGE[1]):
-        raise ValueError(f"eps: expected a relative shift in [{NEWTON_EPS_RANGE[0]:g}, "
-                         f"{NEWTON_EPS_RANGE[1]:g}], got {eps!r}")
+def check_newton_args(iters: int | None, eps: float | None, precision: str = "ieee") -> tuple[int, float]:
+    """(iters, eps) with defaults (newton_min_iters(eps) + 3, NEWTON_EPS_BY_PRECISION[precision]),
+    validated: eps in [NEWTON_EPS_BY_PRECISION[precision], 1e-2]."""
+    check_precision(precision, "precision", NEWTON_PRECISIONS)
+    lo = NEWTON_EPS_BY_PRECISION[precision]
+    eps = lo if eps is None else float(eps)
+    if not (lo <= eps <= NEWTON_EPS_RANGE[1]):
+        raise ValueError(f"eps: expected a relative shift in [{lo:g}, "
+                         f"{NEWTON_EPS_RANGE[1]:g}] for precision {precision!r}, got {eps!r}")
     kmin = newton_min_iters(eps)
     if iters is None:
         iters = kmin + 3
@@ -82,17 +100,23 @@ _Q_COEFFS = (1.0, -1 / 2, -1 / 8, -1 / 16, -5 / 128, -7 / 256)
 _Q_COEFFS = _Q_COEFFS + (-sum(_Q_COEFFS),)
 
 
-def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor) -> Tensor:
+def _poly(W: Tensor, coeffs: tuple, eye: Tensor, prec: str) -> Tensor:
+    """sum_k coeffs[k] W^k by Horner (len(coeffs) - 2 matmuls)."""
+    Q = coeffs[-1] * W + coeffs[-2] * eye
+    for c in reversed(coeffs[:-2]):
+        Q = bmm(W, Q, prec) + c * eye
+    return Q
+
+
+def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor, prec: str = "ieee") -> Tensor:
     """tr(Y q(W)), W = e Z^2 (module docstring, step 4); Horner in W. Shape (B,)."""
-    W = e * torch.bmm(Z, Z)
-    Q = _Q_COEFFS[-1] * W + _Q_COEFFS[-2] * eye
-    for c in reversed(_Q_COEFFS[:-2]):
-        Q = torch.bmm(W, Q) + c * eye
+    W = e * bmm(Z, Z, prec)
+    Q = _poly(W, _Q_COEFFS, eye, prec)
     return (Y * Q.mT).sum((-2, -1))
 
 
 def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """(x float32 (B, m, m) symmetric with ||x||_F = 1, c float64 (B, 1, 1)) with x = A / c.
+    """(x (B, m, m) in flat's precision (float32 for half inputs) symmetric with ||x||_F = 1, c float64 (B, 1, 1)) with x = A / c.
 
     c = 2^e f: 2^e a power of two near max|A_ij| (exact division in A's precision, float32
     for half inputs), then f = ||A / 2^e||_F. Zero matrices: c = 1, x = 0. Non-finite
@@ -105,47 +129,56 @@ def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
     a = a / p2
     f = torch.linalg.matrix_norm(a, keepdim=True)
     f = torch.where(f > 0, f, torch.ones_like(f))
-    return (a / f).float(), p2.double() * f.double()
+    return (a / f), p2.double() * f.double()
 
 
-def _positive_part(x: Tensor, eps: float, eye: Tensor) -> Tensor:
+def _positive_part(x: Tensor, eps: float, eye: Tensor, prec: str = "ieee") -> Tensor:
     """x_+ = (x + x sign(x)) / 2 for symmetric x with spec(x) in [-1, 1] (module step 2)."""
     X = x
     for _ in range(sign_iters(eps)):
-        X = torch.bmm(X, 1.5 * eye - 0.5 * torch.bmm(X, X))
-    H = torch.bmm(x, X)
+        X = bmm(X, 1.5 * eye - 0.5 * bmm(X, X, prec), prec)
+    H = bmm(x, X, prec)
     return 0.5 * x + 0.25 * (H + H.mT)
 
 
-def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
-                 project: bool = True) -> Tensor:
-    """tr(A_+^{1/2}) of A (B, m, m), m >= 1 (module docstring). ref_norm (B,), optional: a
-    Frobenius norm the rounding noise of A is relative to (e.g. the operands of the
-    subtraction that formed A); the shift becomes eps * max(ref_norm, ||A||_F), i.e. the
-    relative shift eps * ref_norm / ||A||_F clamped to [eps, 1]. Returns shape (B,)."""
+def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
+                    prec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(Y, Z, e, c, eye) of the coupled iteration on x_+ + e I, x = A / c (module steps 1-3),
+    matmuls in ``prec``; Y, Z float32 ("ieee") or float64 ("float64")."""
     m = A.shape[-1]
     x, c = _normalize(A.detach())
+    x = x.double() if prec == "float64" else x.float()
     e = torch.full((x.shape[0], 1, 1), eps, dtype=x.dtype, device=x.device)
     if ref_norm is not None:
         rel = ref_norm.detach().reshape(-1, 1, 1).to(device=x.device, dtype=torch.float64) / c
-        e = (eps * rel).clamp(eps, 1.0).float()
+        e = (eps * rel).clamp(eps, 1.0).to(x.dtype)
         e = torch.where(torch.isfinite(e), e, torch.full_like(e, eps))
     eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(x)
     if project:
-        x = _positive_part(x, eps, eye)
+        x = _positive_part(x, eps, eye, prec)
     Y = x + e * eye
     Z = eye.clone()
     rmin = torch.full_like(e, float("inf"))
     active = torch.ones_like(e, dtype=torch.bool)
     for _ in range(iters):
-        P = torch.bmm(Z, Y)
+        P = bmm(Z, Y, prec)
         r = torch.linalg.matrix_norm(P - eye, keepdim=True)
         active = active & torch.isfinite(r) & (r <= rmin * (1.0 + _FREEZE_SLACK))
         rmin = torch.where(active, torch.minimum(rmin, r), rmin)
         T = 1.5 * eye - 0.5 * P
-        Y = torch.where(active, torch.bmm(Y, T), Y)
-        Z = torch.where(active, torch.bmm(T, Z), Z)
-    out = _shift_correction(Y, Z, e, eye).double() * c.reshape(-1).sqrt()
+        Y = torch.where(active, bmm(Y, T, prec), Y)
+        Z = torch.where(active, bmm(T, Z, prec), Z)
+    return Y, Z, e, c, eye
+
+
+def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
+                 project: bool = True, prec: str = "ieee") -> Tensor:
+    """tr(A_+^{1/2}) of A (B, m, m), m >= 1 (module docstring). ref_norm (B,), optional: a
+    Frobenius norm the rounding noise of A is relative to (e.g. the operands of the
+    subtraction that formed A); the shift becomes eps * max(ref_norm, ||A||_F), i.e. the
+    relative shift eps * ref_norm / ||A||_F clamped to [eps, 1]. Returns shape (B,)."""
+    Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec)
+    out = _shift_correction(Y, Z, e, eye, prec).double() * c.reshape(-1).sqrt()
     return out if A.dtype == torch.float64 else out.float()
 
 
@@ -154,9 +187,11 @@ _NEWTON_CHUNK = 16  # matrices per batched iteration: bounds the workspace (~8 x
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
 def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
-               project: bool = True) -> Tensor:
+               project: bool = True, precision: str = "ieee") -> Tensor:
     """tr(A_+^{1/2}) per matrix of A (..., m, m) by _newton_impl, in chunks of _NEWTON_CHUNK
-    matrices; shape (...), float64 for float64 A, else float32. m = 0 gives 0."""
+    matrices, matmuls in ``precision`` ("ieee" or "float64", see precision.bmm); shape
+    (...), float64 for float64 A, else float32. m = 0 gives 0."""
+    check_precision(precision, "precision", NEWTON_PRECISIONS)
     m = A.shape[-1]
     out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
     if A.numel() == 0:
@@ -164,11 +199,12 @@ def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None
     flat = A.reshape(-1, m, m)
     refs = None if ref_norm is None else ref_norm.reshape(-1)
     outs = [_newton_impl(flat[i:i + _NEWTON_CHUNK], iters, eps,
-                         None if refs is None else refs[i:i + _NEWTON_CHUNK], project)
+                         None if refs is None else refs[i:i + _NEWTON_CHUNK], project, precision)
             for i in range(0, flat.shape[0], _NEWTON_CHUNK)]
     return torch.cat(outs).reshape(A.shape[:-2])
 
 
 @_newton_op.register_fake
-def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True) -> Tensor:
+def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True,
+      precision: str = "ieee") -> Tensor:
     return A.new_empty(A.shape[:-2], dtype=torch.float64 if A.dtype == torch.float64 else torch.float32)

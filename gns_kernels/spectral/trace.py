@@ -5,7 +5,8 @@ import torch
 
 from ._checks import check_square, validate_requested, validate_symmetric
 from .eigh import EIGH_TOL
-from .newton import check_newton_args
+from .newton import NEWTON_PRECISIONS, check_newton_args
+from .precision import check_precision
 
 Tensor = torch.Tensor
 
@@ -29,6 +30,7 @@ def sqrt_trace(
     eps: float | None = None,
     tol: float = EIGH_TOL,
     validate: bool = False,
+    precision: str = "ieee",
 ) -> Tensor:
     """tr(A_+^{1/2}) = sum_i sqrt(max(lambda_i, 0)) for symmetric A of shape (..., m, m).
 
@@ -49,11 +51,15 @@ def sqrt_trace(
                input. Within 1e-3 of tr(|A|^{1/2}) (for PSD A: of the result) of float64
                eigvalsh.
       'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
+    precision ('newton'): the precision of its matmuls, "ieee" (float32, default) or
+      "float64" (default shift 1e-12), delivered per call whatever
+      torch.set_float32_matmul_precision / allow_tf32 say (spectral.precision.bmm).
     Returns float64 for float64 input, else float32; shape (...). Non-finite matrices give
     NaN; empty matrices (m = 0) give 0. validate=True (or env GNS_KERNELS_VALIDATE=1)
     checks finiteness and symmetry first (host sync).
     """
     check_square(A, "A")
+    check_precision(precision, "precision", NEWTON_PRECISIONS)
     meth = resolve_method(method, A.device)
     if validate_requested(validate):
         validate_symmetric(A, "A")
@@ -63,5 +69,5 @@ def sqrt_trace(
     if meth == "eigh":
         lam = torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
         return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
-    it, ep = check_newton_args(iters, eps)
-    return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep, None, True).to(out_dtype)
+    it, ep = check_newton_args(iters, eps, precision)
+    return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep, None, True, precision).to(out_dtype)
