@@ -54,7 +54,7 @@ class Protocol:
     """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grid."""
     optimizers: tuple = ("signum", "muon")
     seeds: tuple = (0, 1, 2)
-    grid: tuple = (8, 16, 32, 64)
+    grid: tuple = (8, 16, 32)
 
 
 PROTOCOLS = {"paper-cpu": Protocol()}
