@@ -125,6 +125,34 @@ def seed_rows(metrics: dict[str, dict], kinds: tuple = ("euclidean", "adaptive")
     return out
 
 
+def _last_logged(m: dict) -> float:
+    return [v for v in m["val_loss"] if not math.isnan(v)][-1]
+
+
+def add_closeness(seeds: list[dict], seed_metrics: list[dict],
+                  kinds: tuple = ("euclidean", "adaptive")) -> None:
+    """How close the adaptive runs come when they miss the target, per seed (in place):
+
+    - ``loose``: the steps reduction to reach the upper end of the baseline's seed spread
+      (the largest final validation loss logged by the baselines of all seeds), n_base and
+      n_run both counted to that loss;
+    - ``at_final``: 100 (n_b - n_run) / n_b with n_run the run's total steps and n_b the
+      steps the baseline of that seed needed to first log the run's final loss (None when
+      the baseline never got that low: the run is better than the baseline).
+    """
+    loose = max(_last_logged(m["baseline"]) for m in seed_metrics)
+    for row, mets in zip(seeds, seed_metrics):
+        nb = steps_to_reach(mets["baseline"], loose)
+        row["loose_target"], row["loose_base_steps"] = loose, nb
+        for k in kinds:
+            nr = steps_to_reach(mets[k], loose)
+            nb_final = steps_to_reach(mets["baseline"], _last_logged(mets[k]))
+            row[k]["loose_steps"] = nr
+            row[k]["loose_reduction"] = reduction(nb, nr)
+            row[k]["base_steps_to_final"] = nb_final
+            row[k]["at_final"] = reduction(nb_final, len(mets[k]["step"]))
+
+
 def paper_table(per_opt: dict[str, dict]) -> str:
     """Table 2 layout. per_opt[optimizer] = {"B0": int, "labels": {kind: label},
     "seeds": [{"final": {kind: loss}, "steps": {kind: total steps}, **seed_rows(...)}]}
@@ -156,6 +184,20 @@ def paper_table(per_opt: dict[str, dict]) -> str:
                 row += (f"{reach:>12}/{s['steps'][k]:>6}/{s['final'][k]:.4f}/"
                         f"{_fmt_pct(s[k]['reduction']):>7}")
             lines.append(row)
+    if all("loose_target" in s for d in per_opt.values() for s in d["seeds"]):
+        lines.append("")
+        lines.append("how close (median over seeds): steps reduction to reach the upper end of the "
+                     "baseline's seed spread (its worst seed's final loss); steps reduction at the "
+                     "run's own final loss (baseline steps to that loss vs the run's steps)")
+        lines.append(f"{'optimizer':<10}{'spread end':>11}{'l2 to spread':>14}{'l2 at final':>13}"
+                     f"{'geom to spread':>16}{'geom at final':>15}")
+        for opt, d in per_opt.items():
+            cells = []
+            for k in ("euclidean", "adaptive"):
+                cells.append(median_with_missing([s[k]["loose_reduction"] for s in d["seeds"]]))
+                cells.append(median_with_missing([s[k]["at_final"] for s in d["seeds"]]))
+            lines.append(f"{opt:<10}{d['seeds'][0]['loose_target']:>11.4f}{_fmt_pct(cells[0]):>14}"
+                         f"{_fmt_pct(cells[1]):>13}{_fmt_pct(cells[2]):>16}{_fmt_pct(cells[3]):>15}")
     return "\n".join(lines)
 
 
@@ -205,6 +247,23 @@ def _run(rc: DemoConfig, log) -> tuple[dict, dict]:
     return done, read_metrics(os.path.join(rc.out, "metrics.csv"))
 
 
+def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str) -> dict:
+    """The three runs of one seed: {"baseline", "euclidean", "adaptive"} -> DemoConfig with
+    its run folder under `folder` (the baseline of grid_seed is the grid's run at B0)."""
+    geom = base_cfg.resolved_geometry()
+    base_out = f"grid_B{B0}" if seed == grid_seed else f"const_B{B0}_seed{seed}"
+    return {
+        "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed,
+                            label=f"B={B0}", multiple_of=None, out=os.path.join(folder, base_out)),
+        "euclidean": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+                             geometry="l2", label="Euclidean GNS (l2)",
+                             out=os.path.join(folder, f"l2_seed{seed}")),
+        "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+                            label=f"Non-Euclidean GNS ({geom})",
+                            out=os.path.join(folder, f"{geom}_seed{seed}")),
+    }
+
+
 def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print) -> dict:
     """The whole protocol into folder `top` (one sub-folder per run); writes paper.txt,
     paper.json and paper_<optimizer>.png there and returns {"table", "grid_table", ...}."""
@@ -228,21 +287,9 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print) -> dict:
         B0 = min(protocol.grid, key=lambda b: (grid_res[opt][b]["final_val_loss"], b))
         log(f"{opt}: B_0 = {B0} (lowest final validation loss of the grid)")
         # 2. baseline, l2 and geometry-matched adaptive runs per seed
-        seeds, curves[opt] = [], {}
+        seeds, curves[opt], seed_mets = [], {}, []
         for seed in protocol.seeds:
-            runs = {
-                "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed,
-                                    label=f"B={B0}", out=os.path.join(top, opt, f"grid_B{B0}")),
-                "euclidean": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
-                                     geometry="l2", label="Euclidean GNS (l2)",
-                                     out=os.path.join(top, opt, f"l2_seed{seed}")),
-                "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
-                                    label=f"Non-Euclidean GNS ({geom})",
-                                    out=os.path.join(top, opt, f"{geom}_seed{seed}")),
-            }
-            if seed != protocol.seeds[0]:
-                runs["baseline"] = replace(runs["baseline"],
-                                           out=os.path.join(top, opt, f"const_B{B0}_seed{seed}"))
+            runs = seed_configs(base_cfg, B0, seed, protocol.seeds[0], os.path.join(top, opt))
             summ, mets = {}, {}
             for k, rc in runs.items():
                 validate(rc)
@@ -252,6 +299,8 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print) -> dict:
             row["steps"] = {k: summ[k]["steps"] for k in runs}
             seeds.append(row)
             curves[opt][seed] = {runs[k].label: mets[k] for k in runs}
+            seed_mets.append(mets)
+        add_closeness(seeds, seed_mets)
         per_opt[opt] = {"B0": B0, "seeds": seeds, "seeds_used": list(protocol.seeds),
                         "geometry": geom}
     table = paper_table(per_opt)

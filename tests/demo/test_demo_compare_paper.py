@@ -12,7 +12,8 @@ import pytest
 
 from gns_kernels.cli import main
 from gns_kernels.demo.config import DemoConfig, DemoError
-from gns_kernels.demo.presets import (PRESETS, Protocol, apply_preset, median_with_missing,
+from gns_kernels.demo.presets import (PRESETS, Protocol, add_closeness, apply_preset,
+                                      median_with_missing,
                                       paper_table, reduction, run_paper, seed_rows, spread,
                                       steps_to_reach)
 
@@ -101,6 +102,32 @@ def test_seed_rows_and_table_arithmetic():
                            "1.7000]", "1.5600", "[1.4800,", "1.6500]", "0.00", "60.00"]
     detail = [l for l in table.splitlines() if l.startswith("signum") and l.split()[1] == "1"][0]
     assert detail.split()[2:4] == ["1.6000", "5"] and "-/" in detail
+
+
+def test_closeness_to_the_seed_spread_and_at_final_loss():
+    # baselines end at 1.50 and 1.60: the upper end of the spread is 1.60
+    b0 = _m([3.0, 2.0, 1.8, 1.7, 1.6, 1.55, 1.52, 1.50])     # 1.60 first at index 4 -> 5 steps
+    b1 = _m([3.0, 2.1, 1.9, 1.75, 1.68, 1.64, 1.61, 1.60])   # 1.60 at index 7 -> 8 steps
+    l2_0, g0 = _m([3.0, 1.9, 1.7, 1.65]), _m([3.0, 1.6, 1.58])
+    l2_1, g1 = _m([3.0, 1.8, 1.62]), _m([3.0, 1.7, 1.59, 1.55])
+    mets = [{"baseline": b0, "euclidean": l2_0, "adaptive": g0},
+            {"baseline": b1, "euclidean": l2_1, "adaptive": g1}]
+    seeds = [seed_rows(m) for m in mets]
+    add_closeness(seeds, mets)
+    assert seeds[0]["loose_target"] == 1.60 and seeds[0]["loose_base_steps"] == 5
+    assert seeds[1]["loose_base_steps"] == 8
+    # seed 0: l2 never <= 1.60; geometry at 2 steps -> (5 - 2) / 5 = 60 %
+    assert seeds[0]["euclidean"]["loose_steps"] is None
+    assert seeds[0]["adaptive"]["loose_reduction"] == pytest.approx(60.0)
+    # seed 1: geometry reaches 1.59 at 3 steps -> (8 - 3) / 8 = 62.5 %
+    assert seeds[1]["adaptive"]["loose_reduction"] == pytest.approx(62.5)
+    # at the run's final loss: l2 seed 0 ends at 1.65; baseline 0 first <= 1.65 at index 4
+    # (5 steps); the run took 4 steps -> 20 %
+    assert seeds[0]["euclidean"]["base_steps_to_final"] == 5
+    assert seeds[0]["euclidean"]["at_final"] == pytest.approx(20.0)
+    # geometry seed 1 ends at 1.55, below baseline 1's best: never reached by the baseline
+    assert seeds[1]["adaptive"]["base_steps_to_final"] is None
+    assert seeds[1]["adaptive"]["at_final"] is None
 
 
 def test_apply_preset_and_unknown_name():
