@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "comes from DIR/config.json, except --quiet, --stop-at-step and --timeout)")
     g.add_argument("--compare", action="store_true",
                    help="constant small, constant large, adaptive l2, adaptive in the optimizer's geometry")
+    g.add_argument("--preset", default=None, choices=["paper-cpu"],
+                   help="fixed options of a named experiment (see docs/demo.md); with --compare, "
+                        "paper-cpu runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, "
+                        "3 seeds)")
     g.add_argument("--large-factor", type=int, default=4,
                    help="--compare: the large constant batch is this times the initial")
     g.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -70,6 +70,18 @@ def run(args: argparse.Namespace) -> int:
                 raise DemoError("--out is required under torchrun (every rank must agree on it)")
             cfg = replace(cfg, ranks=world,
                           micro_batches=args.micro_batches or (2 if world == 1 else 1))
+        if getattr(args, "preset", None):
+            from .presets import PROTOCOLS, apply_preset, run_paper
+            cfg = apply_preset(cfg, args.preset)
+            if getattr(args, "compare", False):
+                if world is not None:
+                    raise DemoError("--preset with --compare starts its own processes; "
+                                    "run it without torchrun")
+                top = cfg.out or default_out("paper-")
+                if not overwrite and os.path.isdir(top) and os.listdir(top):
+                    print(f"{top} is not empty: finished runs with the same options are reused")
+                run_paper(cfg, PROTOCOLS[args.preset], top, log=lambda m: print(m, flush=True))
+                return 0
         if getattr(args, "compare", False):
             return run_compare(cfg, args.large_factor, overwrite)
         validate(cfg, world)

@@ -1,0 +1,373 @@
+"""``gns-kernels demo --compare --preset paper-cpu``: the paper's Table 2 protocol on a CPU.
+
+Protocol (per optimizer of `Protocol.optimizers`, Signum and Muon by default):
+
+1. **B_0 grid.** Constant-batch runs at every B of `Protocol.grid` with the first seed, the
+   same sample budget and the same LR schedule on samples (no LR scaling with B). B_0 is
+   the batch with the lowest final validation loss (ties: the smaller batch).
+2. **Runs.** For every seed: the constant baseline at B_0 (the grid's run for the first
+   seed), Algorithm 1 from B_0 with the Euclidean (l2) GNS at theta 0.3, and Algorithm 1
+   from B_0 with the GNS in the optimizer's geometry (l1 for Signum, nuclear for Muon) at
+   theta 0.6. Every run sees the same samples budget and LR schedule; the adaptive runs
+   multiply the LR by sqrt(B/B_0) (the paper's rule).
+3. **Table** (`paper_table`), Table 2 layout: median final validation loss over the seeds
+   (with the seeds' min and max), and the median over seeds of the steps reduction: for
+   seed s, target_s = min validation loss of the baseline of seed s, n_base = the first
+   step at which that baseline logged target_s, n_run = the first step at which the
+   adaptive run of seed s logged a validation loss <= target_s; reduction =
+   100 (n_base - n_run) / n_base (a run that never reaches target_s counts as "not
+   reached", below every number, in the median).
+
+A finished run (its folder holds summary.json and a config.json equal to the run's
+configuration) is reused, so an interrupted protocol continues where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+
+from .config import DemoConfig, DemoError, validate
+
+# options the preset fixes (every other DemoConfig field keeps its default). Why these:
+# - ranks 1 x 2 micro-batches: R = 2 GNS samples as with 2 ranks, without a second process
+#   (the cheapest set-up on a 2-core machine);
+# - a 0.14M-parameter model (width 64, 2 layers) and 24000 sequences of 64 bytes: about
+#   3000 steps at B = 8 (1500 at B = 16), enough for the constant baseline's validation
+#   loss to flatten under the cosine schedule, within the time budget of ~20 runs on 2 cores;
+# - bias_correction False: the paper's estimator (no c4(R) correction of the l1 / nuclear
+#   noise), which theta 0.6 / 0.3 were chosen for; the corrected noise at R = 2 is 1/c4(2)^2 = pi/2 times larger, so the same theta
+#   would ask for batches about 1.57x the paper's.
+PRESETS: dict[str, dict] = {
+    "paper-cpu": dict(ranks=1, micro_batches=2, dim=64, layers=2, heads=4, mlp=192, context=64,
+                      samples=24000, eval_every=25, val_windows=256, every=5,
+                      max_batch_size=512, max_local_batch=64, checkpoint_every=100000,
+                      bias_correction=False),
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grid."""
+    optimizers: tuple = ("signum", "muon")
+    seeds: tuple = (0, 1, 2)
+    grid: tuple = (8, 16, 32)
+
+
+PROTOCOLS = {"paper-cpu": Protocol()}
+
+
+def apply_preset(cfg: DemoConfig, name: str) -> DemoConfig:
+    """cfg with the preset's options; DemoError for an unknown name."""
+    if name not in PRESETS:
+        raise DemoError(f"unknown --preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
+    return replace(cfg, **PRESETS[name])
+
+
+def steps_to_reach(metrics: dict, target: float) -> int | None:
+    """Optimizer steps taken (1-based) when the run first logged a validation loss <= target;
+    None when it never did."""
+    for s, v in zip(metrics["step"], metrics["val_loss"]):
+        if not math.isnan(v) and v <= target:
+            return int(s) + 1
+    return None
+
+
+def reduction(base_steps: int | None, run_steps: int | None) -> float | None:
+    """100 (base - run) / base in percent; None when either is missing (not reached)."""
+    if run_steps is None or not base_steps:
+        return None
+    return 100.0 * (base_steps - run_steps) / base_steps
+
+
+def median_with_missing(values: list) -> float | None:
+    """Median where None ("not reached") ranks below every number; None when the median
+    falls on a None (or between a None and a number)."""
+    if not values:
+        return None
+    order = sorted(values, key=lambda v: (v is not None, -math.inf if v is None else v))
+    n = len(order)
+    mid = order[(n - 1) // 2: n // 2 + 1]
+    if any(v is None for v in mid):
+        return None
+    return sum(mid) / len(mid)
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of finite values."""
+    vals = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not vals:
+        return (math.nan, math.nan, math.nan)
+    n = len(vals)
+    med = (vals[(n - 1) // 2] + vals[n // 2]) / 2
+    return (med, vals[0], vals[-1])
+
+
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def seed_rows(metrics: dict[str, dict], kinds: tuple = ("euclidean", "adaptive")) -> dict:
+    """Per-seed arithmetic of one optimizer. `metrics` maps "baseline", and each of `kinds`
+    to read_metrics(...) dicts of ONE seed. Returns {"target", "base_steps", kind:
+    {"steps", "reduction"}}."""
+    base = metrics["baseline"]
+    vals = [v for v in base["val_loss"] if not math.isnan(v)]
+    target = min(vals)
+    base_steps = steps_to_reach(base, target)
+    out = {"target": target, "base_steps": base_steps}
+    for k in kinds:
+        s = steps_to_reach(metrics[k], target)
+        out[k] = {"steps": s, "reduction": reduction(base_steps, s)}
+    return out
+
+
+def _last_logged(m: dict) -> float:
+    return [v for v in m["val_loss"] if not math.isnan(v)][-1]
+
+
+def add_closeness(seeds: list[dict], seed_metrics: list[dict],
+                  kinds: tuple = ("euclidean", "adaptive")) -> None:
+    """How close the adaptive runs come when they miss the target, per seed (in place):
+
+    - ``loose``: the steps reduction to reach the upper end of the baseline's seed spread
+      (the largest final validation loss logged by the baselines of all seeds), n_base and
+      n_run both counted to that loss;
+    - ``at_final``: 100 (n_b - n_run) / n_b with n_run the run's total steps and n_b the
+      steps the baseline of that seed needed to first log the run's final loss (None when
+      the baseline never got that low: the run is better than the baseline).
+    """
+    loose = max(_last_logged(m["baseline"]) for m in seed_metrics)
+    for row, mets in zip(seeds, seed_metrics):
+        nb = steps_to_reach(mets["baseline"], loose)
+        row["loose_target"], row["loose_base_steps"] = loose, nb
+        for k in kinds:
+            nr = steps_to_reach(mets[k], loose)
+            nb_final = steps_to_reach(mets["baseline"], _last_logged(mets[k]))
+            row[k]["loose_steps"] = nr
+            row[k]["loose_reduction"] = reduction(nb, nr)
+            row[k]["base_steps_to_final"] = nb_final
+            row[k]["at_final"] = reduction(nb_final, len(mets[k]["step"]))
+
+
+def paper_table(per_opt: dict[str, dict]) -> str:
+    """Table 2 layout. per_opt[optimizer] = {"B0": int, "labels": {kind: label},
+    "seeds": [{"final": {kind: loss}, "steps": {kind: total steps}, **seed_rows(...)}]}
+    with kinds "baseline", "euclidean", "adaptive"."""
+    kinds = ("baseline", "euclidean", "adaptive")
+    lines = []
+    head = (f"{'Optimizer':<10}{'B_0':>5}{'constant B_0':>26}{'Euclidean GNS (l2)':>26}"
+            f"{'Non-Euclidean GNS':>26}{'Steps reduction(%) l2':>23}{'Steps reduction(%) non-Eucl.':>30}")
+    lines.append(head)
+    for opt, d in per_opt.items():
+        cells = []
+        for k in kinds:
+            med, lo, hi = spread([s["final"][k] for s in d["seeds"]])
+            cells.append(f"{med:.4f} [{lo:.4f}, {hi:.4f}]")
+        red = {k: median_with_missing([s[k]["reduction"] for s in d["seeds"]])
+               for k in ("euclidean", "adaptive")}
+        lines.append(f"{opt:<10}{d['B0']:>5}" + "".join(f"{c:>26}" for c in cells)
+                     + f"{_fmt_pct(red['euclidean']):>23}{_fmt_pct(red['adaptive']):>30}")
+    lines.append("")
+    lines.append("losses: median over seeds [min, max]; steps reduction: median over seeds")
+    lines.append("")
+    lines.append(f"{'optimizer':<10}{'seed':>5}{'target':>9}{'base steps':>11}"
+                 + "".join(f"{'  ' + n + ' steps/total/final/red%':>38}" for n in ("l2", "geom")))
+    for opt, d in per_opt.items():
+        for i, s in enumerate(d["seeds"]):
+            row = f"{opt:<10}{d['seeds_used'][i]:>5}{s['target']:>9.4f}{str(s['base_steps']):>11}"
+            for k in ("euclidean", "adaptive"):
+                reach = "-" if s[k]["steps"] is None else str(s[k]["steps"])
+                row += (f"{reach:>12}/{s['steps'][k]:>6}/{s['final'][k]:.4f}/"
+                        f"{_fmt_pct(s[k]['reduction']):>7}")
+            lines.append(row)
+    if all("loose_target" in s for d in per_opt.values() for s in d["seeds"]):
+        lines.append("")
+        lines.append("how close (median over seeds): steps reduction to reach the upper end of the "
+                     "baseline's seed spread (its worst seed's final loss); steps reduction at the "
+                     "run's own final loss (baseline steps to that loss vs the run's steps)")
+        lines.append(f"{'optimizer':<10}{'spread end':>11}{'l2 to spread':>14}{'l2 at final':>13}"
+                     f"{'geom to spread':>16}{'geom at final':>15}")
+        for opt, d in per_opt.items():
+            cells = []
+            for k in ("euclidean", "adaptive"):
+                cells.append(median_with_missing([s[k]["loose_reduction"] for s in d["seeds"]]))
+                cells.append(median_with_missing([s[k]["at_final"] for s in d["seeds"]]))
+            lines.append(f"{opt:<10}{d['seeds'][0]['loose_target']:>11.4f}{_fmt_pct(cells[0]):>14}"
+                         f"{_fmt_pct(cells[1]):>13}{_fmt_pct(cells[2]):>16}{_fmt_pct(cells[3]):>15}")
+    return "\n".join(lines)
+
+
+def grid_table(grid: dict[str, dict[int, dict]]) -> str:
+    """The B_0 grid: final and best validation loss, steps and seconds per optimizer and B."""
+    lines = [f"{'optimizer':<10}{'B':>6}{'final val':>11}{'best val':>10}{'steps':>7}{'seconds':>9}"]
+    for opt, runs in grid.items():
+        for B, r in sorted(runs.items()):
+            lines.append(f"{opt:<10}{B:>6}{r['final_val_loss']:>11.4f}{r['best_val_loss']:>10.4f}"
+                         f"{r['steps']:>7}{r['elapsed_s']:>9.0f}")
+    return "\n".join(lines)
+
+
+def _finished(rc: DemoConfig) -> dict | None:
+    """The summary of a finished run with exactly rc's configuration in rc.out, else None."""
+    from .config import RUN_ONLY_KEYS
+    sj, cj = os.path.join(rc.out, "summary.json"), os.path.join(rc.out, "config.json")
+    if not (os.path.exists(sj) and os.path.exists(cj)):
+        return None
+    with open(cj) as fh:
+        saved = json.load(fh)
+    mine = asdict(rc)
+    if any(saved.get(k) != v for k, v in mine.items() if k not in RUN_ONLY_KEYS):
+        return None
+    with open(sj) as fh:
+        return json.load(fh)
+
+
+def _run(rc: DemoConfig, log) -> tuple[dict, dict]:
+    from .launch import launch
+    from .plots import read_metrics
+    from .rundir import check_out_dir, prepare_out_dir
+
+    done = _finished(rc)
+    if done is None:
+        check_out_dir(rc.out)
+        prepare_out_dir(rc.out, overwrite=True)
+        t = time.time()
+        done = launch(rc)
+        if done is None:
+            raise DemoError(f"run {rc.out} failed")
+        log(f"  {rc.label:<32} {rc.optimizer:<7} seed {rc.seed}: final val {done['final_val_loss']:.4f}, "
+            f"{done['steps']} steps, B {rc.initial_batch_size} -> {done['final_batch_size']} "
+            f"({time.time() - t:.0f}s)")
+    else:
+        log(f"  {rc.label:<32} {rc.optimizer:<7} seed {rc.seed}: reused ({done['final_val_loss']:.4f})")
+    return done, read_metrics(os.path.join(rc.out, "metrics.csv"))
+
+
+def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str) -> dict:
+    """The three runs of one seed: {"baseline", "euclidean", "adaptive"} -> DemoConfig with
+    its run folder under `folder` (the baseline of grid_seed is the grid's run at B0)."""
+    geom = base_cfg.resolved_geometry()
+    base_out = f"grid_B{B0}" if seed == grid_seed else f"const_B{B0}_seed{seed}"
+    return {
+        "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed,
+                            label=f"B={B0}", multiple_of=None, out=os.path.join(folder, base_out)),
+        "euclidean": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+                             geometry="l2", label="Euclidean GNS (l2)",
+                             out=os.path.join(folder, f"l2_seed{seed}")),
+        "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+                            label=f"Non-Euclidean GNS ({geom})",
+                            out=os.path.join(folder, f"{geom}_seed{seed}")),
+    }
+
+
+def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print) -> dict:
+    """The whole protocol into folder `top` (one sub-folder per run); writes paper.txt,
+    paper.json and paper_<optimizer>.png there and returns {"table", "grid_table", ...}."""
+    from .plots import plots_available
+    from .rundir import check_out_dir
+
+    top = check_out_dir(top)
+    t0 = time.time()
+    per_opt, grid_res, curves = {}, {}, {}
+    for opt in protocol.optimizers:
+        base_cfg = replace(cfg, optimizer=opt, geometry=None, theta=None, lr=None)
+        geom = base_cfg.resolved_geometry()
+        # 1. grid of constant batches, first seed
+        grid_res[opt], grid_metrics = {}, {}
+        for B in protocol.grid:
+            rc = replace(base_cfg, adaptive=False, initial_batch_size=B, seed=protocol.seeds[0],
+                         label=f"B={B}", multiple_of=None,
+                         out=os.path.join(top, opt, f"grid_B{B}"))
+            validate(rc)
+            grid_res[opt][B], grid_metrics[B] = _run(rc, log)
+        B0 = min(protocol.grid, key=lambda b: (grid_res[opt][b]["final_val_loss"], b))
+        log(f"{opt}: B_0 = {B0} (lowest final validation loss of the grid)")
+        # 2. baseline, l2 and geometry-matched adaptive runs per seed
+        seeds, curves[opt], seed_mets = [], {}, []
+        for seed in protocol.seeds:
+            runs = seed_configs(base_cfg, B0, seed, protocol.seeds[0], os.path.join(top, opt))
+            summ, mets = {}, {}
+            for k, rc in runs.items():
+                validate(rc)
+                summ[k], mets[k] = _run(rc, log)
+            row = seed_rows(mets)
+            row["final"] = {k: summ[k]["final_val_loss"] for k in runs}
+            row["steps"] = {k: summ[k]["steps"] for k in runs}
+            seeds.append(row)
+            curves[opt][seed] = {runs[k].label: mets[k] for k in runs}
+            seed_mets.append(mets)
+        add_closeness(seeds, seed_mets)
+        per_opt[opt] = {"B0": B0, "seeds": seeds, "seeds_used": list(protocol.seeds),
+                        "geometry": geom}
+    table = paper_table(per_opt)
+    gtable = grid_table(grid_res)
+    with open(os.path.join(top, "paper.txt"), "w") as fh:
+        fh.write(table + "\n\nB_0 grid (seed %d):\n" % protocol.seeds[0] + gtable + "\n")
+    with open(os.path.join(top, "paper.json"), "w") as fh:
+        json.dump({"per_optimizer": per_opt, "grid": {o: {str(b): r for b, r in g.items()}
+                                                      for o, g in grid_res.items()},
+                   "config": asdict(cfg), "protocol": asdict(protocol)}, fh, indent=1)
+    plots = []
+    if plots_available():
+        for opt in protocol.optimizers:
+            path = os.path.join(top, f"paper_{opt}.png")
+            plot_paper(curves[opt], path, title=f"{opt}: constant B_0={per_opt[opt]['B0']} vs "
+                       f"adaptive (Algorithm 1), {cfg.samples} sequences each, "
+                       f"{len(protocol.seeds)} seeds")
+            plots.append(path)
+    log(table)
+    log("\nB_0 grid:\n" + gtable)
+    log(f"protocol folder: {top} (paper.txt, paper.json, {', '.join(os.path.basename(p) for p in plots)}) "
+        f"in {time.time() - t0:.0f}s")
+    return {"table": table, "grid_table": gtable, "per_optimizer": per_opt, "plots": plots}
+
+
+def plot_paper(curves: dict[int, dict[str, dict]], path: str, title: str | None = None) -> str:
+    """Four panels: validation loss vs steps, validation loss vs samples, batch size vs
+    steps, batch size vs samples; curves[seed][label] = read_metrics(...); one colour per
+    label, one line per seed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    labels = []
+    for runs in curves.values():
+        for lab in runs:
+            if lab not in labels:
+                labels.append(lab)
+    for j, (seed, runs) in enumerate(curves.items()):
+        for lab, m in runs.items():
+            c = f"C{labels.index(lab)}"
+            pts = [(s, n, v) for s, n, v in zip(m["step"], m["samples"], m["val_loss"])
+                   if not math.isnan(v)]
+            kw = dict(color=c, alpha=0.85 if j == 0 else 0.45, lw=1.2,
+                      label=lab if j == 0 else None)
+            axes[0, 0].plot([p[0] + 1 for p in pts], [p[2] for p in pts], **kw)
+            axes[0, 1].plot([p[1] for p in pts], [p[2] for p in pts], **kw)
+            axes[1, 0].plot([s + 1 for s in m["step"]], m["batch_size"], drawstyle="steps-post", **kw)
+            axes[1, 1].plot(m["samples"], m["batch_size"], drawstyle="steps-post", **kw)
+    for ax in axes[0]:
+        ax.set_ylabel("validation loss (nats/byte)")
+        lo = min(min(v for v in m["val_loss"] if not math.isnan(v))
+                 for runs in curves.values() for m in runs.values())
+        ax.set_ylim(lo - 0.05, lo + 0.8)
+    for ax in axes[1]:
+        ax.set_ylabel("global batch size (sequences)")
+        ax.set_yscale("log", base=2)
+    for ax in axes[:, 0]:
+        ax.set_xlabel("optimizer steps")
+    for ax in axes[:, 1]:
+        ax.set_xlabel("samples (sequences)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,200 @@
+"""`--compare --preset paper-cpu`: the arithmetic of the Table 2 protocol (steps to reach the
+baseline's best validation loss, reduction, median with "not reached", seed spread, B_0
+choice), and a one-seed tiny-budget run of the whole protocol whose table is recomputed
+here from the runs' metrics.csv files. The effect itself is not tested (docs/demo.md)."""
+import csv
+import math
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+from gns_kernels.cli import main
+from gns_kernels.demo.config import DemoConfig, DemoError
+from gns_kernels.demo.presets import (PRESETS, Protocol, add_closeness, apply_preset,
+                                      median_with_missing,
+                                      paper_table, reduction, run_paper, seed_rows, spread,
+                                      steps_to_reach)
+
+nan = float("nan")
+
+
+def _m(vals, every=1):
+    return {"step": [float(i * every) for i in range(len(vals))],
+            "samples": [float(8 * (i * every + 1)) for i in range(len(vals))], "val_loss": vals}
+
+
+def test_steps_to_reach_counts_steps_taken_and_skips_nan():
+    m = _m([3.0, nan, 2.5, nan, 2.0, 2.1], every=5)   # logged at steps 0, 10, 20, 25
+    assert steps_to_reach(m, 2.5) == 11                 # step index 10 -> 11 steps taken
+    assert steps_to_reach(m, 2.0) == 21
+    assert steps_to_reach(m, 2.05) == 21
+    assert steps_to_reach(m, 1.99) is None
+    assert steps_to_reach(m, math.inf) == 1
+
+
+def test_reduction_percent():
+    assert reduction(200, 50) == pytest.approx(75.0)
+    assert reduction(200, 300) == pytest.approx(-50.0)
+    assert reduction(200, None) is None and reduction(None, 10) is None and reduction(0, 1) is None
+
+
+@pytest.mark.parametrize("values,expected", [
+    ([70.0, 10.0, 40.0], 40.0),
+    ([70.0, None, 40.0], 40.0),            # "not reached" ranks lowest: sorted None, 40, 70
+    ([None, None, 40.0], None),            # the median is a "not reached"
+    ([10.0, 30.0], 20.0),                  # even count: mean of the middle two
+    ([None, 30.0], None),                  # middle pair holds a "not reached"
+    ([None, 30.0, 50.0, 60.0], 40.0),
+    ([], None),
+])
+def test_median_with_missing(values, expected):
+    got = median_with_missing(values)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_spread_median_min_max():
+    assert spread([1.5, 1.2, 1.4]) == (1.4, 1.2, 1.5)
+    med, lo, hi = spread([1.0, 2.0, 4.0, 3.0])
+    assert (med, lo, hi) == (2.5, 1.0, 4.0)
+    assert all(math.isnan(v) for v in spread([nan]))
+
+
+def _seed(base, l2, geom):
+    row = seed_rows({"baseline": base, "euclidean": l2, "adaptive": geom})
+    row["final"] = {"baseline": [v for v in base["val_loss"] if not math.isnan(v)][-1],
+                    "euclidean": [v for v in l2["val_loss"] if not math.isnan(v)][-1],
+                    "adaptive": [v for v in geom["val_loss"] if not math.isnan(v)][-1]}
+    row["steps"] = {"baseline": len(base["step"]), "euclidean": len(l2["step"]),
+                    "adaptive": len(geom["step"])}
+    return row
+
+
+def test_seed_rows_and_table_arithmetic():
+    # seed 0: baseline best 1.50 at step index 9 (10 steps); l2 reaches it at 6 steps
+    # (40 %), the geometry run at 3 steps (70 %)
+    s0 = _seed(_m([3.0, 2.5, 2.2, 2.0, 1.8, 1.7, 1.6, 1.55, 1.52, 1.50]),
+               _m([3.0, 2.4, 2.0, 1.8, 1.6, 1.5, 1.49]),
+               _m([3.0, 2.0, 1.49, 1.48]))
+    assert s0["target"] == 1.50 and s0["base_steps"] == 10
+    assert s0["euclidean"] == {"steps": 6, "reduction": pytest.approx(40.0)}
+    assert s0["adaptive"] == {"steps": 3, "reduction": pytest.approx(70.0)}
+    # seed 1: baseline best 1.60 at index 4 (5 steps) then rises; l2 never; geometry 2 steps
+    s1 = _seed(_m([3.0, 2.0, 1.8, 1.7, 1.60, 1.62]),
+               _m([3.0, 2.0, 1.7]),
+               _m([3.0, 1.6, 1.65]))
+    assert s1["target"] == 1.60 and s1["base_steps"] == 5
+    assert s1["euclidean"]["steps"] is None and s1["euclidean"]["reduction"] is None
+    assert s1["adaptive"]["reduction"] == pytest.approx(60.0)
+    # seed 2: l2 reaches at 8 of 8 steps (0 %), geometry at 4 (50 %)
+    s2 = _seed(_m([3.0, 2.0, 1.9, 1.8, 1.7, 1.65, 1.62, 1.55]),
+               _m([3.0, 2.0, 1.9, 1.8, 1.7, 1.65, 1.62, 1.55]),
+               _m([3.0, 2.0, 1.7, 1.55, 1.56]))
+    assert s2["adaptive"]["reduction"] == pytest.approx(50.0)
+    table = paper_table({"signum": {"B0": 16, "seeds": [s0, s1, s2], "seeds_used": [0, 1, 2],
+                                    "geometry": "l1"}})
+    row = table.splitlines()[1]
+    # finals: baseline 1.50, 1.62, 1.55 -> median 1.55 [1.50, 1.62]; l2 1.49, 1.7, 1.55;
+    # geometry 1.48, 1.65, 1.56. Reductions: l2 {40, None, 0} -> median 0.00; geometry
+    # {70, 60, 50} -> 60.00
+    assert row.split() == ["signum", "16", "1.5500", "[1.5000,", "1.6200]", "1.5500", "[1.4900,",
+                           "1.7000]", "1.5600", "[1.4800,", "1.6500]", "0.00", "60.00"]
+    detail = [l for l in table.splitlines() if l.startswith("signum") and l.split()[1] == "1"][0]
+    assert detail.split()[2:4] == ["1.6000", "5"] and "-/" in detail
+
+
+def test_closeness_to_the_seed_spread_and_at_final_loss():
+    # baselines end at 1.50 and 1.60: the upper end of the spread is 1.60
+    b0 = _m([3.0, 2.0, 1.8, 1.7, 1.6, 1.55, 1.52, 1.50])     # 1.60 first at index 4 -> 5 steps
+    b1 = _m([3.0, 2.1, 1.9, 1.75, 1.68, 1.64, 1.61, 1.60])   # 1.60 at index 7 -> 8 steps
+    l2_0, g0 = _m([3.0, 1.9, 1.7, 1.65]), _m([3.0, 1.6, 1.58])
+    l2_1, g1 = _m([3.0, 1.8, 1.62]), _m([3.0, 1.7, 1.59, 1.55])
+    mets = [{"baseline": b0, "euclidean": l2_0, "adaptive": g0},
+            {"baseline": b1, "euclidean": l2_1, "adaptive": g1}]
+    seeds = [seed_rows(m) for m in mets]
+    add_closeness(seeds, mets)
+    assert seeds[0]["loose_target"] == 1.60 and seeds[0]["loose_base_steps"] == 5
+    assert seeds[1]["loose_base_steps"] == 8
+    # seed 0: l2 never <= 1.60; geometry at 2 steps -> (5 - 2) / 5 = 60 %
+    assert seeds[0]["euclidean"]["loose_steps"] is None
+    assert seeds[0]["adaptive"]["loose_reduction"] == pytest.approx(60.0)
+    # seed 1: geometry reaches 1.59 at 3 steps -> (8 - 3) / 8 = 62.5 %
+    assert seeds[1]["adaptive"]["loose_reduction"] == pytest.approx(62.5)
+    # at the run's final loss: l2 seed 0 ends at 1.65; baseline 0 first <= 1.65 at index 4
+    # (5 steps); the run took 4 steps -> 20 %
+    assert seeds[0]["euclidean"]["base_steps_to_final"] == 5
+    assert seeds[0]["euclidean"]["at_final"] == pytest.approx(20.0)
+    # geometry seed 1 ends at 1.55, below baseline 1's best: never reached by the baseline
+    assert seeds[1]["adaptive"]["base_steps_to_final"] is None
+    assert seeds[1]["adaptive"]["at_final"] is None
+
+
+def test_apply_preset_and_unknown_name():
+    cfg = apply_preset(DemoConfig(), "paper-cpu")
+    for k, v in PRESETS["paper-cpu"].items():
+        assert getattr(cfg, k) == v
+    assert cfg.bias_correction is False       # the paper's raw estimator
+    with pytest.raises(DemoError, match="unknown --preset 'nope'"):
+        apply_preset(DemoConfig(), "nope")
+
+
+def test_cli_rejects_unknown_preset(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["demo", "--compare", "--preset", "nope", "--out", str(tmp_path / "o")])
+    assert "--preset" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    std = sysconfig.get_paths()["stdlib"]
+    for n in ["argparse.py", "csv.py", "textwrap.py", "string.py", "fractions.py", "heapq.py",
+              "random.py", "shutil.py", "dataclasses.py", "enum.py", "functools.py"]:
+        shutil.copy(os.path.join(std, n), root / n)
+    return str(root)
+
+
+def _read(path):
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return ([int(r["step"]) for r in rows],
+            [float(r["val_loss"]) if r["val_loss"] else None for r in rows])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
+    # one optimizer, one seed, a 2-batch grid and 160 sequences: 4 launches
+    cfg = apply_preset(DemoConfig(), "paper-cpu")
+    cfg = DemoConfig(**{**cfg.__dict__, "dim": 16, "layers": 1, "heads": 2, "mlp": 32,
+                        "context": 16, "samples": 160, "val_windows": 8, "eval_every": 2,
+                        "every": 2, "warmup": 2, "corpus": small_corpus, "quiet": True})
+    res = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
+                    str(tmp_path / "p"), log=lambda m: None)
+    d = res["per_optimizer"]["signum"]
+    top = tmp_path / "p" / "signum"
+    finals = {}
+    for B in (8, 16):
+        steps, vals = _read(top / f"grid_B{B}" / "metrics.csv")
+        finals[B] = [v for v in vals if v is not None][-1]
+    assert d["B0"] == min((8, 16), key=lambda b: (round(finals[b], 6), b))
+    steps, vals = _read(top / f"grid_B{d['B0']}" / "metrics.csv")
+    logged = [(s, v) for s, v in zip(steps, vals) if v is not None]
+    target = min(v for _, v in logged)
+    base = next(s for s, v in logged if v <= target) + 1
+    s = d["seeds"][0]
+    assert s["target"] == pytest.approx(target) and s["base_steps"] == base
+    for kind, folder in (("euclidean", "l2_seed3"), ("adaptive", "l1_seed3")):
+        steps, vals = _read(top / folder / "metrics.csv")
+        reach = next((st + 1 for st, v in zip(steps, vals) if v is not None and v <= target), None)
+        assert s[kind]["steps"] == reach
+        want = None if reach is None else 100.0 * (base - reach) / base
+        assert s[kind]["reduction"] == (None if want is None else pytest.approx(want))
+    assert os.path.exists(tmp_path / "p" / "paper.txt")
+    with open(tmp_path / "p" / "paper_signum.png", "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    # a second call reuses every finished run (same table, no new launch)
+    again = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
+                      str(tmp_path / "p"), log=lambda m: None)
+    assert again["table"] == res["table"]
