@@ -31,8 +31,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "train a byte-level transformer with DDP, growing the batch by the GNS (Algorithm 1)",
     ),
     ("bench", "overhead"): (
-        "gns_kernels.demo.overhead",
-        "step-time overhead of the l1 and S1 GNS hooks under DDP (the paper's Table 9)",
+        "gns_kernels.benchmarks.overhead",
+        "step-time overhead of the l1 and S1 GNS hooks under DDP or FSDP2 (the paper's Table 9)",
     ),
 }
 

@@ -82,7 +82,7 @@ def test_fsdp2_tables_placement_rows_relative_to_their_own_baseline():
 
 
 def test_command_line_path(capsys):
-    """`gns-kernels bench overhead` reaches this command (through gns_kernels.demo.overhead)."""
+    """`gns-kernels bench overhead` reaches this command."""
     assert cli.main(["bench", "overhead", "--ranks", "1"]) == 2
     assert "--ranks: expected >= 2" in capsys.readouterr().err
 
