@@ -183,7 +183,7 @@ def test_noise_to_signal_1e4_needs_ieee(gen, case):
 
 
 def test_bf16_rounding_leaves_the_budget_but_bf16_inputs_are_exact(gen):
-    en, _, rho = _measurement(gen, 64, 96, 4, 0.1, False, "bf16")
+    en, _, rho = _measurement(gen, 64, 96, 4, 0.01, False, "bf16")  # rho ~ 1e4: errors ~1 (>= 1.2 in 40 seeds)
     assert P.gram_precision_rule(rho) == "ieee" and abs(en) > TOL
     assert P.gram_precision_rule(rho, torch.bfloat16) == "bf16"
     x = randn(gen, 33, 70).bfloat16().float()  # bf16 values: rounding them changes nothing
