@@ -18,19 +18,25 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   (mean x)^2), g = mean x + S), and the mean gradient is written back into the bucket.
 - nuclear: the bucket's gradients (float32 copy) followed by each measured matrix's local
   Gram (G^j - S)(G^j - S)^T on its smaller side (``spectral.gram``); after the all-reduce
-  ``spectral.nuclear_stats`` gives per-matrix tr(C^{1/2}) and ||G||_S1.
+  this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
+  the 2L sqrt-traces by cost, the same assignment on every rank: ``_share.py``), and after
+  the last bucket ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
+  every rank every value and the eigensolver report.
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP
 sums in the bucket dtype, so the two can differ by the rounding of that dtype; with a shift
 the float32 mean is (mean x) + S, which can differ from the unshifted mean in the last
 float32 bit). Per-bucket statistics are combined when the last bucket's all-reduce and
-all earlier ones have completed: the last bucket's future waits for all of them, and DDP
-waits for every bucket's future before ``backward()`` returns, so ``state.estimate`` is
-final when backward returns, and identical on every rank (every rank reduces the same
-numbers in the same order). Non-finite gradients on any rank reach every rank through the
-all-reduce: that measurement is invalid (valid=False) everywhere, and the gradients are
-the same NaN/inf ones plain DDP would produce; the next measurement starts afresh.
+all earlier ones have completed: the last bucket's future waits for all of them (and
+launches the nuclear share all-reduce), and DDP waits for every bucket's future before
+``backward()`` returns. Nothing on this path reads a device value on the host: validity
+flags and sums stay device tensors (on CUDA the nuclear solves run on a side stream), and
+``state.estimate`` turns them into the GNSEstimate on its first read (one synchronization
+per measurement), identical on every rank (every rank reduces the same numbers in the same
+order). Non-finite gradients on any rank reach every rank through the all-reduce: that
+measurement is invalid (valid=False) everywhere, and the gradients are the same NaN/inf
+ones plain DDP would produce; the next measurement starts afresh.
 
 Memory of a measurement step: one packed buffer in flight (2x the bucket's elements in
 float32 for l1/l2; the bucket's elements plus the Grams for nuclear, which exist
