@@ -224,6 +224,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
             "estimate_step": state.estimate_step,
             "est": est,
             "solved": solved,
+            "hints": state.eig_hints.state_dict() if measuring else None,
             "ref": _est_tuple(ref) if not isinstance(ref, str) and ref is not None else ref,
             "grad_vs_mean": max(float((p.grad.double() - m).abs().max()) for p, m in zip(hp, mean64)),
             "grad_scale": max(float(m.abs().max()) for m in mean64),

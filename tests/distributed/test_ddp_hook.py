@@ -223,6 +223,12 @@ def test_ranks_share_the_solves(request, world, name):
         assert sum(counts) == 2 * L, counts
         if world > 1:  # 3 matrices (Gram sides 13, 17, 5): no rank solves all 6
             assert max(counts) < 2 * L, counts
+        # the eigensolver hints (checkpointed) stay identical on every rank, and every
+        # measured shape has a report (each rank records the shared report of all matrices)
+        hints = [other[k]["hints"] for other in per_rank]
+        assert all(h == hints[0] for h in hints), hints
+        shapes = {"x".join(map(str, s)) for b in rec["buckets"] for s in b["shapes"] if len(s) == 2}
+        assert set(hints[0]) == shapes, (hints[0], shapes)
 
 
 def test_one_rank_one_sample_skips_or_raises():
