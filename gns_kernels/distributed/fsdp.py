@@ -483,6 +483,7 @@ class FSDPGNSHandle:
             self._ctx = None
             self._group = group
             if st.is_measurement_step() and st.accepts_samples(group.size()):
+                st._read_host_pending()  # an unread CPU measurement's hints apply to this one
                 self._ctx = _Measurement(st, group.size(), dist.get_rank(group=group))
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
             self._pending = True

@@ -209,9 +209,15 @@ class GNSHookState:
     def begin_sync(self, context=None) -> None:
         """Start of a synchronized backward: ``context`` is the hook's measurement in
         progress (None: this backward is not measured)."""
-        if context is not None and self._pending is not None and self._pending[5]:
-            self._materialize()  # host-side statistics: free to read; updates the hints
+        if context is not None:
+            self._read_host_pending()
         self._current = context
+
+    def _read_host_pending(self) -> None:
+        """Build the estimate of an unread measurement whose statistics are on the host
+        (free to read), so the eigensolver hints it reports apply to the next one."""
+        if self._pending is not None and self._pending[5]:
+            self._materialize()
 
     @property
     def sync_context(self):
@@ -347,6 +353,8 @@ class GNSHookState:
                 "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
+        if self._pending is not None:  # an unread measurement reports before the hints change
+            self._materialize()
         for key in ("step", "every", "batch_size", "geometry"):
             if key not in sd:
                 raise KeyError(f"state_dict: missing key {key!r}")
