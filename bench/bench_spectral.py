@@ -18,6 +18,22 @@ time (bench/RESULTS.md). Speed is reported as ratios; nothing here asserts a tim
 
     python bench/bench_spectral.py [--repeat 2] [--layers 12] [--ranks 2] [--json out.json]
 
+``--share``: instead, R gloo processes (one thread each) run one rank's whole nuclear
+measurement as the DDP hook does it, two paths interleaved (old, new, old, new, ...):
+  old  every rank solves all 2L sqrt-traces (spectral.nuclear_stats, bias-corrected, with
+       eigensolver hints, as the hook's default)
+  new  each rank solves its share (gns_kernels.distributed._share: LPT by k^3) and one
+       all-reduce of 3L float64 shares the results
+Both include the rank's local Grams and the all-reduce of all Grams (the same work in
+both paths); the mean gradient is reduced before the timed region (plain DDP does that).
+Per repetition the measurement's time is the slowest rank's; reported: best of --repeat
+per path, the ratio new / old per interleaved pair, the same for each rank's process CPU
+time (the work, insensitive to waiting for cores on a loaded machine), the Gram part's
+wall time, and the totals of both paths (they agree to rounding). The first pair pays the
+eigensolver's float32 attempts before the hints exist; later pairs are the steady state.
+
+    python bench/bench_spectral.py --share [--ranks 2] [--layers 12] [--repeat 2]
+
 The machine this was written on has 2 cores shared with other jobs: run it once or twice.
 """
 from __future__ import annotations
@@ -196,6 +212,114 @@ def flops(layers: int, R: int) -> dict:
     }
 
 
+def _share_rank(rank: int, world: int, folder: str, layers: int, B: float, repeat: int) -> None:
+    """One rank of --share (a spawned process): results to folder/rank{r}.json."""
+    import torch.distributed as dist
+
+    from gns_kernels.distributed._share import SolveShare
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}",
+                            rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(100 + rank)
+    local = [torch.randn(*s_, generator=g) for s_ in SHAPES_160M * layers]
+    means = [t.clone() for t in local]
+    for t in means:  # the gradient all-reduce of plain DDP: before the timed region
+        dist.all_reduce(t)
+        t.div_(world)
+    scale = B / (world - 1)
+    per_layer = len(SHAPES_160M)
+
+    part_s = {}
+
+    def grams():  # the rank's local Grams, then their all-reduce (both paths alike)
+        t0 = time.perf_counter()
+        gs = gk.gram(local)
+        flat = torch.cat([x.reshape(-1) for x in gs])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        out, q = [], 0
+        for x in gs:
+            out.append(flat[q:q + x.numel()].view(x.shape))
+            q += x.numel()
+        part_s["grams"] = time.perf_counter() - t0
+        return out
+
+    hints_old, hints_new = sp.EigHints(), sp.EigHints()
+
+    def old():
+        mg = grams()
+        n, s_ = sp.nuclear_stats(mg, means, scale=scale, bias_correction=True, num_samples=world,
+                                 batch_size=B, eig_hints=hints_old)
+        hints_old.apply()
+        return float(n.double().sum()), float(s_.double().sum())
+
+    def new():
+        mg = grams()
+        share = SolveShare(world, rank, scale, True, world, B, hints=hints_new)
+        for i in range(0, len(mg), per_layer):  # one part per layer, as DDP buckets
+            share.add_grads(mg[i:i + per_layer], means[i:i + per_layer], None)
+        share.launch(dist.group.WORLD, dist.all_reduce)
+        out = share.read()
+        hints_new.apply()
+        return out
+
+    rows = []
+    for _ in range(repeat):
+        for label, fn in (("old", old), ("new", new)):
+            dist.barrier()
+            c = time.process_time()
+            t = time.perf_counter()
+            val = fn()
+            dt = time.perf_counter() - t
+            rows.append({"path": label, "s": dt, "cpu_s": time.process_time() - c,
+                         "grams_s": part_s["grams"], "values": val})
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "rows": rows, "load_avg": os.getloadavg()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def share_bench(layers: int, world: int, B: float, repeat: int) -> dict:
+    """--share: the two paths on ``world`` gloo processes (module docstring)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="gns_share_") as folder:
+        mp.start_processes(_share_rank, args=(world, folder, layers, B, repeat), nprocs=world,
+                           join=True, start_method="spawn")
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    n_rows = len(ranks[0]["rows"])
+    # per repetition and path: the measurement ends when the slowest rank is done
+    slowest = [max(rk["rows"][i]["s"] for rk in ranks) for i in range(n_rows)]
+    paths = [ranks[0]["rows"][i]["path"] for i in range(n_rows)]
+    best = {p: min(t for t, q in zip(slowest, paths) if q == p) for p in ("old", "new")}
+    pairs = [slowest[i + 1] / slowest[i] for i in range(0, n_rows, 2)]
+    # CPU time of each rank's process (one thread): the work done, insensitive to waiting
+    # for the cores on a loaded machine
+    cpu = [max(rk["rows"][i]["cpu_s"] for rk in ranks) for i in range(n_rows)]
+    cpu_pairs = [cpu[i + 1] / cpu[i] for i in range(0, n_rows, 2)]
+    grams = [max(rk["rows"][i]["grams_s"] for rk in ranks) for i in range(n_rows)]
+    v_old = ranks[0]["rows"][0]["values"]
+    v_new = ranks[0]["rows"][1]["values"]
+    return {"layers": layers, "ranks": world, "matrices": len(SHAPES_160M) * layers,
+            "per_rep_slowest_rank_s": list(zip(paths, slowest)),
+            "per_rank_s": [[(row["path"], row["s"]) for row in rk["rows"]] for rk in ranks],
+            "old_best_s": best["old"], "new_best_s": best["new"],
+            "new_over_old_best": best["new"] / best["old"],
+            "new_over_old_per_pair": pairs,
+            "per_rep_max_cpu_s": list(zip(paths, cpu)), "cpu_new_over_old_per_pair": cpu_pairs,
+            "per_rep_grams_s": list(zip(paths, grams)),
+            "values_old": v_old, "values_new": v_new,
+            "rel_diff": [abs(a - b) / abs(b) for a, b in zip(v_new, v_old)],
+            "values_same_on_all_ranks": all(rk["rows"][1]["values"] == v_new for rk in ranks),
+            "load_avg_end": [rk["load_avg"] for rk in ranks]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
@@ -205,7 +329,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="64,128,256,512,768")
     ap.add_argument("--skip-eager64", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--share", action="store_true",
+                    help="ranks sharing the solves vs every rank solving all (gloo processes)")
     a = ap.parse_args(argv)
+    if a.share:
+        load0 = os.getloadavg()
+        res = share_bench(a.layers, a.ranks, a.batch_size, a.repeat)
+        res["load_avg_start"] = load0
+        print(json.dumps(res, indent=1))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     res: dict = {"threads": torch.get_num_threads(), "layers": a.layers, "ranks": a.ranks,
                  "load_avg_start": os.getloadavg()}
     grads = make_grads(a.layers, a.ranks)

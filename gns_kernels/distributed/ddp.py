@@ -18,19 +18,25 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   (mean x)^2), g = mean x + S), and the mean gradient is written back into the bucket.
 - nuclear: the bucket's gradients (float32 copy) followed by each measured matrix's local
   Gram (G^j - S)(G^j - S)^T on its smaller side (``spectral.gram``); after the all-reduce
-  ``spectral.nuclear_stats`` gives per-matrix tr(C^{1/2}) and ||G||_S1.
+  this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
+  the 2L sqrt-traces by cost, the same assignment on every rank: ``_share.py``), and after
+  the last bucket ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
+  every rank every value and the eigensolver report.
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP
 sums in the bucket dtype, so the two can differ by the rounding of that dtype; with a shift
 the float32 mean is (mean x) + S, which can differ from the unshifted mean in the last
 float32 bit). Per-bucket statistics are combined when the last bucket's all-reduce and
-all earlier ones have completed: the last bucket's future waits for all of them, and DDP
-waits for every bucket's future before ``backward()`` returns, so ``state.estimate`` is
-final when backward returns, and identical on every rank (every rank reduces the same
-numbers in the same order). Non-finite gradients on any rank reach every rank through the
-all-reduce: that measurement is invalid (valid=False) everywhere, and the gradients are
-the same NaN/inf ones plain DDP would produce; the next measurement starts afresh.
+all earlier ones have completed: the last bucket's future waits for all of them (and
+launches the nuclear share all-reduce), and DDP waits for every bucket's future before
+``backward()`` returns. Nothing on this path reads a device value on the host: validity
+flags and sums stay device tensors (on CUDA the nuclear solves run on a side stream), and
+``state.estimate`` turns them into the GNSEstimate on its first read (one synchronization
+per measurement), identical on every rank (every rank reduces the same numbers in the same
+order). Non-finite gradients on any rank reach every rank through the all-reduce: that
+measurement is invalid (valid=False) everywhere, and the gradients are the same NaN/inf
+ones plain DDP would produce; the next measurement starts afresh.
 
 Memory of a measurement step: one packed buffer in flight (2x the bucket's elements in
 float32 for l1/l2; the bucket's elements plus the Grams for nuclear, which exist
@@ -48,7 +54,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
-from ._stats import nuclear_stats_or_nan
+from ._share import SolveShare
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -69,7 +75,7 @@ def _default_allreduce(group, buf: Tensor) -> torch.futures.Future:
 class _Measurement:
     """Statistics of one measurement backward (one per measured optimizer step)."""
 
-    def __init__(self, state: GNSHookState, world: int, num_samples: int):
+    def __init__(self, state: GNSHookState, world: int, num_samples: int, rank: int = 0):
         self.state = state
         self.world = world
         self.num_samples = num_samples
@@ -79,19 +85,52 @@ class _Measurement:
         self.pending = None  # future of the last measured bucket (bounds packs in flight)
         self.futures: list = []
         self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
-        self.nuc: dict[int, tuple] = {}  # bucket index -> (noise Tensor[L], signal Tensor[L])
+        # nuclear: the ranks share the sqrt-trace solves (_share.py)
+        self.share = SolveShare(world, rank, self.scale, state.bias_correction, num_samples,
+                                float(state.batch_size), hints=state.eig_hints)
 
-    def finish(self) -> None:
+    def solve_nuclear(self, mean_grams, mean_grads, shifts) -> None:
+        """A bucket's reduced statistics: this rank solves its share of the bucket's
+        sqrt-traces (on CUDA on a side stream); no host synchronization."""
+        self.share.add_grads(mean_grams, mean_grads, shifts)
+
+    def finish(self, group) -> None:
+        """After the last bucket: nuclear -- the share all-reduce is launched (not waited
+        for); the estimate is built from device tensors on its first read."""
         st = self.state
         if st.geometry == "nuclear":
-            parts = [self.nuc[i] for i in sorted(self.nuc)]
-            noise = sum(float(n.double().sum()) for n, _ in parts) if parts else 0.0
-            signal = sum(float(s.double().sum()) for _, s in parts) if parts else 0.0
-            st.record_measurement(self.num_samples, None, noise, signal, self.step)
+            self.share.launch(group, dist.all_reduce)
+            reader = _ShareReader(self.share)
+            st.record_measurement(self.num_samples, None, reader.noise, reader.signal, self.step)
         else:
             terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
             total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
             st.record_measurement(self.num_samples, total, None, None, self.step)
+
+
+class _ShareReader:
+    """noise() / signal(): the totals of a SolveShare, read once (callables for
+    GNSHookState.record_measurement)."""
+
+    def __init__(self, share: SolveShare):
+        self.share = share
+        self.values = None
+        dev = share.device
+        self.noise = _Value(self, 0, dev)
+        self.signal = _Value(self, 1, dev)
+
+
+class _Value:
+    def __init__(self, reader: _ShareReader, i: int, device):
+        self.reader = reader
+        self.i = i
+        self.device_type = device.type if device is not None else "cpu"
+
+    def __call__(self) -> float:
+        r = self.reader
+        if r.values is None:
+            r.values = r.share.read()
+        return r.values[self.i]
 
 
 def _segments(bucket, state: GNSHookState):
@@ -217,11 +256,9 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
             mean_grads.append(G if s is None else G - s.float())  # D = G - S (shifted mean)
             shifts.append(s)
         any_shift = any(s is not None for s in shifts)
-        # non-finite gradients on some rank: nan, this measurement is invalid everywhere
-        ctx.nuc[index] = nuclear_stats_or_nan(
-            mean_grams, mean_grads, shifts if any_shift else None, ctx.scale,
-            st.bias_correction, ctx.num_samples, float(st.batch_size),
-            hints=st.eig_hints)
+        # this rank's share of the solves; non-finite gradients on some rank give nan
+        # statistics: this measurement is invalid everywhere
+        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None)
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])
@@ -245,7 +282,7 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
             world = group.size()
             samples = world * (micro.count if micro is not None else 1)
             if state.accepts_samples(samples):
-                ctx = _Measurement(state, world, samples)
+                ctx = _Measurement(state, world, samples, dist.get_rank(group=group))
                 ctx.micro = micro
         state.begin_sync(ctx)
     ctx: Optional[_Measurement] = state.sync_context
@@ -288,10 +325,10 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
     state.end_sync()
     futures = list(ctx.futures)
 
-    def _finalize(all_done, buf=buf, ctx=ctx):
+    def _finalize(all_done, buf=buf, ctx=ctx, group=group):
         for f in all_done.value():
             f.value()  # re-raise a failure of any bucket
-        ctx.finish()
+        ctx.finish(group)  # nuclear: launches the share all-reduce (before backward returns)
         return buf
 
     return torch.futures.collect_all(futures).then(_finalize)

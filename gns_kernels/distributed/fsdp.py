@@ -53,10 +53,13 @@ Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 
     dim 1 instead and every measured matrix is natural (no extra payload).
   Right after the group's reduce-scatter ONE all-reduce of the group's local Grams and
   mean-gradient Gram partials (two k x k float32 matrices per measured matrix,
-  k = min(m, n)) finishes its statistics: ``spectral.nuclear_stats_from_grams(mean_grams,
-  mean_grad_grams, ...)`` gives tr(C^{1/2}) and ||G||_S1 per matrix, identical on every
-  rank, and only their sums are kept, so the Grams of one param group (one layer) are
-  alive at a time, not the whole model's (the paper's Table 10: O(m_l^2) per layer).
+  k = min(m, n)) gives every rank the reduced Grams; each rank then solves only its share
+  of the group's sqrt-traces tr(C^{1/2}) and ||G||_S1 (``spectral.
+  nuclear_stats_from_grams_select``; which rank solves what is decided by cost, the same
+  on every rank) and keeps 3 numbers per matrix, so the Grams of one param group (one
+  layer) are alive at a time, not the whole model's (the paper's Table 10: O(m_l^2) per
+  layer). After the last group one all-reduce of those numbers gives every rank all of
+  them (identical on every rank).
   Bias correction uses the dimension not on the Gram side (from the parameter shape),
   as ``ddp_gns_hook`` does.
 
@@ -85,7 +88,14 @@ bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
 
 Collectives of a measurement step: one reduce-scatter per param group (as plain FSDP2,
 larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
-all-reduce of the group's Grams per param group with measured matrices.
+all-reduce of the group's Grams per param group with measured matrices, and one
+all-reduce of 3L float64 per step (L measured matrices): every rank holds all the reduced
+Grams but solves only its share of the 2L sqrt-traces (noise and signal per matrix,
+assigned by cost k^3, the same on every rank), and that all-reduce shares the results
+and the eigensolver report (gns_kernels.distributed._share). The Grams themselves are
+still all-reduced, not reduce-scattered to their solving rank: each rank receives every
+Gram. No value is read on the host inside the backward: the statistics stay device
+tensors until ``state.estimate`` is first read.
 
 Memory of a measurement step: the packed input (2x the group's padded unsharded gradient
 for l1/l2, float32; with a float32 reduce dtype FSDP's own input buffer is allocated as
@@ -110,6 +120,8 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ._share import SolveShare
+from .ddp import _ShareReader
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -124,24 +136,21 @@ def _fsdp_api():
     return FSDPModule, ReduceScatter
 
 
-_CLASS: list = []
+_REGISTERED: list = []
 
 
 def _reduce_scatter_class():
-    """GNSReduceScatter, defined on first use: subclassing torch's ReduceScatter imports
-    torch.distributed.fsdp (seconds), which ``import gns_kernels`` should not pay."""
-    if not _CLASS:
-        _CLASS.append(_define_reduce_scatter(_fsdp_api()[1]))
-    return _CLASS[0]
+    """GNSReduceScatter, registered (once, on first use) as a virtual subclass of torch's
+    FSDP2 ``ReduceScatter`` ABC, so ``isinstance(rs, ReduceScatter)`` holds. FSDP2 itself
+    only duck-types the object (it calls ``allocate`` and ``__call__``); the class is not a
+    real subclass so that ``import gns_kernels`` does not import torch.distributed.fsdp
+    (seconds)."""
+    if not _REGISTERED:
+        _fsdp_api()[1].register(GNSReduceScatter)
+        _REGISTERED.append(True)
+    return GNSReduceScatter
 
 
-def __getattr__(name: str):
-    if name == "GNSReduceScatter":
-        return _reduce_scatter_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# --------------------------------------------------------------------------- layout
 class _Seg:
     """One parameter's block inside every chunk of the reduce-scatter input."""
 
@@ -219,228 +228,223 @@ def _offsets(ks):
 class _Measurement:
     """Statistics of one measured synchronized backward (all param groups)."""
 
-    def __init__(self, state: GNSHookState, world: int):
+    def __init__(self, state: GNSHookState, world: int, rank: int = 0):
         self.state = state
         self.world = world
         self.scale = float(state.batch_size) / (world - 1)
         self.step = state.step
         self.l_terms: Optional[Tensor] = None  # float64 [4] on the gradients' device
         self.device: Optional[torch.device] = None  # of the first reduce-scatter input
-        self.nuc_noise = 0.0  # sum over the reduced matrices of tr(C^{1/2}) (nuclear)
-        self.nuc_signal = 0.0  # sum of ||G||_S1
+        # nuclear: the ranks share the sqrt-trace solves of the reduced Grams (_share.py)
+        self.share = SolveShare(world, rank, self.scale, state.bias_correction, world,
+                                float(state.batch_size), hints=state.eig_hints)
 
     def finish(self, group) -> None:
+        """After the last param group: the step's one small all-reduce (l1/l2: the four
+        sums; nuclear: the shared sqrt-traces), launched without a host read; the estimate
+        is built on its first read."""
         st = self.state
         if st.geometry != "nuclear":
             # per-rank sums over its shards -> totals: the step's one small all-reduce
             terms = self.l_terms if self.l_terms is not None else torch.zeros(
                 4, dtype=torch.float64, device=self.device)
             dist.all_reduce(terms, group=group)
-            terms = terms.cpu()
             st.record_measurement(self.world, terms, None, None, self.step)
             return
-        # nuclear: every param group finished its matrices after its reduce-scatter
-        st.record_measurement(self.world, None, self.nuc_noise, self.nuc_signal, self.step)
+        # nuclear: every param group solved its share after its Gram all-reduce
+        self.share.launch(group, dist.all_reduce)
+        reader = _ShareReader(self.share)
+        st.record_measurement(self.world, None, reader.noise, reader.signal, self.step)
 
 
-def _define_reduce_scatter(base):
-    class GNSReduceScatter(base):
-        """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
+class GNSReduceScatter:
+    """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
 
-        One per FSDP2 param group (made by ``attach_fsdp_gns``). ``allocate`` and the
-        reduce-scatter of other steps are those of ``inner`` (the object installed before,
-        FSDP's default). See the module docstring for the measurement.
-        """
+    One per FSDP2 param group (made by ``attach_fsdp_gns``). ``allocate`` and the
+    reduce-scatter of other steps are those of ``inner`` (the object installed before,
+    FSDP's default). See the module docstring for the measurement.
+    """
 
-        def __init__(self, handle: "FSDPGNSHandle", param_group, inner):
-            super().__init__()
-            self._handle = handle
-            self._param_group = param_group
-            self.inner = inner
-            self._stash: Optional[Tensor] = None  # 2n float32 buffer whose first n FSDP fills
-            self._stash_output_seen = False
-            # the FSDPParams FSDP2 reduces in this backward (those with a gradient), noted by
-            # the param group's post_backward just before it calls foreach_reduce
-            self.with_grad: Optional[list] = None
+    def __init__(self, handle: "FSDPGNSHandle", param_group, inner):
+        super().__init__()
+        self._handle = handle
+        self._param_group = param_group
+        self.inner = inner
+        self._stash: Optional[Tensor] = None  # 2n float32 buffer whose first n FSDP fills
+        self._stash_output_seen = False
+        # the FSDPParams FSDP2 reduces in this backward (those with a gradient), noted by
+        # the param group's post_backward just before it calls foreach_reduce
+        self.with_grad: Optional[list] = None
 
-        def allocate(self, size, *, dtype, device):
-            """FSDP2 allocates the reduce-scatter input, then the output, then calls us.
-            On an l1/l2 measurement step with a float32 reduce dtype the input is handed
-            out as the first half of a 2n float32 buffer, so the packed [x_r, x_r^2]
-            layout is built in place (no copy of x: the squares are the only extra)."""
-            if self._stash is not None and not self._stash_output_seen:
-                self._stash_output_seen = True  # FSDP's output buffer
-                return self.inner.allocate(size, dtype=dtype, device=device)
-            self._stash = None
-            h = self._handle
-            if (h.reuse_input and dtype == torch.float32 and len(size) == 1
-                    and h.state.geometry != "nuclear" and h._will_measure()):
-                n = int(size[0])
-                self._stash = torch.empty(2 * n, dtype=torch.float32, device=device)
-                self._stash_output_seen = False
-                return self._stash[:n]
+    def allocate(self, size, *, dtype, device):
+        """FSDP2 allocates the reduce-scatter input, then the output, then calls us.
+        On an l1/l2 measurement step with a float32 reduce dtype the input is handed
+        out as the first half of a 2n float32 buffer, so the packed [x_r, x_r^2]
+        layout is built in place (no copy of x: the squares are the only extra)."""
+        if self._stash is not None and not self._stash_output_seen:
+            self._stash_output_seen = True  # FSDP's output buffer
             return self.inner.allocate(size, dtype=dtype, device=device)
+        self._stash = None
+        h = self._handle
+        if (h.reuse_input and dtype == torch.float32 and len(size) == 1
+                and h.state.geometry != "nuclear" and h._will_measure()):
+            n = int(size[0])
+            self._stash = torch.empty(2 * n, dtype=torch.float32, device=device)
+            self._stash_output_seen = False
+            return self._stash[:n]
+        return self.inner.allocate(size, dtype=dtype, device=device)
 
-        # FSDP2 calls this once per param group per synchronized backward
-        def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
-            ctx = self._handle._begin(group)
-            if ctx is None:
-                return self.inner(output_tensor, input_tensor, group, op, async_op)
-            return self._measure(ctx, output_tensor, input_tensor, group, op)
+    # FSDP2 calls this once per param group per synchronized backward
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
+        ctx = self._handle._begin(group)
+        if ctx is None:
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+        return self._measure(ctx, output_tensor, input_tensor, group, op)
 
-        # ------------------------------------------------------------------ internals
-        def _fsdp_params(self, input_numel: int, world: int):
-            """The FSDPParams this input holds: the whole group when the sizes add up (every
-            parameter got a gradient), else those noted with a gradient (``with_grad``,
-            FSDP2's ``fsdp_params_with_grad``), checked against the input size."""
-            fps = self._param_group.fsdp_params
-            for cand in (fps, self.with_grad):
-                if cand is not None and sum(
-                        torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
-                    return cand
-            raise RuntimeError(
-                "attach_fsdp_gns: could not match the reduce-scatter input "
-                f"({input_numel} elements) to the parameters of FSDP param group "
-                f"{self._param_group._module_fqn!r}")
+    # ------------------------------------------------------------------ internals
+    def _fsdp_params(self, input_numel: int, world: int):
+        """The FSDPParams this input holds: the whole group when the sizes add up (every
+        parameter got a gradient), else those noted with a gradient (``with_grad``,
+        FSDP2's ``fsdp_params_with_grad``), checked against the input size."""
+        fps = self._param_group.fsdp_params
+        for cand in (fps, self.with_grad):
+            if cand is not None and sum(
+                    torch.Size(fp.padded_sharded_param_size).numel() for fp in cand) * world == input_numel:
+                return cand
+        raise RuntimeError(
+            "attach_fsdp_gns: could not match the reduce-scatter input "
+            f"({input_numel} elements) to the parameters of FSDP param group "
+            f"{self._param_group._module_fqn!r}")
 
-        def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
-            st = ctx.state
-            R = ctx.world
-            pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
-            a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
-            if op == dist.ReduceOp.SUM:
-                op_mult = 1.0
-            elif op == dist.ReduceOp.AVG:
-                op_mult = 1.0 / R
-            elif op == dist.ReduceOp.PREMUL_SUM:
-                factor = self._param_group.gradient_divide_factor
-                if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
-                    raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
-                                       "divide factor on the param group; cannot recover the mean")
-                op_mult = 1.0 / float(factor)
+    def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
+        st = ctx.state
+        R = ctx.world
+        pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
+        a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
+        if op == dist.ReduceOp.SUM:
+            op_mult = 1.0
+        elif op == dist.ReduceOp.AVG:
+            op_mult = 1.0 / R
+        elif op == dist.ReduceOp.PREMUL_SUM:
+            factor = self._param_group.gradient_divide_factor
+            if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
+                raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
+                                   "divide factor on the param group; cannot recover the mean")
+            op_mult = 1.0 / float(factor)
+        else:
+            raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
+                               "(expected SUM, AVG or PREMUL_SUM)")
+        mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
+
+        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
+        if chunk * R != inp.numel() or output.numel() != chunk:
+            raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
+                               f"do not match the param group's layout ({chunk} per rank)")
+        if not any(seg.measured for seg in segs):  # nothing to measure in this group
+            return self.inner(output, inp, group, op, False)
+        x = inp.view(R, chunk)
+        if ctx.device is None:
+            ctx.device = inp.device
+        if st.geometry == "nuclear":
+            return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
+
+        # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
+        stash, self._stash = self._stash, None
+        if (stash is not None and inp.dtype == torch.float32 and stash.numel() == 2 * inp.numel()
+                and inp.data_ptr() == stash.data_ptr()):
+            # in place: move x_r to 2r*chunk (last first: targets never overlap unmoved
+            # sources), then square into the gaps
+            for r in range(R - 1, 0, -1):
+                stash[2 * r * chunk:(2 * r + 1) * chunk].copy_(stash[r * chunk:(r + 1) * chunk])
+            pack = stash.view(R, 2 * chunk)
+            torch.mul(pack[:, :chunk], pack[:, :chunk], out=pack[:, chunk:])
+            self._handle.packed_in_place += 1
+        else:
+            pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
+            for r in range(R):
+                ops.square_pack(x[r], pack[r])
+        del stash
+        out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
+        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        del pack
+        output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
+        out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
+        ds, qs = [], []
+        for seg in segs:
+            if seg.measured:
+                ds.append(out[seg.offset:seg.offset + seg.numel])
+                qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
+        if ds:
+            terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
+            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
+                terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64, device=terms.device)
+            ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
+        return work
+
+    def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
+        R = ctx.world
+        dev = x.device
+        mats = [s for s in segs if s.measured]
+        pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
+        pack[:, :chunk].copy_(x)
+        # this group's Grams, one flat buffer: per matrix [local Gram / R, mean-Gram partial]
+        ks = [min(s_.shape) for s_ in mats]
+        flat = torch.empty(sum(2 * k * k for k in ks), dtype=torch.float32, device=dev)
+        q = 0
+        for seg, k in zip(mats, ks):
+            blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
+            m, n = seg.shape
+            if seg.natural:
+                # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
+                G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
             else:
-                raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
-                                   "(expected SUM, AVG or PREMUL_SUM)")
-            mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
-
-            segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
-            if chunk * R != inp.numel() or output.numel() != chunk:
-                raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
-                                   f"do not match the param group's layout ({chunk} per rank)")
-            if not any(seg.measured for seg in segs):  # nothing to measure in this group
-                return self.inner(output, inp, group, op, False)
-            x = inp.view(R, chunk)
-            if ctx.device is None:
-                ctx.device = inp.device
-            if st.geometry == "nuclear":
-                return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
-
-            # ---- l1 / l2: chunk r of the pack = [x_r, x_r^2]
-            stash, self._stash = self._stash, None
-            if (stash is not None and inp.dtype == torch.float32 and stash.numel() == 2 * inp.numel()
-                    and inp.data_ptr() == stash.data_ptr()):
-                # in place: move x_r to 2r*chunk (last first: targets never overlap unmoved
-                # sources), then square into the gaps
-                for r in range(R - 1, 0, -1):
-                    stash[2 * r * chunk:(2 * r + 1) * chunk].copy_(stash[r * chunk:(r + 1) * chunk])
-                pack = stash.view(R, 2 * chunk)
-                torch.mul(pack[:, :chunk], pack[:, :chunk], out=pack[:, chunk:])
-                self._handle.packed_in_place += 1
-            else:
-                pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
+                # this rank's full local gradient (float32 copy, transient), then the blocks
+                # along the other dimension go into the extra part of every chunk
+                if seg.dim == 0:
+                    full = blocks.reshape(R * seg.block[0], n)[:m]
+                else:
+                    full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
+                G = spectral.gram([full], side=seg.side)[0]
+                eb = seg.extra_block
+                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
+                dst.zero_()
+                want = 1 if seg.side == "row" else 0
+                step = eb[want]
                 for r in range(R):
-                    ops.square_pack(x[r], pack[r])
-            del stash
-            out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
-            work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
-            del pack
-            output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
-            out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
-            ds, qs = [], []
-            for seg in segs:
-                if seg.measured:
-                    ds.append(out[seg.offset:seg.offset + seg.numel])
-                    qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
-            if ds:
-                terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
-                if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
-                    terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64, device=terms.device)
-                ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
+                    lo = min(r * step, full.shape[want])
+                    hi = min(lo + step, full.shape[want])
+                    if hi > lo:
+                        dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
+                del full
+            torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])  # sums to mean_j G^jT G^j
+            del G
+            q += 2 * k * k
+        out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
+        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        del pack
+        output.copy_(out[:chunk].view_as(output))
+        if not mats:
             return work
+        f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
+        q = 0
+        for seg, k in zip(mats, ks):
+            if seg.natural:
+                Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
+            else:
+                Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
+            P = spectral.gram([Dr], side=seg.side)[0]
+            torch.mul(P.view(-1), f * f, out=flat[q + k * k:q + 2 * k * k])  # sums to D^T D or D D^T
+            q += 2 * k * k
+        del out
+        # the group's one small all-reduce: local Grams and mean-Gram partials together
+        dist.all_reduce(flat, group=group)
+        mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
+        dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
+        # this rank's share of the group's sqrt-traces; non-finite gradients on some rank
+        # give nan statistics: the measurement is invalid everywhere
+        ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats])
+        return work
 
-        def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
-            R = ctx.world
-            dev = x.device
-            mats = [s for s in segs if s.measured]
-            pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
-            pack[:, :chunk].copy_(x)
-            # this group's Grams, one flat buffer: per matrix [local Gram / R, mean-Gram partial]
-            ks = [min(s_.shape) for s_ in mats]
-            flat = torch.empty(sum(2 * k * k for k in ks), dtype=torch.float32, device=dev)
-            q = 0
-            for seg, k in zip(mats, ks):
-                blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
-                m, n = seg.shape
-                if seg.natural:
-                    # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
-                    G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
-                else:
-                    # this rank's full local gradient (float32 copy, transient), then the blocks
-                    # along the other dimension go into the extra part of every chunk
-                    if seg.dim == 0:
-                        full = blocks.reshape(R * seg.block[0], n)[:m]
-                    else:
-                        full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
-                    G = spectral.gram([full], side=seg.side)[0]
-                    eb = seg.extra_block
-                    dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
-                    dst.zero_()
-                    want = 1 if seg.side == "row" else 0
-                    step = eb[want]
-                    for r in range(R):
-                        lo = min(r * step, full.shape[want])
-                        hi = min(lo + step, full.shape[want])
-                        if hi > lo:
-                            dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
-                    del full
-                torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])  # sums to mean_j G^jT G^j
-                del G
-                q += 2 * k * k
-            out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
-            work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
-            del pack
-            output.copy_(out[:chunk].view_as(output))
-            if not mats:
-                return work
-            f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
-            q = 0
-            for seg, k in zip(mats, ks):
-                if seg.natural:
-                    Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
-                else:
-                    Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
-                P = spectral.gram([Dr], side=seg.side)[0]
-                torch.mul(P.view(-1), f * f, out=flat[q + k * k:q + 2 * k * k])  # sums to D^T D or D D^T
-                q += 2 * k * k
-            del out
-            # the group's one small all-reduce: local Grams and mean-Gram partials together
-            dist.all_reduce(flat, group=group)
-            mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
-            dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
-            if bool(torch.isfinite(flat).all()):
-                st = ctx.state
-                noise, signal = spectral.nuclear_stats_from_grams(
-                    mean_grams, dd, scale=ctx.scale, bias_correction=st.bias_correction,
-                    num_samples=R, batch_size=float(st.batch_size), shapes=[s_.shape for s_ in mats],
-                    eig_hints=st.eig_hints)
-                ctx.nuc_noise += float(noise.double().sum())
-                ctx.nuc_signal += float(signal.double().sum())
-            else:  # non-finite gradients on some rank: this measurement is invalid everywhere
-                ctx.nuc_noise = ctx.nuc_signal = float("nan")
-            return work
-
-    GNSReduceScatter.__qualname__ = "GNSReduceScatter"
-    return GNSReduceScatter
 
 
 # --------------------------------------------------------------------------- attach
@@ -479,7 +483,8 @@ class FSDPGNSHandle:
             self._ctx = None
             self._group = group
             if st.is_measurement_step() and st.accepts_samples(group.size()):
-                self._ctx = _Measurement(st, group.size())
+                st._read_host_pending()  # an unread CPU measurement's hints apply to this one
+                self._ctx = _Measurement(st, group.size(), dist.get_rank(group=group))
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
             self._pending = True
         elif self._group is not group and self._ctx is not None and group.size() != self._ctx.world:

@@ -225,7 +225,7 @@ class MicroBatchGNS(GNSHookState):
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
                                                      A, float(self._batch_size),
                                                      hints=self.eig_hints)
-                n, s = float(noise.double().sum()), float(signal.double().sum())
+                n, s = noise.double().sum(), signal.double().sum()  # read with the estimate
             else:
                 n = s = float("nan")
             self.record_measurement(A, None, n, s, self.step)

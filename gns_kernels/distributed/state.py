@@ -14,7 +14,12 @@ estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
   (the measured subset; nuclear uses its 2-D members only), ``shift`` and
   ``process_group``.
 - ``estimate``: the GNSEstimate of the last measurement (None before the first),
-  identical on every rank; ``estimate_step``: the k it was measured at.
+  identical on every rank; ``estimate_step``: the k it was measured at. The hooks leave
+  the statistics of a measurement as device tensors (no host synchronization inside the
+  backward); they are turned into the GNSEstimate on the first read of ``estimate``: one
+  synchronization per measurement, paid by the reader. (A measurement on the CPU that was
+  never read is materialized when the next one starts, so the eigensolver hints it
+  reports are in effect for it.)
 
 Shift: var = mean_j (g^j - S)^2 - (g - S)^2 holds algebraically for any S
 identical on all ranks. ``shift`` may be
@@ -138,7 +143,8 @@ class GNSHookState:
         self.process_group = process_group
         self.bias_correction = bool(bias_correction)
         self._step = 0
-        self.estimate = None
+        self._estimate = None
+        self._pending = None  # statistics of the last measurement, not yet read
         self.estimate_step: Optional[int] = None
         self._last_mean: dict[int, Tensor] = {}  # id(param) -> float32 mean gradient (shift="last")
         self._current = None  # per-backward measurement context (ddp.py)
@@ -203,7 +209,15 @@ class GNSHookState:
     def begin_sync(self, context=None) -> None:
         """Start of a synchronized backward: ``context`` is the hook's measurement in
         progress (None: this backward is not measured)."""
+        if context is not None:
+            self._read_host_pending()
         self._current = context
+
+    def _read_host_pending(self) -> None:
+        """Build the estimate of an unread measurement whose statistics are on the host
+        (free to read), so the eigensolver hints it reports apply to the next one."""
+        if self._pending is not None and self._pending[5]:
+            self._materialize()
 
     @property
     def sync_context(self):
@@ -218,19 +232,59 @@ class GNSHookState:
 
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
                            nuc_signal, step: int) -> None:
-        """Turn the summed statistics of the measurement of optimizer step ``step`` into
-        ``estimate`` (identical on every rank) and set ``estimate_step`` = ``step``.
+        """Record the summed statistics of the measurement of optimizer step ``step``:
+        ``estimate`` (identical on every rank) is built from them on its first read, and
+        ``estimate_step`` = ``step`` now.
 
         l_terms: float64 Tensor[4], [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] over
             the measured parameters (l1 / l2; None for nuclear);
         nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
             (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear).
+        Each may be a number, a tensor on any device (read, all together, on the first read
+        of ``estimate``: the one host synchronization of the measurement) or a callable
+        returning one (called then; e.g. one that waits for a collective).
         The estimate carries ``step`` as well when GNSEstimate has a ``step`` field.
         """
-        self._finish(num_samples, l_terms, nuc_noise, nuc_signal, step)
-        est = self.estimate
+        host = all(not (isinstance(v, Tensor) and v.device.type != "cpu")
+                   and getattr(v, "device_type", "cpu") == "cpu"
+                   for v in (l_terms, nuc_noise, nuc_signal))
+        self._pending = (num_samples, l_terms, nuc_noise, nuc_signal, step, host)
+        self.estimate_step = step
+
+    @property
+    def estimate(self):
+        """The GNSEstimate of the last measurement (None before the first); built from the
+        recorded statistics on first read (one host synchronization per measurement)."""
+        if self._pending is not None:
+            self._materialize()
+        return self._estimate
+
+    @estimate.setter
+    def estimate(self, value) -> None:
+        self._pending = None
+        self._estimate = value
+
+    def _materialize(self) -> None:
+        num_samples, l_terms, noise, signal, step, _ = self._pending
+        self._pending = None
+        vals = [v() if callable(v) else v for v in (l_terms, noise, signal)]
+        tens = [v for v in vals if isinstance(v, Tensor)]
+        if tens:  # one device-to-host copy for everything
+            host = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tens]).cpu()
+            out, i = [], 0
+            for v in vals:
+                if isinstance(v, Tensor):
+                    n = v.numel()
+                    h = host[i:i + n]
+                    out.append(h if n != 1 or v.dim() > 0 else float(h[0]))
+                    i += n
+                else:
+                    out.append(v)
+            vals = out
+        self._finish(num_samples, vals[0], vals[1], vals[2], step)
+        est = self._estimate
         if est is not None and _HAS_STEP_FIELD:
-            self.estimate = dataclasses.replace(est, step=step)
+            self._estimate = dataclasses.replace(est, step=step)
 
     # ---------------------------------------------------------------- parameters
     def measures(self, param: Tensor) -> bool:
@@ -283,7 +337,7 @@ class GNSHookState:
         from ._estimate import estimate_from_sums
 
         self.eig_hints.apply()
-        self.estimate = estimate_from_sums(
+        self._estimate = estimate_from_sums(
             self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
             self.bias_correction,
         )
@@ -292,7 +346,9 @@ class GNSHookState:
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Schedule, configuration and the nuclear eigensolver hints, to resume (the estimate
-        and a 'last' shift are not kept)."""
+        and a 'last' shift are not kept). Reads a measurement not yet read (its hints)."""
+        if self._pending is not None:
+            self._materialize()
         return {"step": self._step, "every": self.every, "batch_size": self._batch_size,
                 "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
 
@@ -301,6 +357,8 @@ class GNSHookState:
         rejected state_dict leaves this state as it was."""
         if not isinstance(sd, dict):
             raise TypeError(f"state_dict: expected a dict, got {type(sd).__name__}")
+        if self._pending is not None:  # an unread measurement reports before the hints change
+            self._materialize()
         for key in ("step", "every", "batch_size", "geometry"):
             if key not in sd:
                 raise KeyError(f"state_dict: missing key {key!r}")

@@ -36,7 +36,7 @@ from .trace import resolve_method
 
 Tensor = torch.Tensor
 
-__all__ = ["nuclear_stats", "nuclear_stats_from_grams"]
+__all__ = ["nuclear_stats", "nuclear_stats_from_grams", "nuclear_stats_select", "nuclear_stats_from_grams_select"]
 
 
 def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -> None:
@@ -112,6 +112,43 @@ def nuclear_stats(
     unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
     finiteness and symmetry. Non-finite inputs give NaN for that layer.
     """
+    noise, signal, _ = nuclear_stats_select(
+        mean_grams, mean_grads, scale, shifts, side=side, bias_correction=bias_correction,
+        num_samples=num_samples, batch_size=batch_size, other_dims=other_dims,
+        dof_model=dof_model, method=method, validate=validate, eig_hints=eig_hints)
+    return noise, signal
+
+
+def nuclear_stats_select(
+    mean_grams: Sequence[Tensor],
+    mean_grads: Sequence[Tensor],
+    scale: float = 1.0,
+    shifts: Sequence[Tensor | None] | None = None,
+    *,
+    side: str = "auto",
+    bias_correction: bool = False,
+    num_samples: int | None = None,
+    batch_size: float | None = None,
+    other_dims: Sequence[int | None] | None = None,
+    dof_model: str = "columns",
+    method: str = "auto",
+    validate: bool = False,
+    eig_hints: EigHints | None = None,
+    select: tuple[Sequence[bool], Sequence[bool]] | None = None,
+    record_hints: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """nuclear_stats solving only the selected sqrt-traces: (noise[L], signal[L], used64).
+
+    select: None (all) or (noise_mask, signal_mask), L bools each: only the selected noise
+      tr(C_l^{1/2}) / signal ||G_l||_S1 are computed; the others are 0 (no work is done for
+      them: a layer with neither selected costs nothing but its argument checks).
+    record_hints: True records the eigensolver report into eig_hints (a host read of the
+      solver's flags, as nuclear_stats); False leaves eig_hints untouched and returns the
+      report instead, so a caller can combine the reports of several processes first.
+    used64: bool Tensor[L] on the Grams' device, True where a selected eigenproblem of layer
+      l was solved in float64 (method 'eigh'; None with 'newton', which reports nothing).
+    Everything else as nuclear_stats.
+    """
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grads is None:
@@ -154,9 +191,10 @@ def nuclear_stats(
             raise ValueError(f"shifts[{l}]: expected shape {(m, n)} like mean_grads[{l}], got "
                              f"{tuple(shifts[l].shape)}")
     others = _merge_other_dims(other_dims, others, L)
+    want_n, want_s = _check_select(select, L)
     if L == 0:
         z = torch.zeros(0, dtype=torch.float32)
-        return z, z.clone()
+        return z, z.clone(), None
 
     if validate_requested(validate):
         for l in range(L):
@@ -164,18 +202,39 @@ def nuclear_stats(
             if not bool(torch.isfinite(mean_grads[l]).all()):
                 raise ValueError(f"mean_grads[{l}]: contains non-finite values")
 
-    # D D^T and G G^T (G = D + S), batched by shape
-    dd = grams_on_sides(mean_grads, sides)
+    # D D^T (for the noise, and the signal when unshifted) and G G^T (G = D + S), batched by
+    # shape; only those a selected sqrt-trace needs
+    shifted = {l for l in range(L) if shifts is not None and shifts[l] is not None}
+    need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and l not in shifted)]
+    dd: list = [None] * L
+    for l, G in zip(need_dd, grams_on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
+        dd[l] = G
     gg = list(dd)
-    shifted = [l for l in range(L) if shifts is not None and shifts[l] is not None]
-    if shifted:
-        gs = grams_on_sides([mean_grads[l].float() + shifts[l].float() for l in shifted],
-                            [sides[l] for l in shifted])
-        for l, G in zip(shifted, gs):
+    need_gg = [l for l in sorted(shifted) if want_s[l]]
+    if need_gg:
+        gs = grams_on_sides([mean_grads[l].float() + shifts[l].float() for l in need_gg],
+                            [sides[l] for l in need_gg])
+        for l, G in zip(need_gg, gs):
             gg[l] = G
     shapes = [tuple(D.shape) for D in mean_grads]
     return _solve(mean_grams, dd, gg, float(scale), others, resolve_method(method, mean_grams[0].device),
-                  bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes)
+                  bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes,
+                  want_n, want_s, record_hints)
+
+
+def _check_select(select, L: int) -> tuple[list, list]:
+    """(noise_mask, signal_mask) of select (None: everything), checked."""
+    if select is None:
+        return [True] * L, [True] * L
+    if not (isinstance(select, (tuple, list)) and len(select) == 2):
+        raise ValueError("select: expected (noise_mask, signal_mask), two sequences of bools")
+    out = []
+    for name, mask in zip(("noise_mask", "signal_mask"), select):
+        mask = list(mask)
+        if len(mask) != L or not all(isinstance(b, bool) for b in mask):
+            raise ValueError(f"select: expected {name} as {L} bools (one per layer), got {mask!r}")
+        out.append(mask)
+    return out[0], out[1]
 
 
 def nuclear_stats_from_grams(
@@ -207,6 +266,34 @@ def nuclear_stats_from_grams(
                         (the side that is not k).
     Everything else as nuclear_stats.
     """
+    noise, signal, _ = nuclear_stats_from_grams_select(
+        mean_grams, mean_grad_grams, scale, signal_grams=signal_grams, shapes=shapes,
+        bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
+        other_dims=other_dims, dof_model=dof_model, method=method, validate=validate,
+        eig_hints=eig_hints)
+    return noise, signal
+
+
+def nuclear_stats_from_grams_select(
+    mean_grams: Sequence[Tensor],
+    mean_grad_grams: Sequence[Tensor],
+    scale: float = 1.0,
+    *,
+    signal_grams: Sequence[Tensor] | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    bias_correction: bool = False,
+    num_samples: int | None = None,
+    batch_size: float | None = None,
+    other_dims: Sequence[int | None] | None = None,
+    dof_model: str = "columns",
+    method: str = "auto",
+    validate: bool = False,
+    eig_hints: EigHints | None = None,
+    select: tuple[Sequence[bool], Sequence[bool]] | None = None,
+    record_hints: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
+    signal[L], used64); select, record_hints and used64 as nuclear_stats_select."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grad_grams is None:
@@ -241,9 +328,10 @@ def nuclear_stats_from_grams(
         else:
             others.append(None)
     others = _merge_other_dims(other_dims, others, L)
+    want_n, want_s = _check_select(select, L)
     if L == 0:
         z = torch.zeros(0, dtype=torch.float32)
-        return z, z.clone()
+        return z, z.clone(), None
     if validate_requested(validate):
         for l in range(L):
             validate_symmetric(mean_grams[l], f"mean_grams[{l}]")
@@ -253,14 +341,17 @@ def nuclear_stats_from_grams(
     gg = signal_grams if signal_grams is not None else mean_grad_grams
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
                   resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
-                  batch_size, dof_model, eig_hints, shapes)
+                  batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints)
 
 
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
-           eig_hints: EigHints | None, shapes: list | None) -> tuple[Tensor, Tensor]:
+           eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
+           record_hints: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
-    Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call."""
+    Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call.
+    Only the sqrt-traces selected by want_n / want_s are solved (the others are 0).
+    Returns (noise, signal, used64) as nuclear_stats_select."""
     L = len(mean_grams)
     if bias_correction:
         meth = "eigh"
@@ -271,12 +362,16 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     by_k: dict[int, list[tuple[str, int]]] = {}
     for l in range(L):
         k = mean_grams[l].shape[-1]
+        zero = torch.zeros((), dtype=torch.float32, device=mean_grams[l].device)
+        noise[l] = signal[l] = zero  # an empty side or not selected: 0
         if k == 0:  # an empty side: no noise, no signal
-            noise[l] = signal[l] = torch.zeros((), dtype=torch.float32, device=mean_grams[l].device)
             continue
-        by_k.setdefault(k, []).extend([("n", l), ("s", l)])
+        by_k.setdefault(k, []).extend(
+            ([("n", l)] if want_n[l] else []) + ([("s", l)] if want_s[l] else []))
     flagged: list[tuple[list, Tensor]] = []  # (items, solved-in-float64 flags) per size
     for k, items in by_k.items():
+        if not items:
+            continue
         if meth == "eigh":
             # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
             lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
@@ -315,10 +410,14 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref, False)
         for i, (w, l) in enumerate(items):
             (noise if w == "n" else signal)[l] = res[i]
-    if eig_hints is not None and meth == "eigh":  # reads the flags; newton tells nothing
-        used64 = [False] * L
-        for items, wide in flagged:
-            for (w, l), f in zip(items, wide.tolist()):
-                used64[l] = used64[l] or f
-        eig_hints.record(shapes, used64)
-    return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal])
+    used: Tensor | None = None
+    if meth == "eigh":
+        dev = mean_grams[0].device
+        per = [torch.zeros((), dtype=torch.bool, device=dev)] * L
+        for items, wide in flagged:  # device ops only: no host read here
+            for i, (w, l) in enumerate(items):
+                per[l] = per[l] | wide[i].to(device=dev, dtype=torch.bool)
+        used = torch.stack(per)
+        if eig_hints is not None and record_hints:  # reads the flags; newton tells nothing
+            eig_hints.record(shapes, used.tolist())
+    return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal]), used

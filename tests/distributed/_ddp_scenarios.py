@@ -28,6 +28,7 @@ from _harness import collective_seq as _seq, gather_per_rank as _gather
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
+from gns_kernels.distributed import _share
 
 # The hooks' nuclear bias correction takes its degrees of freedom from the eigenvalues
 # alone (the spectral ops' 'columns' model): per-sample fourth moments are not in the
@@ -69,12 +70,15 @@ def _loss(model, x, y, scale: float = 1.0):
 
 
 class _Recorder:
-    """Wraps dist.all_reduce (payloads) and the hook (buckets) for counting."""
+    """Wraps dist.all_reduce (payloads), the hook (buckets) and the nuclear solver (the
+    sqrt-traces this rank solved) for counting."""
 
     def __init__(self):
         self.payloads = []
         self.buckets = []
+        self.solved = []  # per solver call: (noise solves, signal solves, matrices)
         self._orig = dist.all_reduce
+        self._orig_solve = _share.nuclear_stats_select
 
     def __enter__(self):
         rec = self
@@ -83,11 +87,19 @@ class _Recorder:
             rec.payloads.append((tensor.numel(), str(tensor.dtype)))
             return rec._orig(tensor, *args, **kwargs)
 
+        def counting_solve(mean_grams, *args, select=None, **kwargs):
+            L = len(mean_grams)
+            sel = select if select is not None else ([True] * L, [True] * L)
+            rec.solved.append((sum(sel[0]), sum(sel[1]), L))
+            return rec._orig_solve(mean_grams, *args, select=select, **kwargs)
+
         dist.all_reduce = counting_all_reduce
+        _share.nuclear_stats_select = counting_solve
         return self
 
     def __exit__(self, *exc):
         dist.all_reduce = self._orig
+        _share.nuclear_stats_select = self._orig_solve
 
     def hook(self, state, bucket):
         self.buckets.append({"index": bucket.index(), "numel": bucket.buffer().numel(),
@@ -165,7 +177,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
         plain_seq = _seq() - s0
         # hooked DDP
         measuring = state.is_measurement_step()
-        n_buckets0, n_payload0 = len(rec.buckets), len(rec.payloads)
+        n_buckets0, n_payload0, n_solved0 = len(rec.buckets), len(rec.payloads), len(rec.solved)
         s0 = _seq()
         with rec:
             for a in range(accumulate):
@@ -178,6 +190,8 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
         hooked_seq = _seq() - s0
         buckets = rec.buckets[n_buckets0:]
         payloads = rec.payloads[n_payload0:]
+        solved = rec.solved[n_solved0:]
+        est = _est_tuple(state.estimate) if measuring else None  # the first read: after backward
         # expectation from the gathered local gradients
         if micro:
             mine = [t for s in samples for t in s]
@@ -208,7 +222,9 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
             "measuring": measuring,
             "state_step": state.step,
             "estimate_step": state.estimate_step,
-            "est": _est_tuple(state.estimate) if measuring else None,
+            "est": est,
+            "solved": solved,
+            "hints": state.eig_hints.state_dict() if measuring else None,
             "ref": _est_tuple(ref) if not isinstance(ref, str) and ref is not None else ref,
             "grad_vs_mean": max(float((p.grad.double() - m).abs().max()) for p, m in zip(hp, mean64)),
             "grad_scale": max(float(m.abs().max()) for m in mean64),

@@ -1,4 +1,4 @@
-"""gk.ddp_gns_hook on 2 and 4 gloo ranks (spawned processes; see _harness.py).
+"""gk.ddp_gns_hook on 1, 2, 3 and 4 gloo ranks (spawned processes; see _harness.py).
 
 Every scenario runs in one process group per world size (a spawn costs seconds); the
 rank-side code is in _ddp_scenarios.py, the assertions here. Expected values come from
@@ -48,6 +48,16 @@ SCENARIOS_4 = {
     "l2_micro": dict(geometry="l2", accumulate=2, micro=True, steps=3),
 }
 
+SCENARIOS_3 = {  # the ranks share the nuclear solves: an odd rank count
+    "nuclear": dict(geometry="nuclear", steps=3),
+    "nuclear_raw": dict(geometry="nuclear", bias_correction=False, steps=3),
+    "nuclear_shift_user": dict(geometry="nuclear", shift="user", steps=3),
+    "nuclear_shift_last_raw": dict(geometry="nuclear", shift="last", every=1, steps=3,
+                                   bias_correction=False),
+    "nuclear_one_bucket": dict(geometry="nuclear", bucket_cap_mb=25, steps=3),
+    "nuclear_nan": dict(geometry="nuclear", every=1, nan_at=1, steps=3),
+    "nuclear_micro": dict(geometry="nuclear", accumulate=2, micro=True, steps=3),
+}
 
 SCENARIOS_1 = {  # one rank: the micro-batches are the samples (the hook state is MicroBatchGNS)
     "l1_micro": dict(geometry="l1", accumulate=3, micro=True, steps=3),
@@ -66,6 +76,11 @@ def world2():
 
 
 @pytest.fixture(scope="module")
+def world3():
+    return run_world("_ddp_scenarios", "run_many", 3, scenarios=SCENARIOS_3)
+
+
+@pytest.fixture(scope="module")
 def world4():
     return run_world("_ddp_scenarios", "run_many", 4, scenarios=SCENARIOS_4)
 
@@ -75,8 +90,13 @@ def _cases():
         yield pytest.param(1, name, id=f"R1-{name}")
     for name in SCENARIOS_2:
         yield pytest.param(2, name, id=f"R2-{name}")
+    for name in SCENARIOS_3:
+        yield pytest.param(3, name, id=f"R3-{name}")
     for name in SCENARIOS_4:
         yield pytest.param(4, name, id=f"R4-{name}")
+
+
+_ALL = {1: SCENARIOS_1, 2: SCENARIOS_2, 3: SCENARIOS_3, 4: SCENARIOS_4}
 
 
 def _results(request, world):
@@ -93,7 +113,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_estimate_matches_gathered_gradients(request, world, name):
-    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
+    cfg = _ALL[world][name]
     res = _results(request, world)
     ranks = [r[name]["records"] for r in res]
     tol = TOL[cfg["geometry"]]
@@ -121,7 +141,7 @@ def test_estimate_matches_gathered_gradients(request, world, name):
 
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_gradients_equal_plain_ddp(request, world, name):
-    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
+    cfg = _ALL[world][name]
     res = _results(request, world)
     bf16 = cfg.get("dtype") == "bfloat16"
     for rank_records in (r[name]["records"] for r in res):
@@ -152,18 +172,33 @@ def _expected_payload(cfg, bucket):
     return sum(2 * n if m else n for n, m in zip(sizes, measured)), "torch.float32"
 
 
+def _shares_solves(cfg, world, rec):
+    """A nuclear measurement on several ranks adds the one share all-reduce."""
+    return cfg["geometry"] == "nuclear" and world > 1 and rec["measuring"]
+
+
+def _n_matrices(rec):
+    return sum(len(s) == 2 for b in rec["buckets"] for s in b["shapes"])
+
+
 @pytest.mark.parametrize("world,name", list(_cases()))
 def test_collectives_one_allreduce_per_bucket(request, world, name):
-    cfg = {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world][name]
+    cfg = _ALL[world][name]
     res = _results(request, world)
     several = False
     for rank_records in (r[name]["records"] for r in res):
         for rec in rank_records:
             buckets, payloads = rec["buckets"], rec["payloads"]
             several |= len(buckets) > 1
-            # nothing else: every collective of the step (DDP's own included) is counted
-            assert rec["hooked_seq"] == rec["plain_seq"], rec
-            assert len(payloads) == len(buckets), (payloads, buckets)
+            # nothing else: every collective of the step (DDP's own included) is counted;
+            # a nuclear measurement on R > 1 ranks adds exactly one all-reduce of 3L float64
+            # (noise, signal, solver report per matrix), after the buckets'
+            extra = 1 if _shares_solves(cfg, world, rec) else 0
+            assert rec["hooked_seq"] == rec["plain_seq"] + extra, rec
+            assert len(payloads) == len(buckets) + extra, (payloads, buckets)
+            if extra:
+                assert payloads[-1] == (3 * _n_matrices(rec), "torch.float64"), payloads
+                payloads = payloads[:-1]
             for b, (numel, dtype) in zip(buckets, payloads):
                 if rec["measuring"]:
                     assert (numel, dtype) == _expected_payload(cfg, b), (b, numel, dtype)
@@ -171,6 +206,29 @@ def test_collectives_one_allreduce_per_bucket(request, world, name):
                     assert (numel, dtype) == (b["numel"], b["dtype"])
     if cfg.get("bucket_cap_mb", 0.001) < 1:
         assert several, "small bucket_cap_mb should give several buckets"
+
+
+@pytest.mark.parametrize("world,name", [c for c in _cases() if _ALL[c.values[0]][c.values[1]]["geometry"] == "nuclear"])
+def test_ranks_share_the_solves(request, world, name):
+    """Each of the 2L sqrt-traces is solved on exactly one rank (R > 1), balanced by cost;
+    one rank solves all of them (R = 1)."""
+    res = _results(request, world)
+    per_rank = [r[name]["records"] for r in res]
+    for k, rec in enumerate(per_rank[0]):
+        if not rec["measuring"]:
+            assert all(not other[k]["solved"] for other in per_rank)
+            continue
+        L = _n_matrices(rec)
+        counts = [sum(n + s for n, s, _ in other[k]["solved"]) for other in per_rank]
+        assert sum(counts) == 2 * L, counts
+        if world > 1:  # 3 matrices (Gram sides 13, 17, 5): no rank solves all 6
+            assert max(counts) < 2 * L, counts
+        # the eigensolver hints (checkpointed) stay identical on every rank, and every
+        # measured shape has a report (each rank records the shared report of all matrices)
+        hints = [other[k]["hints"] for other in per_rank]
+        assert all(h == hints[0] for h in hints), hints
+        shapes = {"x".join(map(str, s)) for b in rec["buckets"] for s in b["shapes"] if len(s) == 2}
+        assert set(hints[0]) == shapes, (hints[0], shapes)
 
 
 def test_one_rank_one_sample_skips_or_raises():

@@ -165,7 +165,8 @@ def test_collectives_counted(request, world, name):
     float32; nuclear: plain's payload plus the other-dimension blocks of non-natural
     matrices) and l1/l2: ONE all-reduce of 4 numbers per step, after all of them;
     nuclear: one all-reduce of the group's Grams right after each group's reduce-scatter
-    (each group here has one weight matrix). Other steps: exactly plain FSDP2's calls."""
+    (each group here has one weight matrix), then ONE all-reduce of 3L float64 after all of
+    them (the ranks' shares of the sqrt-traces). Other steps: exactly plain FSDP2's calls."""
     kw = _scenario(world, name)
     geometry = kw["geometry"]
     for rank_res in _results(request, world, name):
@@ -180,8 +181,11 @@ def test_collectives_counted(request, world, name):
             ar = [c for c in hooked if c[0] == "all_reduce"]
             assert len(rs) == GROUPS
             if geometry == "nuclear":
-                assert rec["hooked_seq"] == rec["plain_seq"] + GROUPS
-                assert [c[0] for c in hooked] == ["reduce_scatter", "all_reduce"] * GROUPS
+                assert rec["hooked_seq"] == rec["plain_seq"] + GROUPS + 1
+                assert [c[0] for c in hooked] == ["reduce_scatter", "all_reduce"] * GROUPS + ["all_reduce"]
+                # L matrices = the groups' Gram all-reduces (one weight matrix per group)
+                assert hooked[-1] == ("all_reduce", 3 * (len(ar) - 1), "torch.float64")
+                ar = ar[:-1]
             else:
                 assert rec["hooked_seq"] == rec["plain_seq"] + 1
                 assert len(ar) == 1 and hooked[-1][0] == "all_reduce"  # after every reduce-scatter

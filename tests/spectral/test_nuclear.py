@@ -225,3 +225,57 @@ def test_nuclear_stats_bitwise_the_same_on_1_and_2_threads(gen):
 def test_nuclear_stats_rejects_integer_gradients():
     with pytest.raises(ValueError, match=r"mean_grads\[0\].*floating"):
         gk.nuclear_stats([torch.eye(2)], [torch.ones(2, 3, dtype=torch.int64)], scale=1.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nuclear_stats_select_solves_only_the_selection(gen, method):
+    """The selected noise / signal entries match the float64 reference; the others are 0;
+    the two halves of a split add up to the full result."""
+    R, B = 3, 24
+    layers = samples(gen, R, SHAPES)
+    mean_grams, mean_grads = stats_inputs(layers)
+    rn, rs = ref.nuclear_stats(layers, B)
+    L = len(SHAPES)
+    sel_n = [l % 2 == 0 for l in range(L)]
+    sel_s = [l % 3 == 1 for l in range(L)]
+    kw = dict(scale=B / (R - 1), method=method)
+    n1, s1, used = sp.nuclear.nuclear_stats_select(mean_grams, mean_grads, select=(sel_n, sel_s), **kw)
+    n2, s2, _ = sp.nuclear.nuclear_stats_select(
+        mean_grams, mean_grads, select=([not b for b in sel_n], [not b for b in sel_s]), **kw)
+    for l in range(L):
+        if sel_n[l]:
+            assert rel_err(n1[l:l + 1], rn[l:l + 1]) < TOL
+        else:
+            assert n1[l] == 0
+        if sel_s[l]:
+            assert rel_err(s1[l:l + 1], rs[l:l + 1]) < TOL
+        else:
+            assert s1[l] == 0
+    assert rel_err(n1 + n2, rn) < TOL and rel_err(s1 + s2, rs) < TOL
+    assert (used is None) == (method == "newton")
+    if used is not None:
+        assert used.dtype == torch.bool and used.shape == (L,)
+
+
+def test_nuclear_stats_select_rejects_bad_selection(gen):
+    layers = samples(gen, 2, SHAPES[:2])
+    mean_grams, mean_grads = stats_inputs(layers)
+    for bad in ([True], ([True], [True, True]), ([True, True], [1, 0]), ([True, True],)):
+        with pytest.raises(ValueError, match="select"):
+            sp.nuclear.nuclear_stats_select(mean_grams, mean_grads, select=bad)
+
+
+def test_nuclear_stats_select_report_without_recording(gen):
+    """record_hints=False leaves the hints untouched and returns the report instead."""
+    layers = samples(gen, 2, SHAPES)
+    mean_grams, mean_grads = stats_inputs(layers)
+    h1, h2 = sp.EigHints(), sp.EigHints()
+    _, _, used = sp.nuclear.nuclear_stats_select(mean_grams, mean_grads, scale=2.0, method="eigh",
+                                                 eig_hints=h1, record_hints=False)
+    h1.apply()
+    assert len(h1) == 0
+    gk.nuclear_stats(mean_grams, mean_grads, scale=2.0, method="eigh", eig_hints=h2)
+    h2.apply()
+    h1.record([tuple(D.shape) for D in mean_grads], used.tolist())
+    h1.apply()
+    assert h1.state_dict() == h2.state_dict() and len(h2) > 0

@@ -1,0 +1,95 @@
+"""The deterministic assignment of the nuclear sqrt-trace solves to ranks (no processes)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from gns_kernels import spectral
+from gns_kernels.distributed._share import SolveShare, assign_solves, share_totals
+
+SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
+
+
+def _loads(costs, owners, world):
+    out = [0] * world
+    for c, o in zip(costs, owners):
+        out[o] += c
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_assignment_is_a_balanced_partition(world):
+    ks = [min(s) for s in SHAPES_160M] * 12
+    costs = [k ** 3 for k in ks] * 2  # noise and signal
+    owners = assign_solves(costs, [0] * world)
+    assert len(owners) == len(costs) and set(owners) <= set(range(world))
+    loads = _loads(costs, owners, world)
+    # greedy LPT: the most loaded rank exceeds the least by at most one solve
+    assert max(loads) - min(loads) <= max(costs)
+    if world > 1:  # 168 solves of the same cost: an even split
+        assert max(loads) == -(-len(costs) // world) * 768 ** 3
+
+
+def test_assignment_bound_mixed_costs():
+    """LPT: max load <= 4/3 of the optimum; checked against brute force on small cases."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        costs = [int(c) for c in torch.randint(1, 50, (7,), generator=g) ** 3]
+        owners = assign_solves(costs, [0, 0, 0])
+        best = min(max(_loads(costs, o, 3)) for o in itertools.product(range(3), repeat=7))
+        assert max(_loads(costs, owners, 3)) <= 4 / 3 * best
+
+
+def test_assignment_is_deterministic_and_carries_loads():
+    costs = [5, 9, 9, 1, 5]
+    a, b = [0, 0], [0, 0]
+    assert assign_solves(costs, a) == assign_solves(list(costs), b) and a == b
+    # the loads carry over: a second part starts on the less loaded rank
+    loads = [0, 0]
+    assign_solves([10], loads)
+    assert assign_solves([3], loads) == [1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("bias_correction", [False, True])
+@pytest.mark.parametrize("shift", [False, True])
+def test_shares_sum_to_the_full_solve(world, bias_correction, shift, gen):
+    """The ranks' vectors, summed (what the share all-reduce does), give the per-matrix
+    values of nuclear_stats on all matrices bitwise, and the same solver report."""
+    shapes = [(13, 29), (40, 11), (17, 17), (9, 30)]
+    R, B = 4, 16.0
+    samples = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(R)]
+    S = [0.3 * torch.randn(s, generator=gen) if shift else None for s in shapes]
+    grams, grads = [], []
+    for i, s in enumerate(shapes):
+        side = spectral.smaller_side(s)
+        xs = [x[i] - (S[i] if S[i] is not None else 0) for x in samples]
+        grams.append(torch.stack(spectral.gram(xs, side=side)).mean(0))
+        grads.append(torch.stack(xs).mean(0))
+    scale = B / (R - 1)
+    kw = dict(scale=scale, shifts=S if shift else None, bias_correction=bias_correction,
+              num_samples=R, batch_size=B)
+    hints = spectral.EigHints()
+    noise, signal = spectral.nuclear_stats(grams, grads, eig_hints=hints, **kw)
+    total = None
+    ranks_hints = []
+    for rank in range(world):
+        h = spectral.EigHints()
+        sh = SolveShare(world, rank, scale, bias_correction, R, B, hints=h)
+        sh.add_grads(grams[:2], grads[:2], (S[:2] if shift else None))
+        sh.add_grads(grams[2:], grads[2:], (S[2:] if shift else None))
+        v = sh.vector()
+        total = v if total is None else total + v
+        ranks_hints.append((sh, h))
+    L = len(shapes)
+    assert torch.equal(total[:L], noise.double()) and torch.equal(total[L:2 * L], signal.double())
+    t = share_totals(total)
+    assert torch.equal(t, torch.stack([total[:L].sum(), total[L:2 * L].sum()]))
+    hints.apply()
+    for sh, h in ranks_hints:  # every rank records the summed report: the same hints
+        sh.reduced = total
+        sh.read()
+        h.apply()
+        assert h.state_dict() == hints.state_dict()
