@@ -40,13 +40,12 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
+from ..estimators import GEOMETRIES
 from ..spectral.hints import EigHints
 
 Tensor = torch.Tensor
 
 __all__ = ["GNSHookState", "GEOMETRIES"]
-
-GEOMETRIES = ("l2", "l1", "nuclear")
 
 ShiftSpec = Union[None, str, Mapping, Callable]
 
