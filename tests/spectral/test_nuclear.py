@@ -88,13 +88,16 @@ def test_nuclear_stats_bf16_gradients(gen):
     assert rel_err(noise, rn) < TOL and rel_err(signal, rs) < TOL
 
 
+@pytest.mark.parametrize("method", ["eigh", "newton"])
 @pytest.mark.parametrize("R", [2, 4])
-def test_nuclear_stats_bias_correction(gen, R):
+def test_nuclear_stats_bias_correction(gen, R, method):
+    """Both solvers give the eigenvalue-based correction of the float64 covariance (the
+    Newton path through the pair sum, without eigenvalues)."""
     B = 4 * R
     layers = samples(gen, R, SHAPES)
     mean_grams, mean_grads = stats_inputs(layers)
     noise, _ = gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), bias_correction=True,
-                                num_samples=R, batch_size=B)
+                                num_samples=R, batch_size=B, method=method)
     from gns_kernels.bias import nuclear_sqrt_trace_corrected
 
     want = []
