@@ -59,6 +59,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from ._validation import check_int as _check_int
 from .controller import AdaptiveBatchSize
 from .distributed.microbatch import MicroBatchGNS
 from .distributed.state import GNSHookState
@@ -80,14 +81,6 @@ class Measurement(NamedTuple):
     valid: bool
     step: int
     gns: float
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
 
 
 def _as_list(x) -> list:

@@ -47,23 +47,16 @@ then the dataset's job.
 """
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Iterator, Optional
 
 import numpy as np
 import torch.utils.data
 
+from ._validation import check_int as _check_int
+
 __all__ = ["MicroBatchSampler"]
 
 _STATE_VERSION = 1
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
