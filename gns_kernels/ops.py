@@ -45,6 +45,7 @@ Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Optional, Sequence
@@ -85,7 +86,8 @@ if os.environ.get(_NO_EXT_ENV, "0") not in ("", "0"):
     _C_ERROR = ImportError(f"skipped: {_NO_EXT_ENV}={os.environ[_NO_EXT_ENV]}")
 else:
     try:
-        from . import _C  # noqa: F401  (importing registers torch.ops.gns_kernels.*)
+        # importing the compiled extension registers torch.ops.gns_kernels.*
+        _C = importlib.import_module(f"{__package__}._C")
     except ImportError as exc:  # the extension is not built (or built for another torch)
         _C = None
         if not any(f.startswith("_C.") and f.endswith((".so", ".pyd")) for f in os.listdir(_here)):
