@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from ._workers import _map_cpu
+from .precision import bmm as _bmm_in, fp32_matmul_flag
 
 Tensor = torch.Tensor
 
@@ -42,9 +43,15 @@ def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
     k = x.shape[0]
     nb = max(1, -(-k // _GRAM_BLOCK))
     e = [i * k // nb for i in range(nb + 1)]
+    # a process flag that lowers float32 matmuls (set_float32_matmul_precision("medium")
+    # makes oneDNN use bf16 here) must not reach the Gram: C is a difference of Grams
+    exact = fp32_matmul_flag(x.device) == "ieee"
     for i in range(nb):
         a, b = e[i], e[i + 1]
-        torch.mm(x[a:b], x[a:].T, out=out[a:b, a:])
+        if exact:
+            torch.mm(x[a:b], x[a:].T, out=out[a:b, a:])
+        else:
+            out[a:b, a:].copy_(torch.mm(x[a:b].double(), x[a:].T.double()))
         d = out[a:b, a:b]
         d.copy_((d + d.T).mul_(0.5))
         if b < k:
@@ -114,7 +121,7 @@ def gram_batched(x: Tensor, col: bool) -> Tensor:
     xf = x if x.dtype == torch.float32 else x.float()
     if col:
         xf = xf.mT
-    return torch.bmm(xf, xf.mT)
+    return _bmm_in(xf, xf.mT, "ieee")  # float32 whatever allow_tf32 says
 
 
 @gram_batched.register_fake

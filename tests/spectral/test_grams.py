@@ -98,3 +98,21 @@ def test_gram_empty_sides(gen):
         assert G.shape == want and G.dtype == torch.float32, (shape, side)
         assert torch.equal(G, torch.zeros(want))
     assert torch.ops.gns_kernels.gram_batched(torch.ones(0, 3, 5), False).shape == (0, 3, 3)
+
+
+def test_cpu_gram_ignores_a_lowered_float32_matmul_flag(gen):
+    """Under set_float32_matmul_precision("medium") (oneDNN may then multiply float32 in
+    bf16) the Gram is computed in float64 and rounded once: exactly the float64 Gram's
+    float32 rounding. Under "highest" it is the float32 GEMM (not bitwise that), so the
+    check can fail if the flag reached the Gram."""
+    x = torch.randn(37, 211, generator=gen) + 3.0
+    want = (x.double() @ x.double().T).float()
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        (got,) = gk.gram([x])
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert torch.equal(got, want)
+    (plain,) = gk.gram([x])
+    assert not torch.equal(plain, want)  # the float32 route rounds differently
