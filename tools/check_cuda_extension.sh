@@ -58,9 +58,12 @@ fi
 WORK="$(mktemp -d /tmp/gns_cuda_ext.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/src/gns_kernels"
-cp "$REPO/setup.py" "$REPO/pyproject.toml" "$WORK/src/"
+# what setup.py and pyproject.toml read: the version module, README (readme) and LICENSE
+# (license-files), besides the C++/CUDA sources
+cp "$REPO/setup.py" "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/LICENSE" "$WORK/src/"
 cp -r "$REPO/csrc" "$WORK/src/csrc"
 : > "$WORK/src/gns_kernels/__init__.py"
+cp "$REPO/gns_kernels/_version.py" "$WORK/src/gns_kernels/"
 
 echo "== building gns_kernels._C (CUDAExtension) in $WORK/src"
 BUILD_START=$(date +%s)
@@ -83,7 +86,8 @@ import sys
 import torch
 
 torch.ops.load_library(sys.argv[1])
-ops = ["variance_norms", "variance_norms_multi", "square_pack", "accumulate_sq", "accumulate_sq_multi"]
+ops = ["variance_norms", "variance_norms_multi", "square_pack", "square_pack_multi", "accumulate_sq",
+       "accumulate_sq_multi"]
 bad = []
 for op in ops:
     name = f"gns_kernels::{op}"
