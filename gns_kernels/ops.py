@@ -137,20 +137,28 @@ def _warn_no_extension() -> None:
 # They validate their arguments like the real kernels: the dispatcher also routes a direct
 # call with tensors on two devices (e.g. CPU and meta) here, which must raise, not return
 # uninitialised memory or silently do nothing.
+def _paired_lists_and_shifts(name_a: str, a, name_b: str, b, shifts, empty_shifts_ok: bool):
+    """(a, b, shifts) as lists of equal length, shifts one entry (tensor or None) per tensor
+    of a. empty_shifts_ok: the op's schema form, where an empty list means "no shift"."""
+    a = _v.check_list(name_a, a)
+    b = _v.check_list(name_b, b)
+    if len(b) != len(a):
+        raise ValueError(f"{name_b}: expected {len(a)} tensors like {name_a}, got {len(b)}")
+    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
+        shifts = [None] * len(a)
+    shifts = _v.check_list("shifts", shifts)
+    if len(shifts) != len(a):
+        raise ValueError(f"shifts: expected {len(a)} tensors like {name_a}, got {len(shifts)}")
+    return a, b, shifts
+
+
 def _check_vn_lists(mean_grads, mean_sqs, shifts, *, empty_shifts_ok: bool) -> list:
     """Validate the list arguments of variance_norms_multi; returns one shift per tensor.
 
     empty_shifts_ok: the op's schema form, where an empty list means "no shift at all".
     """
-    mean_grads = _v.check_list("mean_grads", mean_grads)
-    mean_sqs = _v.check_list("mean_sqs", mean_sqs)
-    if len(mean_sqs) != len(mean_grads):
-        raise ValueError(f"mean_sqs: expected {len(mean_grads)} tensors like mean_grads, got {len(mean_sqs)}")
-    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
-        shifts = [None] * len(mean_grads)
-    shifts = _v.check_list("shifts", shifts)
-    if len(shifts) != len(mean_grads):
-        raise ValueError(f"shifts: expected {len(mean_grads)} tensors like mean_grads, got {len(shifts)}")
+    mean_grads, mean_sqs, shifts = _paired_lists_and_shifts(
+        "mean_grads", mean_grads, "mean_sqs", mean_sqs, shifts, empty_shifts_ok)
     for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
         _v.check_vn(d, q, shifts[i], suffix=f"s[{i}]")
     _v.common_device("mean_grads", mean_grads)
@@ -172,15 +180,7 @@ def _check_acc_lists(grads, prevs, sqs) -> None:
 
 def _check_pack_lists(grads, outs, shifts, *, empty_shifts_ok: bool) -> list:
     """Validate the list arguments of square_pack_multi; returns one shift per tensor."""
-    grads = _v.check_list("grads", grads)
-    outs = _v.check_list("outs", outs)
-    if len(outs) != len(grads):
-        raise ValueError(f"outs: expected {len(grads)} tensors like grads, got {len(outs)}")
-    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
-        shifts = [None] * len(grads)
-    shifts = _v.check_list("shifts", shifts)
-    if len(shifts) != len(grads):
-        raise ValueError(f"shifts: expected {len(grads)} tensors like grads, got {len(shifts)}")
+    grads, outs, shifts = _paired_lists_and_shifts("grads", grads, "outs", outs, shifts, empty_shifts_ok)
     for i, (g, o) in enumerate(zip(grads, outs)):
         _v.check_square_pack(g, o, shifts[i], suffix=f"s[{i}]")
     _v.common_device("grads", grads)
