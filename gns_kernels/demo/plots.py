@@ -64,12 +64,20 @@ def plot_runs(runs: dict[str, dict[str, list[float]]], path: str, title: str | N
     axes[2].set_ylabel("GNS (sequences): dots raw, line EMA")
     for ax in axes:
         ax.set_xlabel("steps")
+    return finish_figure(fig, axes, path, title, dpi=100)
+
+
+def finish_figure(fig, axes, path: str, title: str | None, dpi: int) -> str:
+    """Grid and legend on every panel, the title, then write the PNG to ``path`` and close."""
+    import matplotlib.pyplot as plt
+
+    for ax in getattr(axes, "flat", axes):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from .config import DemoConfig, DemoError, validate
+from .plots import finish_figure
 
 # options the preset fixes (every other DemoConfig field keeps its default). Why these:
 # - ranks 1 x 2 micro-batches: R = 2 GNS samples as with 2 ranks, without a second process
@@ -362,12 +363,4 @@ def plot_paper(curves: dict[int, dict[str, dict]], path: str, title: str | None 
         ax.set_xlabel("optimizer steps")
     for ax in axes[:, 1]:
         ax.set_xlabel("samples (sequences)")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, axes, path, title, dpi=90)

@@ -198,3 +198,18 @@ def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
     again = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
                       str(tmp_path / "p"), log=lambda m: None)
     assert again["table"] == res["table"]
+
+
+def test_plot_paper_writes_a_png_with_four_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gns_kernels.demo.presets import plot_paper
+
+    def run(scale):
+        steps = [0.0, 1.0, 2.0, 3.0]
+        return {"step": steps, "samples": [8.0 * s for s in steps], "batch_size": [8.0, 8.0, 16.0, 16.0],
+                "val_loss": [2.0 * scale, 1.8 * scale, float("nan"), 1.5 * scale]}
+
+    curves = {0: {"constant": run(1.0), "adaptive": run(1.1)}, 1: {"constant": run(1.02)}}
+    out = plot_paper(curves, str(tmp_path / "p.png"), title="t")
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
