@@ -60,7 +60,35 @@ __all__ = [
     "nuclear_frobenius_variance",
     "nuclear_sqrt_trace_corrected",
     "nuclear_sqrt_trace_corrected_from_sums",
+    "NUCLEAR_DOF_MODES",
+    "resolve_nuclear_dof",
 ]
+
+# nuclear_dof= of gk.estimate and the hook states: where the dof of the nuclear correction
+# comes from ('auto': 'gauss-sums' at >= 3 samples where the per-sample deviations exist,
+# else 'columns'); see resolve_nuclear_dof
+NUCLEAR_DOF_MODES = ("auto", "gauss-sums", "columns", "data", "rank_one")
+
+
+def resolve_nuclear_dof(mode: str, num_samples: int, *, per_sample: bool = True) -> str:
+    """The dof mode a measurement of ``num_samples`` samples uses for ``nuclear_dof=mode``.
+
+    'auto' -> 'gauss-sums' when num_samples >= 3 and ``per_sample`` (each sample's own
+    deviation d_j = x_j - mean is available: gk.estimate, the DDP hook with ranks as
+    samples), else 'columns'. 'gauss-sums' needs R >= 3 and 'data' R >= 4 (ValueError
+    otherwise, naming nuclear_dof); 'columns' and 'rank_one' are returned as given.
+    """
+    if mode not in NUCLEAR_DOF_MODES:
+        raise ValueError(f"nuclear_dof: expected one of {NUCLEAR_DOF_MODES}, got {mode!r}")
+    R = _sample_count("num_samples", num_samples)
+    if mode == "auto":
+        return "gauss-sums" if (R >= 3 and per_sample) else "columns"
+    if mode == "gauss-sums" and R < 3:
+        raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least 3 samples, got {R} "
+                         "(use 'auto', which falls back to 'columns' below 3)")
+    if mode == "data" and R < 4:
+        raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
+    return mode
 
 
 def _sample_count(name: str, R) -> int:
