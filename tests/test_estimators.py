@@ -401,3 +401,69 @@ def test_only_empty_matrices_nuclear_error():
     rg = [[torch.zeros(0, 5), torch.ones(3)], [torch.zeros(0, 5), torch.zeros(3)]]
     with pytest.raises(ValueError, match="non-empty 2-D tensor"):
         gk.estimate(rg, 2, "nuclear")
+
+
+# ----------------------------------------------------------------------------- signal='debiased'
+@pytest.mark.parametrize("R", [2, 3, 5])
+def test_debiased_signals_against_float64_references(R, seed):
+    rg = _rank_grads(R, SHAPES, seed, offset=0.2)
+    B = 4 * R
+    scale = B / (R - 1)
+    # l1: sum_i sqrt(max(g_i^2 - s2_i / B, 0)), coordinate by coordinate
+    deb = 0.0
+    for p in range(len(SHAPES)):
+        x = torch.stack([r[p] for r in rg]).reshape(R, -1)
+        for i in range(x.shape[1]):
+            col = [float(v) for v in x[:, i]]
+            g = sum(col) / R
+            s2 = scale * sum((v - g) ** 2 for v in col) / R
+            deb += math.sqrt(max(g * g - s2 / B, 0.0))
+    e1 = gk.estimate(rg, B, "l1", signal="debiased")
+    r1 = gk.estimate(rg, B, "l1")
+    assert e1.signal_kind == "debiased" and r1.signal_kind == "raw"
+    assert e1.signal == pytest.approx(deb**2, rel=1e-10)
+    assert e1.signal_raw == pytest.approx(r1.signal, rel=1e-12) and e1.noise == r1.noise
+    assert e1.gns == pytest.approx(e1.noise / deb**2, rel=1e-10)
+    # l2: ||g||^2 - sum s2 / B (the unbiased signal)
+    e2 = gk.estimate(rg, B, "l2", signal="debiased")
+    r2 = gk.estimate(rg, B, "l2")
+    if r2.signal_unbiased > 0:
+        assert e2.valid and e2.signal == pytest.approx(r2.signal - r2.noise / B, rel=1e-10)
+    else:
+        assert not e2.valid and math.isnan(e2.gns)
+    # nuclear: tr((G G^T - C / B)_+^{1/2}) per matrix on the smaller side, float64 eigvalsh
+    tot = 0.0
+    for p, s in enumerate(SHAPES):
+        if len(s) != 2:
+            continue
+        x = torch.stack([r[p] for r in rg]).to(torch.float64)
+        if s[0] > s[1]:
+            x = x.mT
+        g = x.mean(0)
+        C = scale * sum((x[j] - g) @ (x[j] - g).T for j in range(R)) / R
+        ev = torch.linalg.eigvalsh(g @ g.T - C / B)
+        tot += float(ev.clamp_min(0).sqrt().sum())
+    en = gk.estimate(rg, B, "nuclear", signal="debiased")
+    rn = gk.estimate(rg, B, "nuclear")
+    assert en.signal == pytest.approx(tot**2, rel=1e-9)
+    assert en.noise == rn.noise and en.signal_raw == pytest.approx(rn.signal, rel=1e-12)
+    assert en.signal < rn.signal  # the noise is taken out
+
+
+def test_signal_argument_checked():
+    ok = [[torch.randn(4, 5)], [torch.randn(4, 5)]]
+    with pytest.raises(ValueError, match="signal: expected 'raw'.*'debiased', got 'unbiased'"):
+        gk.estimate(ok, 8, "l1", signal="unbiased")
+    with pytest.raises(ValueError, match="signal_debiased_sum"):
+        estimate_from_stats("l1", 1.0, 2.0, 2, 8, signal="debiased")
+
+
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+@pytest.mark.parametrize("signal", ["raw", "debiased"])
+def test_non_finite_never_a_finite_gns_with_gauss_sums(geometry, signal):
+    rg = _rank_grads(4, SHAPES, 7)
+    rg[2][0] = rg[2][0].clone()
+    rg[2][0][1, 1] = float("nan")
+    e = gk.estimate(rg, 8, geometry, signal=signal)
+    assert not e.valid and math.isnan(e.gns) and math.isnan(e.noise) and math.isnan(e.signal)
+
