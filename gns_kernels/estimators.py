@@ -341,8 +341,8 @@ def estimate(
         sum_j ||d_j||_F^4 and the Gram M = sum_j d_j d_j^T (d_j = x_j - mean, Gaussian
         rank means; gns_kernels.nuclear_dof.dof_from_samples_gaussian); R >= 3;
       'columns': (R-1) * n, n the matrix's longer side (Gaussian independent columns; an
-        over-estimate of nu for correlated inputs: on real networks it removes 3-10% of
-        the bias, 'gauss-sums' 40-90%: docs/fidelity.md);
+        over-estimate of nu for correlated inputs: on real networks at local batch 16 it
+        removes 2-20% of the small-R bias, 'gauss-sums' 49-112%: docs/fidelity.md);
       'data': estimated from the samples' fourth moments without a Gaussian assumption
         (bias.nuclear_dof_from_samples; R >= 4; O(R^2 m^2 n), needs cross-sample terms a
         hook cannot form); 'rank_one': (R-1) * n b / (n + b).
