@@ -29,11 +29,14 @@ nuclear (second order in 1/nu, exact for m = 1)
 
     nu decides how much is corrected and depends on the gradient structure (nuclear_dof):
     'columns' (R-1)*n, exact for Gaussian noise with independent columns and otherwise an
-    over-estimate of nu (so an under-correction) -- the default from eigenvalues alone;
-    'rank_one' (R-1)*n*b/(n+b) for per-example gradients r x^T; or, given R >= 4 samples,
+    over-estimate of nu (so an under-correction) -- the model from eigenvalues alone (the
+    default at R = 2, under FSDP2 and with micro-batch samples);
+    'rank_one' (R-1)*n*b/(n+b) for per-example gradients r x^T; given R >= 4 samples,
     nuclear_dof_from_samples: nu matched to the samples' own fourth moments in Frobenius
     norm, E||C_hat - C||_F^2 = ((tr C)^2 + tr C^2)/nu, from an unbiased estimate of the
-    left side (nuclear_frobenius_variance).
+    left side (nuclear_frobenius_variance); or, given R >= 3 samples and Gaussian rank
+    means, gns_kernels.nuclear_dof.dof_from_sample_sums from per-sample sums a hook can
+    form -- 'gauss-sums', the default at R >= 3 (resolve_nuclear_dof).
 
     The correction needs two spectral sums of C_hat: tr(C_hat^{1/2}) = sum_i s_i and the
     pair sum sum_{i,j} s_i s_j / (s_i + s_j) = int_0^inf tr(S e^{-tS})^2 dt, S = C_hat^{1/2}.

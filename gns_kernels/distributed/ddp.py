@@ -21,7 +21,11 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
   the 2L sqrt-traces by cost, the same assignment on every rank: ``_share.py``), and after
   the last bucket ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
-  every rank every value and the eigensolver report.
+  every rank every value and the eigensolver report. With the 'gauss-sums' dof (the
+  default at R >= 3 ranks; not with micro-batch samples) each rank also computes
+  ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
+  all-reduce, the same all-reduce carries them (8L float64 in all) and the corrected noise
+  is formed after it on every rank; signal='debiased' adds L more (``_share.py``).
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP

@@ -89,7 +89,10 @@ bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
 Collectives of a measurement step: one reduce-scatter per param group (as plain FSDP2,
 larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
 all-reduce of the group's Grams per param group with measured matrices, and one
-all-reduce of 3L float64 per step (L measured matrices): every rank holds all the reduced
+all-reduce of 3L float64 (4L with signal='debiased') per step (L measured matrices; the
+nuclear correction uses the 'columns' dof here: the default 'gauss-sums' one needs each
+rank's deviation from the full mean gradient, which a rank holding a shard does not have):
+every rank holds all the reduced
 Grams but solves only its share of the 2L sqrt-traces (noise and signal per matrix,
 assigned by cost k^3, the same on every rank), and that all-reduce shares the results
 and the eigensolver report (gns_kernels.distributed._share). The Grams themselves are
