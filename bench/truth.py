@@ -363,6 +363,8 @@ def run_chunk(x, layout, R, b, check: int):
                  ("l1", {}, out["l1:c4"][t] ** 2),
                  ("nuclear", {"bias_correction": False}, out["nuc:raw"][t] ** 2),
                  ("nuclear", {"nuclear_dof": "columns"}, out["nuc:columns"][t] ** 2)]
+        if R >= 3:  # gk.estimate's default (= the DDP hook's with ranks as samples)
+            pairs.append(("nuclear", {}, out["nuc:gauss-sums"][t] ** 2))
         if R >= 4:
             pairs.append(("nuclear", {"nuclear_dof": "data"}, out["nuc:data"][t] ** 2))
         for geo, kw, mine in pairs:
@@ -373,7 +375,7 @@ def run_chunk(x, layout, R, b, check: int):
     return out
 
 
-def simulate(pool, layout, R, b, trials, seed, chunk_elems=2e7):
+def simulate(pool, layout, R, b, trials, seed, chunk_elems=2e7, check=2):
     gen = torch.Generator().manual_seed(seed)
     P = pool.shape[1]
     per = max(16, int(chunk_elems // (R * P)))
@@ -381,7 +383,7 @@ def simulate(pool, layout, R, b, trials, seed, chunk_elems=2e7):
     done = 0
     while done < trials:
         T = max(min(per, trials - done), 9)  # the pair8 columns need 9 trials in a chunk
-        parts.append(run_chunk(rank_means(pool, T, R, b, gen), layout, R, b, check=2 if done == 0 else 0))
+        parts.append(run_chunk(rank_means(pool, T, R, b, gen), layout, R, b, check=check if done == 0 else 0))
         done += T
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
@@ -465,6 +467,8 @@ def main(argv=None):
     ap.add_argument("--b", default="4,16,64")
     ap.add_argument("--extra", default="3:16,4:8", help="extra R:b configurations")
     ap.add_argument("--trials", type=int, default=1000)
+    ap.add_argument("--check", type=int, default=2,
+                    help="trials per configuration checked against gk.estimate (its default included)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drift", default="", help="R:b:snapshots:every: run the drift experiment on --arch instead")
@@ -490,7 +494,7 @@ def main(argv=None):
               f"nuclear {tn['nuclear']:.4g}; setup {time.time() - t0:.0f}s", flush=True)
         for R, b in configs:
             t1 = time.time()
-            o = simulate(pool, layout, R, b, args.trials, args.seed + 1000 * R + b)
+            o = simulate(pool, layout, R, b, args.trials, args.seed + 1000 * R + b, check=args.check)
             B = R * b
             l2 = ratio(o["l2"], tn["l2"])
             l1 = {k: ratio(o["l1:" + k] ** 2, tn["l1"]) for k in L1_KINDS if "l1:" + k in o}

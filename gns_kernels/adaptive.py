@@ -137,6 +137,11 @@ class AdaptiveBatching:
             at least one R x b.
         world_size, rank: R and this rank (default: from torch.distributed when
             initialised, else 1 and 0).
+        signal: "raw" or "debiased", the signal the controller runs Algorithm 1 on; None
+            (default) takes the hook state's ``signal`` (set where the state is built:
+            ``GNSHookState(..., signal="debiased")``). Given and different from the
+            state's: ValueError (the state computes the signal). theta's meaning depends
+            on it (docs/controller.md).
     """
 
     def __init__(self, gns, optimizers, *, micro_batch_size: int, initial_batch_size: int,
@@ -144,7 +149,8 @@ class AdaptiveBatching:
                  every: Optional[int] = None, warmup_steps: int = 0, beta_noise: float = 0.9,
                  beta_signal: float = 0.9, lr_scaling: str = "sqrt", schedulers=None,
                  grad_scaler=None, max_growth: Optional[float] = None,
-                 world_size: Optional[int] = None, rank: Optional[int] = None):
+                 world_size: Optional[int] = None, rank: Optional[int] = None,
+                 signal: Optional[str] = None):
         from .distributed.fsdp import FSDPGNSHandle
 
         if isinstance(gns, FSDPGNSHandle):
@@ -193,6 +199,16 @@ class AdaptiveBatching:
                 f"{self.state.every} steps; one period F must drive both: pass the same every to "
                 "both, or leave AdaptiveBatching's every=None to take the state's")
         self.every = every
+        state_signal = getattr(self.state, "signal", "raw")
+        if signal is None:
+            signal = state_signal
+        if signal not in ("raw", "debiased"):
+            raise ValueError(f"signal: expected None, 'raw' or 'debiased', got {signal!r}")
+        if signal != state_signal:
+            raise ValueError(
+                f"signal: AdaptiveBatching(signal={signal!r}) but the hook state computes the "
+                f"{state_signal!r} signal; build the state with signal={signal!r}, or leave "
+                "AdaptiveBatching's signal=None to take the state's")
         if max_growth is not None:
             if isinstance(max_growth, bool) or not isinstance(max_growth, Real) or not (
                     math.isfinite(max_growth) and max_growth > 1.0):
@@ -205,7 +221,7 @@ class AdaptiveBatching:
         self.controller = AdaptiveBatchSize(
             initial_batch_size=B0, theta=theta, beta_noise=beta_noise, beta_signal=beta_signal,
             every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
-            multiple_of=R * b, lr_scaling=lr_scaling)
+            multiple_of=R * b, lr_scaling=lr_scaling, signal=signal)
         self.optimizers = _as_list(optimizers)
         if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
             raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "

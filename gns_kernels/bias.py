@@ -29,11 +29,14 @@ nuclear (second order in 1/nu, exact for m = 1)
 
     nu decides how much is corrected and depends on the gradient structure (nuclear_dof):
     'columns' (R-1)*n, exact for Gaussian noise with independent columns and otherwise an
-    over-estimate of nu (so an under-correction) -- the default from eigenvalues alone;
-    'rank_one' (R-1)*n*b/(n+b) for per-example gradients r x^T; or, given R >= 4 samples,
+    over-estimate of nu (so an under-correction) -- the model from eigenvalues alone (the
+    default at R = 2, under FSDP2 and with micro-batch samples);
+    'rank_one' (R-1)*n*b/(n+b) for per-example gradients r x^T; given R >= 4 samples,
     nuclear_dof_from_samples: nu matched to the samples' own fourth moments in Frobenius
     norm, E||C_hat - C||_F^2 = ((tr C)^2 + tr C^2)/nu, from an unbiased estimate of the
-    left side (nuclear_frobenius_variance).
+    left side (nuclear_frobenius_variance); or, given R >= 3 samples and Gaussian rank
+    means, gns_kernels.nuclear_dof.dof_from_sample_sums from per-sample sums a hook can
+    form -- 'gauss-sums', the default at R >= 3 (resolve_nuclear_dof).
 
     The correction needs two spectral sums of C_hat: tr(C_hat^{1/2}) = sum_i s_i and the
     pair sum sum_{i,j} s_i s_j / (s_i + s_j) = int_0^inf tr(S e^{-tS})^2 dt, S = C_hat^{1/2}.
@@ -60,7 +63,35 @@ __all__ = [
     "nuclear_frobenius_variance",
     "nuclear_sqrt_trace_corrected",
     "nuclear_sqrt_trace_corrected_from_sums",
+    "NUCLEAR_DOF_MODES",
+    "resolve_nuclear_dof",
 ]
+
+# nuclear_dof= of gk.estimate and the hook states: where the dof of the nuclear correction
+# comes from ('auto': 'gauss-sums' at >= 3 samples where the per-sample deviations exist,
+# else 'columns'); see resolve_nuclear_dof
+NUCLEAR_DOF_MODES = ("auto", "gauss-sums", "columns", "data", "rank_one")
+
+
+def resolve_nuclear_dof(mode: str, num_samples: int, *, per_sample: bool = True) -> str:
+    """The dof mode a measurement of ``num_samples`` samples uses for ``nuclear_dof=mode``.
+
+    'auto' -> 'gauss-sums' when num_samples >= 3 and ``per_sample`` (each sample's own
+    deviation d_j = x_j - mean is available: gk.estimate, the DDP hook with ranks as
+    samples), else 'columns'. 'gauss-sums' needs R >= 3 and 'data' R >= 4 (ValueError
+    otherwise, naming nuclear_dof); 'columns' and 'rank_one' are returned as given.
+    """
+    if mode not in NUCLEAR_DOF_MODES:
+        raise ValueError(f"nuclear_dof: expected one of {NUCLEAR_DOF_MODES}, got {mode!r}")
+    R = _sample_count("num_samples", num_samples)
+    if mode == "auto":
+        return "gauss-sums" if (R >= 3 and per_sample) else "columns"
+    if mode == "gauss-sums" and R < 3:
+        raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least 3 samples, got {R} "
+                         "(use 'auto', which falls back to 'columns' below 3)")
+    if mode == "data" and R < 4:
+        raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
+    return mode
 
 
 def _sample_count(name: str, R) -> int:

@@ -66,6 +66,7 @@ __all__ = ["AdaptiveBatchSize"]
 logger = logging.getLogger("gns_kernels.controller")
 
 _LR_SCALINGS = ("sqrt", "linear", "none")
+_SIGNALS = ("raw", "debiased")
 _STATE_VERSION = 1
 # a quotient within this relative distance of an integer is taken as that integer before ceil
 _CEIL_RTOL = 1e-9
@@ -114,6 +115,11 @@ class AdaptiveBatchSize:
         multiple_of: B is always a multiple of this (ranks x micro-batches, so that every
             rank and micro-batch averages the same number of examples).
         lr_scaling: "sqrt" (paper, omega = sqrt(B/B_0)), "linear" (B/B_0) or "none" (1).
+        signal: which signal the estimates carry, "raw" (default, the paper's) or
+            "debiased" (``gk.estimate(..., signal="debiased")``, a hook state built with
+            ``signal="debiased"``). An estimate with a ``signal_kind`` attribute that
+            differs raises ValueError at ``update`` (theta means different things for the
+            two: docs/controller.md, "The signal and theta").
 
     Read-outs: ``batch_size`` (B_{k+1}), ``lr_multiplier`` (omega_{k+1}), ``noise_ema``,
     ``signal_ema``, ``gns_ema`` (N/M), ``target_batch_size`` (unrounded N/(theta^2 M) of the
@@ -132,7 +138,11 @@ class AdaptiveBatchSize:
         max_batch_size: int | None = None,
         multiple_of: int = 1,
         lr_scaling: str = "sqrt",
+        signal: str = "raw",
     ) -> None:
+        if not isinstance(signal, str) or signal not in _SIGNALS:
+            raise ValueError(f"signal: expected 'raw' (the paper's signal) or 'debiased', got {signal!r}")
+        self.signal = signal
         self.initial_batch_size = _check_int("initial_batch_size", initial_batch_size, 1)
         self.theta = _check_real("theta", theta, 0.0, lo_open=True)
         if not (0.0 < self.theta * self.theta < math.inf):
@@ -287,6 +297,12 @@ class AdaptiveBatchSize:
             self._num_skipped += 1
             logger.debug("step %d: no measurement (estimate None), skipped", step)
             return self._batch_size
+        kind = getattr(estimate, "signal_kind", None)
+        if isinstance(kind, str) and kind != self.signal:
+            raise ValueError(
+                f"signal: this controller was built with signal={self.signal!r} but the estimate "
+                f"of step {step} carries the {kind!r} signal; build the controller (or "
+                "AdaptiveBatching) and the estimator with the same signal")
         reason = self._invalid_reason(step, estimate)
         if reason is not None:
             self._num_skipped += 1
@@ -345,6 +361,7 @@ class AdaptiveBatchSize:
             "max_batch_size": self.max_batch_size,
             "multiple_of": self.multiple_of,
             "lr_scaling": self.lr_scaling,
+            "signal": self.signal,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -385,6 +402,7 @@ class AdaptiveBatchSize:
             raise TypeError(f"state_dict['config']: expected a dict, got {type(saved).__name__}")
         if strict:
             mine = self._config()
+            saved = {"signal": "raw", **saved}  # written before the signal option: raw
             diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
             if diff:
                 details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)

@@ -19,8 +19,17 @@ Units: N estimates a single-example quantity (tr Sigma, ||sigma||_1^2 or
 
 bias_correction=True (default) removes the small-R bias of the noise: the l1 noise is
 multiplied by 1/c4(R)^2 (exact for Gaussian rank means), each nuclear sqrt-trace is replaced
-by gns_kernels.bias.nuclear_sqrt_trace_corrected (second-order Wishart correction); l2 is
-unbiased already. bias_correction=False is the paper's estimator exactly.
+by gns_kernels.bias.nuclear_sqrt_trace_corrected (second-order Wishart correction, whose
+degrees of freedom come from ``nuclear_dof``: by default 'gauss-sums', estimated from the
+samples, at R >= 3, 'columns' at R = 2); l2 is unbiased already. bias_correction=False is
+the paper's estimator exactly.
+
+signal='raw' (default) is the paper's signal M above. signal='debiased' replaces it by a
+bias-reduced one (the raw M contains the noise of the mean gradient, E||g||^2 =
+||mu||^2 + tr Sigma / B): l2 ||g||_2^2 - sum_i s2_i / B (unbiased), l1
+(sum_i sqrt(max(g_i^2 - s2_i / B, 0)))^2, nuclear (sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}))^2
+(gns_kernels.nuclear_dof.l1_signal_debiased / nuclear_signal_debiased; no exactly unbiased
+l1 / nuclear signal exists). The GNS then no longer saturates near B; see docs/fidelity.md.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from typing import Sequence
 import torch
 
 from . import bias as _bias
+from . import nuclear_dof as _nuclear_dof
 from ._validation import check_int
 from .ops import eager_variance_sums
 from .spectral import smaller_side
@@ -39,6 +49,7 @@ Tensor = torch.Tensor
 
 __all__ = [
     "GEOMETRIES",
+    "SIGNALS",
     "CBS_RULES",
     "GNSEstimate",
     "estimate",
@@ -47,8 +58,7 @@ __all__ = [
 ]
 
 GEOMETRIES = ("l2", "l1", "nuclear")
-# nuclear_dof='auto' estimates the dof from the data (O(R^2 m^2 n)) only below this cost
-_DATA_DOF_MAX_FLOPS = 2e10
+SIGNALS = ("raw", "debiased")  # signal= of gk.estimate, the hook states and the controller
 CBS_RULES = ("fraction", "inflection", "efficiency")  # the rules of critical_batch_size
 
 
@@ -66,6 +76,11 @@ class GNSEstimate:
     step: the optimizer step the samples were measured at, when the producer knows it
     (None otherwise); AdaptiveBatchSize.update skips an estimate whose step differs from
     the step it is given (a stale measurement).
+    signal_kind: 'raw' (signal is the paper's) or 'debiased' (signal is the bias-reduced
+    one of the module docstring; AdaptiveBatchSize(signal=...) checks it). signal_raw: the
+    paper's raw signal (equal to signal when signal_kind is 'raw'; nan when invalid).
+    nuclear_dof: nuclear with bias correction, the dof mode the correction used
+    ('gauss-sums', 'columns', 'data' or 'rank_one'); None otherwise or when not known.
     """
 
     gns: float
@@ -79,6 +94,9 @@ class GNSEstimate:
     bias_corrected: bool
     noise_raw: float | None = None
     step: int | None = None
+    signal_kind: str = "raw"
+    signal_raw: float | None = None
+    nuclear_dof: str | None = None
 
     @property
     def gns_unbiased_signal(self) -> float | None:
@@ -88,6 +106,13 @@ class GNSEstimate:
         if not self.valid or not self.signal_unbiased > 0:
             return math.nan
         return self.noise / self.signal_unbiased
+
+
+def check_signal(signal) -> str:
+    """signal= of gk.estimate, the hook states and the controller: 'raw' or 'debiased'."""
+    if not isinstance(signal, str) or signal not in SIGNALS:
+        raise ValueError(f"signal: expected 'raw' (the paper's signal) or 'debiased', got {signal!r}")
+    return signal
 
 
 def _check_geometry(geometry: str) -> str:
@@ -137,6 +162,9 @@ def estimate_from_stats(
     noise_uncorrected_sum=None,
     *,
     step: int | None = None,
+    signal: str = "raw",
+    signal_debiased_sum=None,
+    nuclear_dof: str | None = None,
 ) -> GNSEstimate:
     """Build a GNSEstimate from reduced statistics (used by estimate() and the hooks).
 
@@ -152,6 +180,12 @@ def estimate_from_stats(
     for l1/nuclear. Validity: any non-finite statistic, a negative noise, a signal <= 0, a
     negative l1 / nuclear sum (a sum of norms) or a GNS beyond the float range gives
     valid=False with gns, noise, signal = nan. step: recorded as GNSEstimate.step.
+    signal: 'raw' (default) or 'debiased' (module docstring). 'debiased' uses, for l2,
+      signal_raw_sum - noise_raw_sum / B (no extra input); for l1 / nuclear,
+      signal_debiased_sum: sum_i sqrt(max(g_i^2 - s2_i / B, 0)) (l1) or
+      sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear), squared here. A debiased signal
+      <= 0 (the noise dominates the whole mean gradient) gives valid=False.
+    nuclear_dof: recorded as GNSEstimate.nuclear_dof (nuclear with bias correction).
     """
     _check_geometry(geometry)
     R, B = _check_counts(num_samples, batch_size)
@@ -159,42 +193,57 @@ def estimate_from_stats(
         step = check_int("step", step, 0)
     if not isinstance(bias_correction, bool):
         raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
+    check_signal(signal)
+    debiased = signal == "debiased"
+    if debiased and geometry != "l2" and signal_debiased_sum is None:
+        raise ValueError(f"signal_debiased_sum: signal='debiased' needs the debiased signal sum for "
+                         f"geometry {geometry!r}, got None")
+    dof_label = nuclear_dof if (geometry == "nuclear" and bias_correction) else None
     n = _as_float(noise_raw_sum)
     s = _as_float(signal_raw_sum)
     n_unc = _as_float(noise_uncorrected_sum) if noise_uncorrected_sum is not None else None
-    if geometry != "l2" and (n < 0 or s < 0 or (n_unc is not None and n_unc < 0)):
+    s_deb = _as_float(signal_debiased_sum) if (debiased and geometry != "l2") else None
+    if geometry != "l2" and (n < 0 or s < 0 or (n_unc is not None and n_unc < 0)
+                             or (s_deb is not None and not s_deb >= 0)):
         # l1 / nuclear sums are sums of norms: a negative one is corrupt, not a signal
         n = s = math.nan
     if geometry == "l2":
-        noise, signal, noise_raw = n, s, n
+        noise, signal_raw, noise_raw = n, s, n
     elif geometry == "l1":
         factor = _bias.l1_noise_factor(R) if bias_correction else 1.0
-        noise, signal, noise_raw = (n * factor) * (n * factor), s * s, n * n
+        noise, signal_raw, noise_raw = (n * factor) * (n * factor), s * s, n * n
     else:
-        noise, signal = n * n, s * s
+        noise, signal_raw = n * n, s * s
         if bias_correction:
             noise_raw = n_unc * n_unc if n_unc is not None else None
         else:
             noise_raw = noise
+    if not debiased:
+        sig = signal_raw
+    elif geometry == "l2":
+        sig = signal_raw - n / B  # E||g||^2 = ||mu||^2 + tr Sigma / B: unbiased
+    else:
+        sig = s_deb * s_deb
+    kind = signal
     valid = (
         math.isfinite(noise)
-        and math.isfinite(signal)
+        and math.isfinite(sig)
+        and math.isfinite(signal_raw)
         and noise >= 0
-        and signal > 0
+        and sig > 0
         and (noise_raw is None or math.isfinite(noise_raw))
     )
+    nan = math.nan
     if not valid:
-        nan = math.nan
         return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
-                           geometry, R, B, bias_correction, nan, step)
-    gns = noise / signal
-    sig_unb = signal - noise / B if geometry == "l2" else None
+                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label)
+    gns = noise / sig
+    sig_unb = signal_raw - noise / B if geometry == "l2" else None
     if not math.isfinite(gns):  # signal so small that the quotient overflows
-        nan = math.nan
         return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
-                           geometry, R, B, bias_correction, nan, step)
-    return GNSEstimate(gns, noise, signal, True, sig_unb, geometry, R, B,
-                       bias_correction, noise_raw, step)
+                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label)
+    return GNSEstimate(gns, noise, sig, True, sig_unb, geometry, R, B,
+                       bias_correction, noise_raw, step, kind, signal_raw, dof_label)
 
 
 def _check_real_tensor(name: str, t: Tensor) -> None:
@@ -272,7 +321,8 @@ def estimate(
     shift: Sequence[Tensor | None] | Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     *,
-    nuclear_dof: str = "columns",
+    nuclear_dof: str = "auto",
+    signal: str = "raw",
 ) -> GNSEstimate:
     """GNS of R sample gradients in the given geometry (see the module docstring).
 
@@ -283,15 +333,20 @@ def estimate(
     geometry: 'l2', 'l1' or 'nuclear' (nuclear uses 2-D tensors only; others are ignored).
     bias_correction: correct the small-R bias of the noise (l1: 1/c4(R)^2; nuclear:
       bias.nuclear_sqrt_trace_corrected per matrix); False gives the paper's estimator.
-    nuclear_dof: degrees of freedom of each matrix's covariance estimate for the nuclear
-      correction. 'columns' (default): (R-1) * n, n the matrix's longer side (Gaussian
-      independent columns); this is what the spectral ops and the DDP/FSDP2 hooks use from
-      eigenvalues alone, so the default estimate equals the hooks' estimate. 'data':
-      estimated from the samples' fourth moments (bias.nuclear_dof_from_samples; needs
-      R >= 4; removes much more of the bias when per-example gradients are low-rank, e.g.
-      96-100% instead of 44-46% on least squares at R = 4, 8: docs/estimators.md).
-      'auto': 'data' when R >= 4 and the matrix is small enough (R^2 m^2 n <= 2e10
-      multiply-adds, m <= n its sides), else 'columns'. 'rank_one': (R-1) * n b / (n + b).
+    nuclear_dof: degrees of freedom nu of each matrix's covariance estimate for the nuclear
+      correction (docs/estimators.md, docs/fidelity.md):
+      'auto' (default): 'gauss-sums' when R >= 3, else 'columns' -- what the DDP hook
+        (ranks as samples) computes, so the default estimate equals the hook's;
+      'gauss-sums': nu from the per-sample sums sum_j ||d_j d_j^T||_F^2,
+        sum_j ||d_j||_F^4 and the Gram M = sum_j d_j d_j^T (d_j = x_j - mean, Gaussian
+        rank means; gns_kernels.nuclear_dof.dof_from_samples_gaussian); R >= 3;
+      'columns': (R-1) * n, n the matrix's longer side (Gaussian independent columns; an
+        over-estimate of nu for correlated inputs: on real networks at local batch 16 it
+        removes 2-20% of the small-R bias, 'gauss-sums' 49-112%: docs/fidelity.md);
+      'data': estimated from the samples' fourth moments without a Gaussian assumption
+        (bias.nuclear_dof_from_samples; R >= 4; O(R^2 m^2 n), needs cross-sample terms a
+        hook cannot form); 'rank_one': (R-1) * n b / (n + b).
+    signal: 'raw' (default, the paper's) or 'debiased' (module docstring).
     shift: None, or one tensor (or None) per parameter, identical for all samples (e.g. the
       momentum buffer). The statistics are computed from x^j = g^j - S. In exact arithmetic
       S changes nothing; in floating point it changes only rounding: the variance is the
@@ -324,23 +379,25 @@ def estimate(
         S = S.detach().to(device=x.device, dtype=dtype)
         return x - S, S
 
+    check_signal(signal)
+    debiased = signal == "debiased"
     if geometry in ("l2", "l1"):
         sums = torch.zeros(4, dtype=dtype)
+        deb = torch.zeros((), dtype=torch.float64)
         for p in range(n_params):
             x, S = shifted(p)
             d = x.mean(dim=0)
             v = (x - d).square().mean(dim=0)  # centered two-pass variance: no cancellation
             g = d if S is None else d + S
             sums = sums + eager_variance_sums(scale * v, g, dtype).cpu()
+            if debiased and geometry == "l1":
+                deb = deb + _nuclear_dof.l1_signal_debiased(g, scale * v, B).cpu()
         if geometry == "l2":
-            return estimate_from_stats(geometry, sums[2], sums[3], R, B, bias_correction)
-        return estimate_from_stats(geometry, sums[0], sums[1], R, B, bias_correction)
+            return estimate_from_stats(geometry, sums[2], sums[3], R, B, bias_correction, signal=signal)
+        return estimate_from_stats(geometry, sums[0], sums[1], R, B, bias_correction, signal=signal,
+                                   signal_debiased_sum=deb if debiased else None)
 
-    if nuclear_dof not in ("auto", "data", "columns", "rank_one"):
-        raise ValueError(f"nuclear_dof: expected 'auto', 'data', 'columns' or 'rank_one', got {nuclear_dof!r}")
-    if nuclear_dof == "data" and R < 4:
-        raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")
-    auto = nuclear_dof == "auto"
+    mode = _bias.resolve_nuclear_dof(nuclear_dof, R)
     # a 0 x n matrix adds nothing to either sum (tr C^{1/2} = ||G||_S1 = 0): skipped
     mats = [p for p in range(n_params) if samples[0][p].dim() == 2 and samples[0][p].numel() > 0]
     if not mats:
@@ -348,7 +405,7 @@ def estimate(
             "rank_grads: geometry 'nuclear' needs at least one non-empty 2-D tensor per sample "
             "(0 x n matrices hold nothing and are skipped)"
         )
-    noise_sum, noise_unc, signal_sum = 0.0, 0.0, 0.0
+    noise_sum, noise_unc, signal_sum, deb_sum = 0.0, 0.0, 0.0, 0.0
     for p in mats:
         x, S = shifted(p)
         if smaller_side(x.shape) == "col":  # the Gram side of spectral.nuclear_stats and the hooks
@@ -363,26 +420,33 @@ def estimate(
         else:
             ev = torch.linalg.eigvalsh(0.5 * (C + C.mT))
         raw = torch.where(ev < 0, torch.zeros_like(ev), ev).sqrt().sum()
-        use_data_dof = nuclear_dof == "data" or (auto and R >= 4 and R * R * m * m * n <= _DATA_DOF_MAX_FLOPS)
         if bias_correction:
-            if use_data_dof:
-                nu = _bias.nuclear_dof_from_samples(x)  # nan for non-finite x: invalid estimate
+            if mode in ("data", "gauss-sums"):
+                # nan for non-finite x: an invalid estimate
+                nu = (_bias.nuclear_dof_from_samples(x) if mode == "data"
+                      else _nuclear_dof.dof_from_samples_gaussian(x))
                 corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1))
             else:
-                model = "columns" if auto else nuclear_dof
-                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n, dof_model=model)
+                corr = _bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n, dof_model=mode)
         else:
             corr = raw
         g = d if S is None else d + S
-        if bool(torch.isfinite(g).all()):
+        finite_g = bool(torch.isfinite(g).all())
+        if finite_g:
             sv = torch.linalg.svdvals(g).sum()
         else:
             sv = torch.tensor(math.nan, dtype=dtype)
+        if debiased:
+            if finite_g and bool(torch.isfinite(C).all()):
+                deb_sum = deb_sum + _as_float(_nuclear_dof.nuclear_signal_debiased(g, C, B))
+            else:
+                deb_sum = math.nan
         noise_sum = noise_sum + _as_float(corr)
         noise_unc = noise_unc + _as_float(raw)
         signal_sum = signal_sum + _as_float(sv)
     return estimate_from_stats(
-        "nuclear", noise_sum, signal_sum, R, B, bias_correction, noise_uncorrected_sum=noise_unc
+        "nuclear", noise_sum, signal_sum, R, B, bias_correction, noise_uncorrected_sum=noise_unc,
+        signal=signal, signal_debiased_sum=deb_sum if debiased else None, nuclear_dof=mode,
     )
 
 

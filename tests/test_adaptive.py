@@ -531,3 +531,18 @@ def test_iterable_dataset_of_fixed_micro_batches():
         opt.step(); opt.zero_grad(); coord.step()
     assert set(seen) == {4} and 4 * len(seen) == coord.samples_seen
     assert coord.samples_seen > 40  # crossed a pass boundary
+
+
+def test_signal_is_the_states_and_a_mismatch_raises():
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = GNSHookState(geometry="l1", every=1, batch_size=8, signal="debiased")
+    with pytest.raises(ValueError, match="signal: AdaptiveBatching\\(signal='raw'\\).*'debiased'"):
+        AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2, signal="raw")
+    with pytest.raises(ValueError, match="signal: expected None, 'raw' or 'debiased'"):
+        AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2, signal="x")
+    coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
+    assert coord.controller.signal == "debiased"
+    raw = AdaptiveBatching(GNSHookState(geometry="l1", every=1, batch_size=8), opt, micro_batch_size=4,
+                           initial_batch_size=8, world_size=2)
+    assert raw.controller.signal == "raw"

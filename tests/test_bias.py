@@ -199,7 +199,7 @@ def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.
     C = B / (R * (R - 1)) * (dev @ dev.mT).sum(dim=1)
     ev = torch.linalg.eigvalsh(C)
     columns = bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
-    if R >= 4:  # nuclear_dof='auto' (opt-in): the data's own fourth moments
+    if R >= 4:  # nuclear_dof='data': the data's own fourth moments
         nuc = bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1))
     else:
         nuc = columns
@@ -222,7 +222,7 @@ def test_estimate_applies_corrections(name):
         for t in range(3):
             rg = [[G[t, j]] for j in range(R)]
             e1, e2 = (gk.estimate(rg, 6 * R, geo) for geo in ("l1", "l2"))
-            en = gk.estimate(rg, 6 * R, "nuclear", nuclear_dof="auto")
+            en = gk.estimate(rg, 6 * R, "nuclear", nuclear_dof="data" if R >= 4 else "columns")
             assert math.sqrt(e1.noise) == pytest.approx(float(d["l1"][t]), rel=1e-12)
             assert math.sqrt(e1.noise_raw) == pytest.approx(float(d["l1_raw"][t]), rel=1e-12)
             assert math.sqrt(en.noise) == pytest.approx(float(d["nuc"][t]), rel=1e-9)

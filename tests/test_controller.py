@@ -412,3 +412,40 @@ def test_random_trajectories_match_transcribed_algorithm(seed):
     assert [b for b, _ in got] == [b for b, _ in expected]
     for (_, w), (_, w_ref) in zip(got, expected):
         assert w == pytest.approx(w_ref, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- signal
+@dataclass
+class KindEst:
+    noise: float
+    signal: float
+    signal_kind: str
+    valid: bool = True
+
+
+def test_signal_option_checked_against_the_estimates():
+    assert AdaptiveBatchSize().signal == "raw"
+    with pytest.raises(ValueError, match="signal: expected 'raw'.*'debiased', got 'unbiased'"):
+        ctrl(signal="unbiased")
+    c = ctrl(signal="debiased")
+    # noise 8 / (theta^2 = 1 x signal 2) = 4 -> batch stays 4; then 40 / 2 = 20
+    assert c.update(0, KindEst(8.0, 2.0, "debiased")) == 4
+    assert c.update(1, KindEst(40.0, 2.0, "debiased")) == 20
+    with pytest.raises(ValueError, match="signal: this controller was built with signal='debiased'"):
+        c.update(2, KindEst(40.0, 2.0, "raw"))
+    # objects without signal_kind (plain numbers) are taken as given
+    assert c.update(3, Est(80.0, 2.0)) == 40
+
+
+def test_state_dict_without_signal_loads_as_raw_and_round_trips():
+    c = ctrl()
+    c.update(0, Est(40.0, 2.0))
+    sd = c.state_dict()
+    assert sd["config"]["signal"] == "raw"
+    old = copy.deepcopy(sd)
+    del old["config"]["signal"]  # written before the option existed
+    d = ctrl()
+    d.load_state_dict(old)
+    assert d.state_dict() == sd
+    with pytest.raises(ValueError, match="signal"):
+        ctrl(signal="debiased").load_state_dict(sd)

@@ -48,7 +48,30 @@ def test_raw_equals_reference(R, geometry, seed):
     assert (est.geometry, est.num_samples, est.batch_size, est.bias_corrected) == (geometry, R, B, False)
 
 
-@pytest.mark.parametrize("R", [2, 4])
+def gauss_sums_dof_reference(x: torch.Tensor) -> float:
+    """nu of the Gaussian per-sample-sums model, float64, loop by loop: x (R, m, n) on the
+    Gram side. Q = sum_j ||d_j d_j^T||_F^2, A = sum_j ||d_j||_F^4, M = sum_j d_j d_j^T;
+    mu4 = R Q / (R-1)^2, m4 = R A / (R-1)^2, P1 = (||M||^2 - (R-1) mu4) / ((R-1)(R-2)),
+    T1 = ((tr M)^2 - (R-1) m4) / ((R-1)(R-2)), nu = (R-1) (T1 + P1) / (mu4 - P1)."""
+    x = x.to(torch.float64)
+    R = x.shape[0]
+    mean = sum(x[j] for j in range(R)) / R
+    Q = A = 0.0
+    M = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+    for j in range(R):
+        d = x[j] - mean
+        G = d @ d.T
+        Q += float((G * G).sum())
+        A += float(torch.trace(G)) ** 2
+        M += G
+    mu4, m4 = R * Q / (R - 1) ** 2, R * A / (R - 1) ** 2
+    P1 = (float((M * M).sum()) - (R - 1) * mu4) / ((R - 1) * (R - 2))
+    T1 = (float(torch.trace(M)) ** 2 - (R - 1) * m4) / ((R - 1) * (R - 2))
+    var = (mu4 - P1) / (R - 1)
+    return math.inf if var <= 0 else max(T1 + P1, 0.0) / var
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
 def test_corrections_relative_to_raw(R, seed):
     rg = _rank_grads(R, SHAPES, seed)
     B = 3 * R
@@ -61,35 +84,36 @@ def test_corrections_relative_to_raw(R, seed):
     assert cor["l1"].noise_raw == pytest.approx(raw["l1"].noise, rel=1e-12)
     assert cor["l1"].signal == raw["l1"].signal
     # nuclear: per-matrix corrected sqrt-traces, summed, squared. nuclear_dof='auto':
-    # 'columns' (other_dim = the longer side) for R < 4, the data's fourth moments for R >= 4
+    # 'columns' (other_dim = the longer side) for R = 2, 'gauss-sums' for R >= 3
     mats = [p for p, s in enumerate(SHAPES) if len(s) == 2]
-    tot, tot_col = 0.0, 0.0
+    tot, tot_col, tot_data = 0.0, 0.0, 0.0
     for p in mats:
         cov = reference.row_covariance([r[p] for r in rg], B)
         ev = torch.linalg.eigvalsh(cov)
         col = float(bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=max(SHAPES[p])))
         tot_col += col
-        if R >= 4:
-            x = torch.stack([r[p] for r in rg])
-            x = x if SHAPES[p][0] <= SHAPES[p][1] else x.mT
-            nu = bias.nuclear_dof_from_samples(x)
+        x = torch.stack([r[p] for r in rg])
+        x = x if SHAPES[p][0] <= SHAPES[p][1] else x.mT
+        if R >= 3:
+            nu = gauss_sums_dof_reference(x)
             tot += float(bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1)))
         else:
             tot += col
+        if R >= 4:
+            nu_d = bias.nuclear_dof_from_samples(x)
+            tot_data += float(bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu_d / (R - 1)))
     assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
+    assert cor["nuclear"].nuclear_dof == ("gauss-sums" if R >= 3 else "columns")
     assert gk.estimate(rg, B, "nuclear", nuclear_dof="columns").noise == pytest.approx(tot_col**2, rel=1e-9)
-    # the default is 'columns', the hooks' correction (eigenvalues only)
-    assert gk.estimate(rg, B, "nuclear").noise == pytest.approx(tot_col**2, rel=1e-9)
-    if R >= 4:  # 'auto' falls back to 'columns' above its cost bound
-        from gns_kernels import estimators
-
-        old = estimators._DATA_DOF_MAX_FLOPS
-        try:
-            estimators._DATA_DOF_MAX_FLOPS = 0
-            assert gk.estimate(rg, B, "nuclear", nuclear_dof="auto").noise == pytest.approx(tot_col**2, rel=1e-9)
-            assert gk.estimate(rg, B, "nuclear", nuclear_dof="data").noise == pytest.approx(tot**2, rel=1e-9)
-        finally:
-            estimators._DATA_DOF_MAX_FLOPS = old
+    # the default is 'auto' (what the DDP hook computes)
+    assert gk.estimate(rg, B, "nuclear").noise == pytest.approx(tot**2, rel=1e-9)
+    if R >= 3:
+        assert gk.estimate(rg, B, "nuclear", nuclear_dof="gauss-sums").noise == pytest.approx(tot**2, rel=1e-9)
+    else:
+        with pytest.raises(ValueError, match="nuclear_dof: 'gauss-sums' needs at least 3"):
+            gk.estimate(rg, B, "nuclear", nuclear_dof="gauss-sums")
+    if R >= 4:
+        assert gk.estimate(rg, B, "nuclear", nuclear_dof="data").noise == pytest.approx(tot_data**2, rel=1e-9)
     assert cor["nuclear"].noise > raw["nuclear"].noise
     assert cor["nuclear"].noise_raw == pytest.approx(raw["nuclear"].noise, rel=1e-12)
     assert cor["nuclear"].signal == raw["nuclear"].signal
@@ -377,3 +401,69 @@ def test_only_empty_matrices_nuclear_error():
     rg = [[torch.zeros(0, 5), torch.ones(3)], [torch.zeros(0, 5), torch.zeros(3)]]
     with pytest.raises(ValueError, match="non-empty 2-D tensor"):
         gk.estimate(rg, 2, "nuclear")
+
+
+# ----------------------------------------------------------------------------- signal='debiased'
+@pytest.mark.parametrize("R", [2, 3, 5])
+def test_debiased_signals_against_float64_references(R, seed):
+    rg = _rank_grads(R, SHAPES, seed, offset=0.2)
+    B = 4 * R
+    scale = B / (R - 1)
+    # l1: sum_i sqrt(max(g_i^2 - s2_i / B, 0)), coordinate by coordinate
+    deb = 0.0
+    for p in range(len(SHAPES)):
+        x = torch.stack([r[p] for r in rg]).reshape(R, -1)
+        for i in range(x.shape[1]):
+            col = [float(v) for v in x[:, i]]
+            g = sum(col) / R
+            s2 = scale * sum((v - g) ** 2 for v in col) / R
+            deb += math.sqrt(max(g * g - s2 / B, 0.0))
+    e1 = gk.estimate(rg, B, "l1", signal="debiased")
+    r1 = gk.estimate(rg, B, "l1")
+    assert e1.signal_kind == "debiased" and r1.signal_kind == "raw"
+    assert e1.signal == pytest.approx(deb**2, rel=1e-10)
+    assert e1.signal_raw == pytest.approx(r1.signal, rel=1e-12) and e1.noise == r1.noise
+    assert e1.gns == pytest.approx(e1.noise / deb**2, rel=1e-10)
+    # l2: ||g||^2 - sum s2 / B (the unbiased signal)
+    e2 = gk.estimate(rg, B, "l2", signal="debiased")
+    r2 = gk.estimate(rg, B, "l2")
+    if r2.signal_unbiased > 0:
+        assert e2.valid and e2.signal == pytest.approx(r2.signal - r2.noise / B, rel=1e-10)
+    else:
+        assert not e2.valid and math.isnan(e2.gns)
+    # nuclear: tr((G G^T - C / B)_+^{1/2}) per matrix on the smaller side, float64 eigvalsh
+    tot = 0.0
+    for p, s in enumerate(SHAPES):
+        if len(s) != 2:
+            continue
+        x = torch.stack([r[p] for r in rg]).to(torch.float64)
+        if s[0] > s[1]:
+            x = x.mT
+        g = x.mean(0)
+        C = scale * sum((x[j] - g) @ (x[j] - g).T for j in range(R)) / R
+        ev = torch.linalg.eigvalsh(g @ g.T - C / B)
+        tot += float(ev.clamp_min(0).sqrt().sum())
+    en = gk.estimate(rg, B, "nuclear", signal="debiased")
+    rn = gk.estimate(rg, B, "nuclear")
+    assert en.signal == pytest.approx(tot**2, rel=1e-9)
+    assert en.noise == rn.noise and en.signal_raw == pytest.approx(rn.signal, rel=1e-12)
+    assert en.signal < rn.signal  # the noise is taken out
+
+
+def test_signal_argument_checked():
+    ok = [[torch.randn(4, 5)], [torch.randn(4, 5)]]
+    with pytest.raises(ValueError, match="signal: expected 'raw'.*'debiased', got 'unbiased'"):
+        gk.estimate(ok, 8, "l1", signal="unbiased")
+    with pytest.raises(ValueError, match="signal_debiased_sum"):
+        estimate_from_stats("l1", 1.0, 2.0, 2, 8, signal="debiased")
+
+
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+@pytest.mark.parametrize("signal", ["raw", "debiased"])
+def test_non_finite_never_a_finite_gns_with_gauss_sums(geometry, signal):
+    rg = _rank_grads(4, SHAPES, 7)
+    rg[2][0] = rg[2][0].clone()
+    rg[2][0][1, 1] = float("nan")
+    e = gk.estimate(rg, 8, geometry, signal=signal)
+    assert not e.valid and math.isnan(e.gns) and math.isnan(e.noise) and math.isnan(e.signal)
+

@@ -11,15 +11,28 @@ results:
   carry over from one bucket to the next (greedy longest-processing-time). Every rank sees
   the same buckets in the same order, so every rank computes the same assignment without
   communicating.
-- the shared vector (float64, 3L over the whole measurement, L its measured matrices in
-  bucket order): [noise_l, signal_l, used64_l] where each rank writes the values it solved
-  and 0 elsewhere. Its all-reduce (sum) gives every rank every value exactly (each entry
-  has one non-zero contributor: x + 0 = x), so the totals are bitwise identical on every
-  rank. used64_l (1.0: the eigenvalue solver needed float64 for matrix l) is the
-  eigensolver hint report: every rank records the same report, so the hints stay
-  identical on every rank.
-- bias correction: the corrected noise is computed by the rank that solves it, from the
-  eigenvalues of its own solve; the corrected value is what is shared.
+- the shared vector (float64, rows x L over the whole measurement, L its measured
+  matrices in bucket order), rows [noise_l, signal_l, used64_l] where each rank writes the
+  values it solved and 0 elsewhere. Its all-reduce (sum) gives every rank every value
+  exactly (each entry has one non-zero contributor: x + 0 = x), so the totals are bitwise
+  identical on every rank. used64_l (1.0: the eigenvalue solver needed float64 for matrix
+  l) is the eigensolver hint report: every rank records the same report, so the hints stay
+  identical on every rank. signal='debiased' adds a row signal_deb_l (tr((G G^T -
+  C/B)_+^{1/2}), solved by the rank that solves signal_l).
+- bias correction, dof 'columns': the corrected noise is computed by the rank that solves
+  it, from the eigenvalues of its own solve (or the Newton trace and pair sum); the
+  corrected value is what is shared.
+- bias correction, dof 'gauss-sums' (ranks as samples, R >= 3): the dof needs every
+  rank's q_j = ||d_j d_j^T||_F^2 and a_j = ||d_j||_F^4 (d_j = G^j - G, this rank's own
+  deviation from the mean gradient, known after the bucket's all-reduce), so the
+  correction is formed after the share all-reduce. Rows added: pair_l, trace_l, fro2_l
+  (the solving rank's pair sum sum_ik s_i s_k / (s_i + s_k), tr C_l and ||C_l||_F^2; the
+  noise row holds the raw tr(C_l^{1/2})) and q_l, a_l (written by EVERY rank: the sum is
+  Q_l = sum_j q_j, A_l = sum_j a_j). After the all-reduce every rank computes, from the
+  same reduced numbers in the same order, nu_l = nuclear_dof.dof_from_sample_sums(Q_l, A_l,
+  tr M_l, ||M_l||_F^2, R) (M_l = R / scale C_l = sum_j d_j d_j^T) and the corrected
+  sqrt-trace (bias.nuclear_sqrt_trace_corrected_from_sums's formula): device ops only, so
+  on the Newton (GPU) path nothing is read on the host either.
 - validity: a rank whose solved inputs are non-finite (non-finite gradients on some rank)
   writes NaN for the values it owns in that part; a solver failure likewise (with a
   warning). NaN survives the sum, so the measurement is invalid on every rank.
@@ -35,6 +48,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .. import spectral
+from ..bias import _corrected
+from ..nuclear_dof import dof_from_sample_sums
 from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
 
 Tensor = torch.Tensor
@@ -62,50 +78,119 @@ def _finite(tensors: Sequence[Tensor], device) -> Tensor:
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
-def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
-               owned_s: Sequence[bool], device) -> Tensor:
-    """One part (bucket / param group) of a rank's share: float64 Tensor[3, L_part].
+def share_rows(signal_debiased: bool = False, gauss_sums: bool = False) -> dict:
+    """Row name -> row index of the shared vector (module docstring)."""
+    names = ["noise", "signal", "used64"]
+    if signal_debiased:
+        names.append("signal_deb")
+    if gauss_sums:
+        names += ["pair", "trace", "fro2", "q", "a"]
+    return {n: i for i, n in enumerate(names)}
 
-    solve(select) -> (noise[L], signal[L], used64[L] or None) solves the selected
-    sqrt-traces (spectral.nuclear_stats_select / nuclear_stats_from_grams_select with
-    record_hints=False). inputs: the tensors the owned solves read (checked for
-    finiteness on the device). Rows: noise, signal (all NaN when an owned input is
-    non-finite), used64 (0 / 1). Entries this rank does not own are 0.
-    No host synchronization.
+
+def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
+    """float64 Tensor[2, L]: per matrix [q, a] = [||d d^T||_F^2, ||d||_F^4] of this rank's
+    deviation d = G^j - G (m x n) from the mean gradient, from the Gram d d^T on the smaller
+    side (float32 matmul, sums in float64). No host synchronization."""
+    if not deviations:
+        return torch.zeros((2, 0), dtype=torch.float64, device=device)
+    cols = []
+    for d in deviations:
+        side = spectral.smaller_side(tuple(d.shape))
+        (G,) = spectral.gram([d.float()], side=side)
+        G = G.to(torch.float64)
+        cols.append(torch.stack([(G * G).sum(), torch.diagonal(G).sum() ** 2]))
+    return torch.stack(cols, dim=1).to(device)
+
+
+def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
+               owned_s: Sequence[bool], device, rows: Optional[dict] = None,
+               qa: Optional[Tensor] = None, solve_debiased: Optional[Callable] = None) -> Tensor:
+    """One part (bucket / param group) of a rank's share: float64 Tensor[len(rows), L_part].
+
+    solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
+    selected sqrt-traces (spectral.nuclear_stats_select / nuclear_stats_from_grams_select
+    with record_hints=False; with return_sums=True when rows has 'pair'). inputs: the
+    tensors the owned solves read (checked for finiteness on the device). rows: share_rows
+    (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
+    all NaN when an owned input is non-finite; used64 (0 / 1); q, a: ``qa`` (every matrix,
+    this rank's deviation sums). solve_debiased(select): the debiased signals (row
+    signal_deb). Entries this rank does not own are 0. No host synchronization.
     """
+    rows = rows or share_rows()
     L = len(owned_n)
-    out = torch.zeros((3, L), dtype=torch.float64, device=device)
+    out = torch.zeros((len(rows), L), dtype=torch.float64, device=device)
+    if "q" in rows and qa is not None:
+        out[rows["q"]:rows["q"] + 2] = qa.to(device=device, dtype=torch.float64)
     if not (any(owned_n) or any(owned_s)):
         return out
-    noise, signal, used = solve((list(owned_n), list(owned_s)))
+    res = solve((list(owned_n), list(owned_s)))
+    noise, signal, used = res[0], res[1], res[2]
     ok = _finite(inputs, device)
+    nan_like = lambda v: torch.full_like(v, float("nan"))  # noqa: E731
     vals = torch.stack([noise, signal]).to(device=device, dtype=torch.float64)
+    if "pair" in rows:  # the float64 raw trace of the owned noise matrices
+        vals[0] = res[3][0].to(device=device, dtype=torch.float64)
+        sums = res[3][1:4].to(device=device, dtype=torch.float64)
+        p = rows["pair"]
+        out[p:p + 3] = torch.where(ok, sums, nan_like(sums))
     # non-finite owned inputs: the whole part is NaN on this rank (and, through the sum,
     # on every rank); entries not owned are 0 from the solver
-    out[:2] = torch.where(ok, vals, torch.full_like(vals, float("nan")))
+    out[:2] = torch.where(ok, vals, nan_like(vals))
     if used is not None:
         out[2] = used.to(device=device, dtype=torch.float64)
+    if "signal_deb" in rows and any(owned_s):
+        deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
+        out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
     return out
 
 
-def share_totals(vec: Tensor) -> Tensor:
-    """float64 Tensor[2]: (sum_l noise_l, sum_l signal_l) of a reduced shared vector
-    [noise (L), signal (L), used64 (L)] (one fixed order: identical on every rank)."""
-    L = vec.numel() // 3
-    return vec.view(3, L)[:2].sum(dim=1)
+def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional[int] = None,
+                 scale: Optional[float] = None) -> Tensor:
+    """float64 Tensor[2] (sum_l noise_l, sum_l signal_l), or Tensor[3] with the debiased
+    signal total last when rows has 'signal_deb', of a reduced shared vector (one fixed
+    order: identical on every rank). With the 'gauss-sums' rows the noise is corrected
+    here: nu_l from (Q_l, A_l, tr M_l, ||M_l||_F^2), M_l = num_samples / scale * C_l
+    (module docstring); needs num_samples and scale. No host synchronization."""
+    rows = rows or share_rows()
+    L = vec.numel() // len(rows)
+    v = vec.view(len(rows), L)
+    noise = v[rows["noise"]]
+    if "pair" in rows:
+        R = int(num_samples)
+        f = R / float(scale)  # M = sum_j d_j d_j^T = R / scale * C
+        nu = dof_from_sample_sums(v[rows["q"]], v[rows["a"]], f * v[rows["trace"]],
+                                  (f * f) * v[rows["fro2"]], R)
+        noise = _corrected(noise, v[rows["pair"]], nu)
+    out = [noise.sum(), v[rows["signal"]].sum()]
+    if "signal_deb" in rows:
+        out.append(v[rows["signal_deb"]].sum())
+    return torch.stack(out)
 
 
 class SolveShare:
     """The shared nuclear solves of one measurement (module docstring).
 
     world, rank: of the process group; scale, bias_correction, num_samples, batch_size,
-    hints: as spectral.nuclear_stats. Parts are added in the same order on every rank
-    (``add_grads`` for DDP / MicroBatchGNS, ``add_grams`` for FSDP2), then ``vector()`` is
-    all-reduced once (``launch``), and ``read()`` returns the totals on the host.
+    hints: as spectral.nuclear_stats. dof: the nuclear correction's dof, 'columns' (corrected
+    by the solving rank) or 'gauss-sums' (corrected after the all-reduce; ``add_grads``
+    then needs this rank's deviations). signal: 'raw' or 'debiased' (also solves the
+    debiased signal). Parts are added in the same order on every rank (``add_grads`` for
+    DDP / MicroBatchGNS, ``add_grams`` for FSDP2), then ``vector()`` is all-reduced once
+    (``launch``), and ``read()`` returns the totals on the host.
     """
 
     def __init__(self, world: int, rank: int, scale: float, bias_correction: bool,
-                 num_samples: int, batch_size: float, hints=None, method: str = "auto"):
+                 num_samples: int, batch_size: float, hints=None, method: str = "auto",
+                 dof: str = "columns", signal: str = "raw"):
+        if dof not in ("columns", "gauss-sums"):
+            raise ValueError(f"dof: expected 'columns' or 'gauss-sums', got {dof!r}")
+        if signal not in ("raw", "debiased"):
+            raise ValueError(f"signal: expected 'raw' or 'debiased', got {signal!r}")
+        self.gauss = bool(bias_correction) and dof == "gauss-sums"
+        self.dof = dof if bias_correction else None
+        self.signal = signal
+        self.rows = share_rows(signal == "debiased", self.gauss)
         self.world = world
         self.rank = rank
         self.scale = scale
@@ -154,34 +239,46 @@ class SolveShare:
             except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
                 warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement "
                               "is marked invalid", RuntimeWarning, stacklevel=4)
-                out = torch.zeros((3, L), dtype=torch.float64, device=device)
-                out[:2] = float("nan")
+                out = torch.full((len(self.rows), L), float("nan"), dtype=torch.float64, device=device)
+                out[2] = 0.0
                 return out
         return run
 
+    def _kw(self) -> dict:
+        """Solver arguments common to every part."""
+        return dict(scale=self.scale, bias_correction=self.bias_correction,
+                    num_samples=self.num_samples, batch_size=self.batch_size,
+                    method=self.method, eig_hints=self.hints, record_hints=False)
+
     # ----------------------------------------------------------- parts
     def add_grads(self, mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
-                  shifts: Optional[Sequence[Optional[Tensor]]]) -> None:
-        """A DDP bucket: mean Grams (k x k), mean shifted gradients D (m x n), shifts."""
+                  shifts: Optional[Sequence[Optional[Tensor]]],
+                  deviations: Optional[Sequence[Tensor]] = None) -> None:
+        """A DDP bucket: mean Grams (k x k), mean shifted gradients D (m x n), shifts, and
+        (dof 'gauss-sums') this rank's deviations d_j = G^j - G (m x n) per matrix."""
         mean_grams, mean_grads = list(mean_grams), list(mean_grads)
         L = len(mean_grams)
         if L == 0:
             return
+        if self.gauss and (deviations is None or len(deviations) != L):
+            raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
+                             f"mean gradient for each of the {L} matrices")
         ks = [A.shape[-1] for A in mean_grams]
         own_n, own_s = self._owners(ks)
         shapes = [tuple(D.shape) for D in mean_grads]
         self.shapes.extend(shapes)
         dev = mean_grams[0].device
         inputs = [t for l in range(L) if own_n[l] or own_s[l] for t in (mean_grams[l], mean_grads[l])]
+        # on the calling stream, before the caller overwrites what the deviations view
+        qa = deviation_sums(deviations, dev) if self.gauss else None
 
-        def solve(select):
-            return nuclear_stats_select(
-                mean_grams, mean_grads, scale=self.scale, shifts=shifts,
-                bias_correction=self.bias_correction, num_samples=self.num_samples,
-                batch_size=self.batch_size, method=self.method, eig_hints=self.hints,
-                select=select, record_hints=False)
+        def solve(select, signal="raw"):
+            return nuclear_stats_select(mean_grams, mean_grads, shifts=shifts, select=select,
+                                        signal=signal, return_sums=self.gauss and signal == "raw",
+                                        **self._kw())
 
-        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev), L, dev),
+        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev, self.rows, qa,
+                                                 lambda sel: solve(sel, "debiased")), L, dev),
                   mean_grams[0], list(mean_grams) + list(mean_grads))
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
@@ -198,19 +295,22 @@ class SolveShare:
         dev = mean_grams[0].device
         inputs = [t for l in range(L) if own_n[l] or own_s[l] for t in (mean_grams[l], dd[l])]
 
-        def solve(select):
-            return nuclear_stats_from_grams_select(
-                mean_grams, dd, scale=self.scale, shapes=shapes,
-                bias_correction=self.bias_correction, num_samples=self.num_samples,
-                batch_size=self.batch_size, method=self.method, eig_hints=self.hints,
-                select=select, record_hints=False)
+        if self.gauss:
+            raise ValueError("dof: 'gauss-sums' needs each rank's deviation from the full mean "
+                             "gradient, which an FSDP2 rank does not hold (only its shard)")
 
-        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev), L, dev),
+        def solve(select, signal="raw"):
+            return nuclear_stats_from_grams_select(mean_grams, dd, shapes=shapes, select=select,
+                                                   signal=signal, **self._kw())
+
+        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev, self.rows, None,
+                                                 lambda sel: solve(sel, "debiased")), L, dev),
                   mean_grams[0], list(mean_grams) + list(dd))
 
     # ----------------------------------------------------------- sharing
     def vector(self) -> Optional[Tensor]:
-        """The float64 [noise (L), signal (L), used64 (L)] of this rank (None: no matrix)."""
+        """The float64 rows x L vector of this rank ([noise (L), signal (L), used64 (L)],
+        plus the rows of share_rows; None: no matrix)."""
         if not self.parts:
             return None
         return torch.cat(self.parts, dim=1).reshape(-1)
@@ -243,18 +343,27 @@ class SolveShare:
         """Whether read() has eigensolver hints to record (the eigenvalue path)."""
         return self.hints is not None and bool(self.shapes)
 
-    def read(self) -> tuple[float, float]:
-        """(noise total, signal total) on the host: waits for the share all-reduce and reads
-        the reduced vector once; records and applies the eigensolver report to the hints."""
+    def totals(self, vec: Tensor) -> Tensor:
+        """share_totals of a reduced vector with this measurement's rows (device tensor)."""
+        return share_totals(vec, self.rows, self.num_samples, self.scale)
+
+    def read(self) -> tuple[float, float, Optional[float]]:
+        """(noise total, signal total, debiased signal total or None) on the host: waits for
+        the share all-reduce and reads the reduced vector once; records and applies the
+        eigensolver report to the hints."""
+        deb = self.signal == "debiased"
         if self.reduced is None:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), (float("nan") if deb else None)
         if self.future is not None:
             self.future.wait()
         if self.stream is not None:
             torch.cuda.current_stream(self.reduced.device).wait_stream(self.stream)
         vec = self.reduced
-        L = vec.numel() // 3
-        host = torch.cat([share_totals(vec), vec.view(3, L)[2]]).cpu()  # the one sync
+        W = len(self.rows)
+        L = vec.numel() // W
+        tot = self.totals(vec)
+        host = torch.cat([tot, vec.view(W, L)[2]]).cpu()  # the one sync
+        nt = tot.numel()
         if self.hints is not None:
-            self.hints.record(self.shapes, [bool(f > 0.5) for f in host[2:].tolist()])
-        return float(host[0]), float(host[1])
+            self.hints.record(self.shapes, [bool(f > 0.5) for f in host[nt:].tolist()])
+        return float(host[0]), float(host[1]), (float(host[2]) if deb else None)

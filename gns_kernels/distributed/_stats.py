@@ -17,11 +17,30 @@ from .. import spectral
 Tensor = torch.Tensor
 
 
+def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],
+                           shifts: Sequence[Optional[Tensor]], scale: float,
+                           batch_size: float) -> Tensor:
+    """float64 0-d: sum over the given parameters of sum_i sqrt(max(g_i^2 - s2_i / B, 0))
+    (nuclear_dof.l1_signal_debiased) from the reduced halves of the l1 pack: means[p] =
+    mean_j x^j, mean_sqs[p] = mean_j (x^j)^2 (flat, x = g - S), shifts[p] = S or None;
+    s2 = scale (mean_sqs - means^2) clamped at 0, g = means + S. float64 arithmetic (the
+    clamp at 0 is where float32 cancellation would show). No host synchronization."""
+    total = torch.zeros((), dtype=torch.float64, device=means[0].device if means else None)
+    for d, q, S in zip(means, mean_sqs, shifts):
+        d64 = d.detach().to(torch.float64)
+        s2 = (scale * (q.detach().to(torch.float64) - d64 * d64)).clamp_min(0)
+        g = d64 if S is None else d64 + S.detach().reshape(-1).to(torch.float64)
+        v = g * g - s2 / batch_size
+        total = total + torch.where(v > 0, v, torch.zeros_like(v)).sqrt().sum()
+    return total
+
+
 def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
                          shifts: Optional[Sequence[Optional[Tensor]]], scale: float,
                          bias_correction: bool, num_samples: int, batch_size: float,
-                         hints: Optional[spectral.EigHints] = None):
+                         hints: Optional[spectral.EigHints] = None, signal: str = "raw"):
     """(noise Tensor[L], signal Tensor[L]) as spectral.nuclear_stats, or nan tensors.
+    signal: 'raw' or 'debiased' (spectral.nuclear_stats's signal).
 
     hints: the state's eigensolver hints (keyed by the shapes of mean_grads; reports applied
     when the measurement finishes). Validity is decided on the device: no host read here
@@ -37,7 +56,7 @@ def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tens
         noise, signal = spectral.nuclear_stats(
             list(mean_grams), list(mean_grads), scale=scale, shifts=shifts,
             bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
-            eig_hints=hints)
+            eig_hints=hints, signal=signal)
     except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
         warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement is "
                       "marked invalid", RuntimeWarning, stacklevel=2)

@@ -21,7 +21,11 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
   the 2L sqrt-traces by cost, the same assignment on every rank: ``_share.py``), and after
   the last bucket ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
-  every rank every value and the eigensolver report.
+  every rank every value and the eigensolver report. With the 'gauss-sums' dof (the
+  default at R >= 3 ranks; not with micro-batch samples) each rank also computes
+  ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
+  all-reduce, the same all-reduce carries them (8L float64 in all) and the corrected noise
+  is formed after it on every rank; signal='debiased' adds L more (``_share.py``).
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP
@@ -55,6 +59,7 @@ import torch.distributed as dist
 from .. import ops
 from .. import spectral
 from ._share import SolveShare
+from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -75,24 +80,30 @@ def _default_allreduce(group, buf: Tensor) -> torch.futures.Future:
 class _Measurement:
     """Statistics of one measurement backward (one per measured optimizer step)."""
 
-    def __init__(self, state: GNSHookState, world: int, num_samples: int, rank: int = 0):
+    def __init__(self, state: GNSHookState, world: int, num_samples: int, rank: int = 0,
+                 micro=None):
         self.state = state
         self.world = world
         self.num_samples = num_samples
         self.scale = float(state.batch_size) / (num_samples - 1)
         self.step = state.step
-        self.micro = None
+        self.micro = micro
         self.pending = None  # future of the last measured bucket (bounds packs in flight)
         self.futures: list = []
         self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
-        # nuclear: the ranks share the sqrt-trace solves (_share.py)
+        self.l_deb: dict[int, Tensor] = {}  # bucket index -> float64 debiased l1 signal sum
+        # nuclear: the ranks share the sqrt-trace solves (_share.py); 'gauss-sums' dof when
+        # each sample is one rank's gradient (its deviation from the mean is then known)
+        self.dof = state.resolved_nuclear_dof(num_samples, per_sample=micro is None)
         self.share = SolveShare(world, rank, self.scale, state.bias_correction, num_samples,
-                                float(state.batch_size), hints=state.eig_hints)
+                                float(state.batch_size), hints=state.eig_hints,
+                                dof=self.dof or "columns", signal=state.signal)
 
-    def solve_nuclear(self, mean_grams, mean_grads, shifts) -> None:
+    def solve_nuclear(self, mean_grams, mean_grads, shifts, deviations=None) -> None:
         """A bucket's reduced statistics: this rank solves its share of the bucket's
-        sqrt-traces (on CUDA on a side stream); no host synchronization."""
-        self.share.add_grads(mean_grams, mean_grads, shifts)
+        sqrt-traces (on CUDA on a side stream); no host synchronization. deviations: this
+        rank's G^j - G per matrix (dof 'gauss-sums')."""
+        self.share.add_grads(mean_grams, mean_grads, shifts, deviations)
 
     def finish(self, group) -> None:
         """After the last bucket: nuclear -- the share all-reduce is launched (not waited
@@ -101,16 +112,21 @@ class _Measurement:
         if st.geometry == "nuclear":
             self.share.launch(group, dist.all_reduce)
             reader = _ShareReader(self.share)
-            st.record_measurement(self.num_samples, None, reader.noise, reader.signal, self.step)
+            st.record_measurement(self.num_samples, None, reader.noise, reader.signal, self.step,
+                                  nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof)
         else:
             terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
             total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
+            if st.signal == "debiased" and st.geometry == "l1":
+                debs = [self.l_deb[i] for i in sorted(self.l_deb)]
+                deb = torch.stack(debs).sum() if debs else torch.zeros((), dtype=torch.float64)
+                total = torch.cat([total, deb.to(total.device).reshape(1)])
             st.record_measurement(self.num_samples, total, None, None, self.step)
 
 
 class _ShareReader:
-    """noise() / signal(): the totals of a SolveShare, read once (callables for
-    GNSHookState.record_measurement)."""
+    """noise() / signal() / signal_deb(): the totals of a SolveShare, read once (callables
+    for GNSHookState.record_measurement; signal_deb None unless signal='debiased')."""
 
     def __init__(self, share: SolveShare):
         self.share = share
@@ -118,6 +134,7 @@ class _ShareReader:
         dev = share.device
         self.noise = _Value(self, 0, dev)
         self.signal = _Value(self, 1, dev)
+        self.signal_deb = _Value(self, 2, dev) if share.signal == "debiased" else None
 
 
 class _Value:
@@ -205,6 +222,8 @@ def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) ->
     if ds:
         any_shift = any(s is not None for s in shifts)
         ctx.l_terms[index] = ops.variance_norms_multi(ds, qs, ctx.scale, shifts if any_shift else None)
+        if st.signal == "debiased" and st.geometry == "l1":
+            ctx.l_deb[index] = l1_signal_debiased_sum(ds, qs, shifts, ctx.scale, float(st.batch_size))
     if shifted:
         torch._foreach_add_(shifted, shift_vals)  # d + S: the mean gradient
     for (off, n, q, p, s, m), mean in zip(plan, means):
@@ -256,9 +275,15 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
             mean_grads.append(G if s is None else G - s.float())  # D = G - S (shifted mean)
             shifts.append(s)
         any_shift = any(s is not None for s in shifts)
+        devs = None
+        if ctx.share.gauss:
+            # this rank's deviation G^j - G: buf still holds the local gradient, the pack's
+            # first part the mean (both unshifted; the shift cancels in the difference)
+            devs = [buf[off:off + n].view(p.shape).float() - pack[off:off + n].view(p.shape)
+                    for off, n, p, s, q, gshape in plan]
         # this rank's share of the solves; non-finite gradients on some rank give nan
         # statistics: this measurement is invalid everywhere
-        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None)
+        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None, devs)
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])
@@ -282,8 +307,7 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
             world = group.size()
             samples = world * (micro.count if micro is not None else 1)
             if state.accepts_samples(samples):
-                ctx = _Measurement(state, world, samples, dist.get_rank(group=group))
-                ctx.micro = micro
+                ctx = _Measurement(state, world, samples, dist.get_rank(group=group), micro=micro)
         state.begin_sync(ctx)
     ctx: Optional[_Measurement] = state.sync_context
     if ctx is None:

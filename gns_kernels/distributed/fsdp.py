@@ -89,7 +89,10 @@ bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
 Collectives of a measurement step: one reduce-scatter per param group (as plain FSDP2,
 larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
 all-reduce of the group's Grams per param group with measured matrices, and one
-all-reduce of 3L float64 per step (L measured matrices): every rank holds all the reduced
+all-reduce of 3L float64 (4L with signal='debiased') per step (L measured matrices; the
+nuclear correction uses the 'columns' dof here: the default 'gauss-sums' one needs each
+rank's deviation from the full mean gradient, which a rank holding a shard does not have):
+every rank holds all the reduced
 Grams but solves only its share of the 2L sqrt-traces (noise and signal per matrix,
 assigned by cost k^3, the same on every rank), and that all-reduce shares the results
 and the eigensolver report (gns_kernels.distributed._share). The Grams themselves are
@@ -121,6 +124,7 @@ import torch.distributed as dist
 from .. import ops
 from .. import spectral
 from ._share import SolveShare
+from ._stats import l1_signal_debiased_sum
 from .ddp import _ShareReader
 from .state import GNSHookState
 
@@ -235,9 +239,13 @@ class _Measurement:
         self.step = state.step
         self.l_terms: Optional[Tensor] = None  # float64 [4] on the gradients' device
         self.device: Optional[torch.device] = None  # of the first reduce-scatter input
-        # nuclear: the ranks share the sqrt-trace solves of the reduced Grams (_share.py)
+        # nuclear: the ranks share the sqrt-trace solves of the reduced Grams (_share.py);
+        # the dof is 'columns': a rank's deviation from the mean gradient needs the whole
+        # mean, and a rank holds only its shard
+        self.dof = state.resolved_nuclear_dof(world, per_sample=False)
         self.share = SolveShare(world, rank, self.scale, state.bias_correction, world,
-                                float(state.batch_size), hints=state.eig_hints)
+                                float(state.batch_size), hints=state.eig_hints,
+                                dof=self.dof or "columns", signal=state.signal)
 
     def finish(self, group) -> None:
         """After the last param group: the step's one small all-reduce (l1/l2: the four
@@ -246,15 +254,17 @@ class _Measurement:
         st = self.state
         if st.geometry != "nuclear":
             # per-rank sums over its shards -> totals: the step's one small all-reduce
+            width = 5 if (st.signal == "debiased" and st.geometry == "l1") else 4
             terms = self.l_terms if self.l_terms is not None else torch.zeros(
-                4, dtype=torch.float64, device=self.device)
+                width, dtype=torch.float64, device=self.device)
             dist.all_reduce(terms, group=group)
             st.record_measurement(self.world, terms, None, None, self.step)
             return
         # nuclear: every param group solved its share after its Gram all-reduce
         self.share.launch(group, dist.all_reduce)
         reader = _ShareReader(self.share)
-        st.record_measurement(self.world, None, reader.noise, reader.signal, self.step)
+        st.record_measurement(self.world, None, reader.noise, reader.signal, self.step,
+                              nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof)
 
 
 class GNSReduceScatter:
@@ -376,8 +386,13 @@ class GNSReduceScatter:
                 qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
         if ds:
             terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
+            if st.signal == "debiased" and st.geometry == "l1":  # this shard's part of the sum
+                # g = a d, s2 = a^2 s2(d): the sum scales with a (applied below)
+                deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, float(st.batch_size))
+                terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
             if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
-                terms = terms * torch.tensor([a, a, a * a, a * a], dtype=torch.float64, device=terms.device)
+                f = [a, a, a * a, a * a] + ([a] if terms.numel() > 4 else [])
+                terms = terms * torch.tensor(f, dtype=torch.float64, device=terms.device)
             ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
         return work
 
@@ -575,6 +590,10 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     if isinstance(state, MicroBatchGNS):
         raise TypeError("state: MicroBatchGNS is not supported with FSDP2 (use a GNSHookState; "
                         "accumulate with set_requires_gradient_sync(False))")
+    if state.geometry == "nuclear" and state.bias_correction and state.nuclear_dof == "gauss-sums":
+        raise ValueError("state.nuclear_dof: 'gauss-sums' is not available under FSDP2 (it needs each "
+                         "rank's deviation from the full mean gradient; a rank holds only its shard, "
+                         "and gathering the mean would take an all-gather); use 'auto' or 'columns'")
     if state.shift is not None:
         raise ValueError("state.shift: not supported with FSDP2 (the squares are formed from the full "
                          "local gradient before the reduce-scatter, so the shift would have to be the "

@@ -51,7 +51,7 @@ import torch
 
 from .. import ops
 from .. import spectral
-from ._stats import nuclear_stats_or_nan
+from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
 from .state import GNSHookState, _unique
 
 Tensor = torch.Tensor
@@ -60,6 +60,10 @@ __all__ = ["MicroBatchGNS"]
 
 
 class MicroBatchGNS(GNSHookState):
+    _NUCLEAR_DOFS = ("auto", "columns")
+    _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
+                         "gradient, which would mean keeping every micro-batch's gradient)")
+
     """GNS from gradient-accumulation micro-batches (x ranks, when used as a DDP hook state).
 
     Args:
@@ -68,6 +72,12 @@ class MicroBatchGNS(GNSHookState):
         geometry, every, batch_size, process_group, bias_correction: as GNSHookState
             (``every`` defaults to 100).
         micro_batches: A, micro-batches per optimizer step on each rank (settable).
+        nuclear_dof: "auto" (default) or "columns": the nuclear correction's dof is always
+            'columns' here. The 'gauss-sums' dof needs each sample's deviation from the
+            mean gradient, d_a = g^a - g; the mean is known only after the last
+            micro-batch, and its quartic sums ||d_a d_a^T||_F^2 cannot be formed from the
+            accumulated Grams without keeping every micro-batch's gradient (A copies).
+        signal: "raw" (default) or "debiased", as GNSHookState.
 
     ``micro_step()`` must follow every micro-batch's backward: it is what counts the
     micro-batches and optimizer steps. A second backward through the measured parameters
@@ -91,13 +101,15 @@ class MicroBatchGNS(GNSHookState):
         micro_batches: Optional[int] = None,
         process_group=None,
         bias_correction: bool = True,
+        nuclear_dof: str = "auto",
+        signal: str = "raw",
     ):
         if isinstance(params, Tensor):
             raise TypeError("params: expected an iterable of parameters, got a single tensor")
         plist = _unique(params)
         super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
                          params=plist, process_group=process_group,
-                         bias_correction=bias_correction)
+                         bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal)
         self._params = [p for p in plist if self.measures(p)]
         if not self._params:
             what = "2-D parameters" if geometry == "nuclear" else "parameters"
@@ -221,18 +233,29 @@ class MicroBatchGNS(GNSHookState):
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
+            deb = None
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
                                                      A, float(self._batch_size),
                                                      hints=self.eig_hints)
                 n, s = noise.double().sum(), signal.double().sum()  # read with the estimate
+                if self.signal == "debiased":
+                    _, sd = nuclear_stats_or_nan(grams, grads, None, scale, False, A,
+                                                 float(self._batch_size), signal="debiased")
+                    deb = sd.double().sum()
             else:
                 n = s = float("nan")
-            self.record_measurement(A, None, n, s, self.step)
+            self.record_measurement(A, None, n, s, self.step, nuc_signal_debiased=deb,
+                                    nuclear_dof=self.resolved_nuclear_dof(A, per_sample=False))
         else:
             qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
-            terms = ops.variance_norms_multi([self._grad(p).view(-1) for p in live], qs, scale)
-            self.record_measurement(A, terms.double(), None, None, self.step)
+            ds = [self._grad(p).view(-1) for p in live]
+            terms = ops.variance_norms_multi(ds, qs, scale).double()
+            if self.signal == "debiased" and self.geometry == "l1":
+                deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, float(self._batch_size))
+                       if ds else torch.zeros((), dtype=torch.float64))
+                terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
+            self.record_measurement(A, terms, None, None, self.step)
 
     def _backward_seen(self) -> None:
         self._backwards += 1

@@ -40,7 +40,8 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ..estimators import GEOMETRIES
+from ..bias import resolve_nuclear_dof
+from ..estimators import GEOMETRIES, check_signal
 from ..spectral.hints import EigHints
 
 Tensor = torch.Tensor
@@ -102,7 +103,24 @@ class GNSHookState:
         process_group: the data-parallel group (default: the default group).
         bias_correction: as gk.estimate (default True: the c4 l1 correction and the
             spectral ops' nuclear correction; False: the paper's raw estimators).
+        nuclear_dof: the degrees of freedom of the nuclear correction, as gk.estimate's:
+            "auto" (default): "gauss-sums" when each sample is one rank's gradient (DDP,
+            ranks as samples) and there are >= 3 of them, else "columns" (2 ranks; FSDP2,
+            whose ranks hold only a shard of the mean gradient; ``MicroBatchGNS``, which
+            keeps no per-micro-batch gradient); "gauss-sums" (DDP ranks, >= 3; the hook
+            raises ValueError at a measurement with fewer samples); "columns".
+            With the default the DDP hook's estimate equals gk.estimate's default on the
+            ranks' gradients.
+        signal: "raw" (default, the paper's signal) or "debiased" (as gk.estimate's:
+            the estimate's ``signal`` is then the bias-reduced one, ``signal_raw`` the
+            paper's); costs one more sqrt-trace per matrix (nuclear) or one pass over the
+            reduced gradient (l1) on measurement steps.
     """
+
+    # nuclear_dof values this state accepts (the hooks cannot form 'data': it needs
+    # cross-sample fourth moments)
+    _NUCLEAR_DOFS = ("auto", "gauss-sums", "columns")
+    _NUCLEAR_DOF_HINT = " ('data' needs cross-sample terms a hook cannot form)"
 
     def __init__(
         self,
@@ -113,6 +131,8 @@ class GNSHookState:
         params: Optional[Iterable[Tensor]] = None,
         process_group=None,
         bias_correction: bool = True,
+        nuclear_dof: str = "auto",
+        signal: str = "raw",
     ):
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry: expected one of {GEOMETRIES}, got {geometry!r}")
@@ -141,6 +161,11 @@ class GNSHookState:
             self._param_ids = None
         self.process_group = process_group
         self.bias_correction = bool(bias_correction)
+        if nuclear_dof not in self._NUCLEAR_DOFS:
+            raise ValueError(f"nuclear_dof: expected one of {self._NUCLEAR_DOFS} for "
+                             f"{type(self).__name__}, got {nuclear_dof!r}{self._NUCLEAR_DOF_HINT}")
+        self.nuclear_dof = nuclear_dof
+        self.signal = check_signal(signal)
         self._step = 0
         self._estimate = None
         self._pending = None  # statistics of the last measurement, not yet read
@@ -174,6 +199,20 @@ class GNSHookState:
         """True when optimizer step k (default: the next one, ``self.step``) measures."""
         k = self._step if step is None else step
         return k % self.every == 0
+
+    def resolved_nuclear_dof(self, num_samples: int, per_sample: bool = True) -> Optional[str]:
+        """The dof mode of a nuclear measurement with ``num_samples`` samples: 'gauss-sums'
+        or 'columns' (bias.resolve_nuclear_dof; per_sample: each sample's deviation from
+        the mean is available). None when there is no nuclear correction (bias_correction
+        False, or another geometry).
+        Raises ValueError for nuclear_dof='gauss-sums' that cannot be honoured."""
+        if not self.bias_correction or self.geometry != "nuclear":
+            return None
+        if self.nuclear_dof == "gauss-sums" and not per_sample:
+            raise ValueError("nuclear_dof: 'gauss-sums' needs each sample's own gradient (ranks as "
+                             "samples); these samples are micro-batches or shards, use 'auto' or "
+                             "'columns'")
+        return resolve_nuclear_dof(self.nuclear_dof, num_samples, per_sample=per_sample)
 
     def advance_step(self) -> None:
         """k += 1: one optimizer step (a synchronized backward) is done."""
@@ -230,15 +269,20 @@ class GNSHookState:
         self.advance_step()
 
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
-                           nuc_signal, step: int) -> None:
+                           nuc_signal, step: int, *, nuc_signal_debiased=None,
+                           nuclear_dof: Optional[str] = None) -> None:
         """Record the summed statistics of the measurement of optimizer step ``step``:
         ``estimate`` (identical on every rank) is built from them on its first read, and
         ``estimate_step`` = ``step`` now.
 
         l_terms: float64 Tensor[4], [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] over
-            the measured parameters (l1 / l2; None for nuclear);
+            the measured parameters (l1 / l2; None for nuclear), with a fifth entry, the
+            debiased l1 signal sum sum_i sqrt(max(g_i^2 - s2_i / B, 0)), when
+            ``signal`` is "debiased" and the geometry l1;
         nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
-            (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear).
+            (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear);
+        nuc_signal_debiased: sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear with
+            ``signal`` "debiased"); nuclear_dof: the dof mode the correction used.
         Each may be a number, a tensor on any device (read, all together, on the first read
         of ``estimate``: the one host synchronization of the measurement) or a callable
         returning one (called then; e.g. one that waits for a collective).
@@ -246,8 +290,9 @@ class GNSHookState:
         """
         host = all(not (isinstance(v, Tensor) and v.device.type != "cpu")
                    and getattr(v, "device_type", "cpu") == "cpu"
-                   for v in (l_terms, nuc_noise, nuc_signal))
-        self._pending = (num_samples, l_terms, nuc_noise, nuc_signal, step, host)
+                   for v in (l_terms, nuc_noise, nuc_signal, nuc_signal_debiased))
+        self._pending = (num_samples, l_terms, nuc_noise, nuc_signal, step, host,
+                         nuc_signal_debiased, nuclear_dof)
         self.estimate_step = step
 
     @property
@@ -264,9 +309,9 @@ class GNSHookState:
         self._estimate = value
 
     def _materialize(self) -> None:
-        num_samples, l_terms, noise, signal, step, _ = self._pending
+        num_samples, l_terms, noise, signal, step, _, deb, dof = self._pending
         self._pending = None
-        vals = [v() if callable(v) else v for v in (l_terms, noise, signal)]
+        vals = [v() if callable(v) else v for v in (l_terms, noise, signal, deb)]
         tens = [v for v in vals if isinstance(v, Tensor)]
         if tens:  # one device-to-host copy for everything
             host = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tens]).cpu()
@@ -280,7 +325,7 @@ class GNSHookState:
                 else:
                     out.append(v)
             vals = out
-        self._finish(num_samples, vals[0], vals[1], vals[2], step)
+        self._finish(num_samples, vals[0], vals[1], vals[2], step, vals[3], dof)
         est = self._estimate
         if est is not None and _HAS_STEP_FIELD:
             self._estimate = dataclasses.replace(est, step=step)
@@ -325,7 +370,8 @@ class GNSHookState:
 
     # ---------------------------------------------------------------- results
     def _finish(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise, nuc_signal,
-                step: Optional[int] = None) -> None:
+                step: Optional[int] = None, nuc_signal_debiased=None,
+                nuclear_dof: Optional[str] = None) -> None:
         """Turn the summed statistics of one measurement into ``self.estimate``.
 
         l_terms: float64 Tensor[4] = sum over buckets of variance_norms, i.e.
@@ -338,7 +384,8 @@ class GNSHookState:
         self.eig_hints.apply()
         self._estimate = estimate_from_sums(
             self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
-            self.bias_correction,
+            self.bias_correction, signal=self.signal, nuc_signal_debiased=nuc_signal_debiased,
+            nuclear_dof=nuclear_dof,
         )
         self.estimate_step = self._step if step is None else step
 
@@ -374,4 +421,5 @@ class GNSHookState:
 
     def __repr__(self) -> str:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
-                f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r})")
+                f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r}, "
+                f"nuclear_dof={self.nuclear_dof!r}, signal={self.signal!r})")

@@ -52,6 +52,21 @@ def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -
         raise ValueError(f"eig_hints: expected a gns_kernels.spectral.EigHints, got {type(eig_hints).__name__}")
 
 
+def _debias(signal: str, scale: float, batch_size) -> float | None:
+    """c = scale / B for signal='debiased' (the signal matrix G G^T - C / B), else None."""
+    if signal not in ("raw", "debiased"):
+        raise ValueError(f"signal: expected 'raw' or 'debiased', got {signal!r}")
+    if signal == "raw":
+        return None
+    try:
+        B = float(batch_size)
+    except (TypeError, ValueError):
+        B = math.nan
+    if not (math.isfinite(B) and B > 0):
+        raise ValueError(f"batch_size: signal='debiased' needs the global batch size B > 0, got {batch_size!r}")
+    return float(scale) / B
+
+
 def _check_gram(A, name: str) -> int:
     check_square(A, name)
     if A.dim() != 2:
@@ -83,6 +98,7 @@ def nuclear_stats(
     method: str = "auto",
     validate: bool = False,
     eig_hints: EigHints | None = None,
+    signal: str = "raw",
 ) -> tuple[Tensor, Tensor]:
     """Per layer l: (noise tr(C_l^{1/2}), signal ||G_l||_S1); two float32 Tensor[L].
 
@@ -114,12 +130,16 @@ def nuclear_stats(
     Layers are batched by Gram size (one op call per size). No host synchronization
     unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
     finiteness and symmetry. Non-finite inputs give NaN for that layer.
+    signal: 'raw' (default): ||G_l||_S1; 'debiased': tr((G_l G_l^T - C_l / B)_+^{1/2}) on
+      the Gram side (G G^T - C / B is unbiased for E[G] E[G]^T; needs batch_size B;
+      gns_kernels.nuclear_dof.nuclear_signal_debiased).
     """
-    noise, signal, _ = nuclear_stats_select(
+    noise, sig, _ = nuclear_stats_select(
         mean_grams, mean_grads, scale, shifts, side=side, bias_correction=bias_correction,
         num_samples=num_samples, batch_size=batch_size, other_dims=other_dims,
-        dof_model=dof_model, method=method, validate=validate, eig_hints=eig_hints)
-    return noise, signal
+        dof_model=dof_model, method=method, validate=validate, eig_hints=eig_hints,
+        signal=signal)
+    return noise, sig
 
 
 def nuclear_stats_select(
@@ -139,7 +159,9 @@ def nuclear_stats_select(
     eig_hints: EigHints | None = None,
     select: tuple[Sequence[bool], Sequence[bool]] | None = None,
     record_hints: bool = True,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    signal: str = "raw",
+    return_sums: bool = False,
+):
     """nuclear_stats solving only the selected sqrt-traces: (noise[L], signal[L], used64).
 
     select: None (all) or (noise_mask, signal_mask), L bools each: only the selected noise
@@ -150,6 +172,12 @@ def nuclear_stats_select(
       report instead, so a caller can combine the reports of several processes first.
     used64: bool Tensor[L] on the Grams' device, True where a selected eigenproblem of layer
       l was solved in float64 (method 'eigh'; None with 'newton', which reports nothing).
+    return_sums: True returns (noise, signal, used64, sums): noise is then the raw
+      tr(C_l^{1/2}) (no correction here, whatever bias_correction says) and sums a float64
+      Tensor[4, L] of the selected noise matrices' [tr C^{1/2}, pair sum
+      sum_ij s_i s_j / (s_i + s_j), tr C, ||C||_F^2] (0 elsewhere): what a correction with
+      a dof known only later needs (bias.nuclear_sqrt_trace_corrected_from_sums; the
+      hooks' 'gauss-sums' dof, formed after their share all-reduce).
     Everything else as nuclear_stats.
     """
     mean_grams = list(mean_grams)
@@ -197,7 +225,7 @@ def nuclear_stats_select(
     want_n, want_s = _check_select(select, L)
     if L == 0:
         z = torch.zeros(0, dtype=torch.float32)
-        return z, z.clone(), None
+        return (z, z.clone(), None) + ((torch.zeros((4, 0), dtype=torch.float64),) if return_sums else ())
 
     if validate_requested(validate):
         for l in range(L):
@@ -208,7 +236,8 @@ def nuclear_stats_select(
     # D D^T (for the noise, and the signal when unshifted) and G G^T (G = D + S), batched by
     # shape; only those a selected sqrt-trace needs
     shifted = {l for l in range(L) if shifts is not None and shifts[l] is not None}
-    need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and l not in shifted)]
+    debias = _debias(signal, scale, batch_size)  # the debiased signal also needs D D^T
+    need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and (l not in shifted or debias is not None))]
     dd: list = [None] * L
     for l, G in zip(need_dd, grams_on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
         dd[l] = G
@@ -222,7 +251,7 @@ def nuclear_stats_select(
     shapes = [tuple(D.shape) for D in mean_grads]
     return _solve(mean_grams, dd, gg, float(scale), others, resolve_method(method, mean_grams[0].device),
                   bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes,
-                  want_n, want_s, record_hints)
+                  want_n, want_s, record_hints, bool(return_sums), debias)
 
 
 def _check_select(select, L: int) -> tuple[list, list]:
@@ -255,6 +284,7 @@ def nuclear_stats_from_grams(
     method: str = "auto",
     validate: bool = False,
     eig_hints: EigHints | None = None,
+    signal: str = "raw",
 ) -> tuple[Tensor, Tensor]:
     """nuclear_stats when only the Gram of the mean gradient exists (FSDP2: each rank holds
     a shard of D). Two float32 Tensor[L].
@@ -269,12 +299,12 @@ def nuclear_stats_from_grams(
                         (the side that is not k).
     Everything else as nuclear_stats.
     """
-    noise, signal, _ = nuclear_stats_from_grams_select(
+    noise, sig, _ = nuclear_stats_from_grams_select(
         mean_grams, mean_grad_grams, scale, signal_grams=signal_grams, shapes=shapes,
         bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
         other_dims=other_dims, dof_model=dof_model, method=method, validate=validate,
-        eig_hints=eig_hints)
-    return noise, signal
+        eig_hints=eig_hints, signal=signal)
+    return noise, sig
 
 
 def nuclear_stats_from_grams_select(
@@ -294,9 +324,12 @@ def nuclear_stats_from_grams_select(
     eig_hints: EigHints | None = None,
     select: tuple[Sequence[bool], Sequence[bool]] | None = None,
     record_hints: bool = True,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    signal: str = "raw",
+    return_sums: bool = False,
+):
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
-    signal[L], used64); select, record_hints and used64 as nuclear_stats_select."""
+    signal[L], used64); select, record_hints, used64, signal and return_sums as
+    nuclear_stats_select."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grad_grams is None:
@@ -334,7 +367,7 @@ def nuclear_stats_from_grams_select(
     want_n, want_s = _check_select(select, L)
     if L == 0:
         z = torch.zeros(0, dtype=torch.float32)
-        return z, z.clone(), None
+        return (z, z.clone(), None) + ((torch.zeros((4, 0), dtype=torch.float64),) if return_sums else ())
     if validate_requested(validate):
         for l in range(L):
             validate_symmetric(mean_grams[l], f"mean_grams[{l}]")
@@ -344,22 +377,41 @@ def nuclear_stats_from_grams_select(
     gg = signal_grams if signal_grams is not None else mean_grad_grams
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
                   resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
-                  batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints)
+                  batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints,
+                  bool(return_sums), _debias(signal, scale, batch_size))
 
 
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
-           record_hints: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+           record_hints: bool, sums: bool = False, debias: float | None = None):
     """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
     Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call.
     Only the sqrt-traces selected by want_n / want_s are solved (the others are 0).
-    Returns (noise, signal, used64) as nuclear_stats_select."""
+    sums: the noise is the raw tr(C^{1/2}) and a float64 (4, L) tensor of the selected
+    noise matrices' [tr C^{1/2}, pair sum, tr C, ||C||_F^2] is returned as well (0 where
+    not selected), for a correction formed later (the hooks' 'gauss-sums' dof).
+    debias: None, or c = scale / B: the signal is tr((G G^T - C / B)_+^{1/2}) of the
+    indefinite gg - c (mean_grams - dd) instead of ||G||_S1.
+    Returns (noise, signal, used64) as nuclear_stats_select (plus the sums when sums)."""
+    from ..bias import _pair_sum
+
     L = len(mean_grams)
     hint = eig_hints.lookup(shapes) if eig_hints is not None else [False] * L
     cdt = torch.float64 if any(A.dtype == torch.float64 for A in mean_grams) else torch.float32
     noise: list = [None] * L
     signal: list = [None] * L
+    dev0 = mean_grams[0].device
+    extra = torch.zeros((4, L), dtype=torch.float64, device=dev0) if sums else None
+    correct = bias_correction and not sums  # correct here, from this solve's spectra
+
+    def sig_matrix(l: int) -> Tensor:
+        """The signal's matrix: gg, or gg - c (mean_gram - dd) (debias)."""
+        if debias is None:
+            return gg[l].detach()
+        A = gg[l].detach().to(cdt)
+        return A - debias * (mean_grams[l].detach().to(cdt) - dd[l].detach().to(cdt))
+
     by_k: dict[int, list[tuple[str, int]]] = {}
     for l in range(L):
         k = mean_grams[l].shape[-1]
@@ -376,20 +428,25 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         if meth == "eigh":
             # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
             lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
-                [(mean_grams[l] if w == "n" else gg[l]).detach() for w, l in items],
+                [(mean_grams[l].detach() if w == "n" else sig_matrix(l)) for w, l in items],
                 [dd[l].detach() if w == "n" else None for w, l in items],
                 [scale if w == "n" else 1.0 for w, l in items], float(EIGH_TOL),
                 [bool(hint[l]) for w, l in items])
             flagged.append((items, wide))
             res = lam.clamp_min(0).sqrt().sum(-1)
             for i, (w, l) in enumerate(items):
-                if w == "n" and bias_correction:
+                if w == "n" and correct:
                     from ..bias import nuclear_sqrt_trace_corrected
 
                     noise[l] = nuclear_sqrt_trace_corrected(
                         lam[i], int(num_samples), batch_size, other_dim=others[l], dof_model=dof_model)
                 elif w == "n":
                     noise[l] = res[i]
+                    if sums:
+                        lam64 = lam[i].to(torch.float64)
+                        sq = lam64.clamp_min(0).sqrt()
+                        extra[:, l] = torch.stack([sq.sum(), _pair_sum(sq), lam64.sum(),
+                                                   (lam64 * lam64).sum()]).to(dev0)
                 else:
                     signal[l] = res[i]
             continue
@@ -400,23 +457,32 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
                 mats[i].mul_(scale)
             else:
-                mats[i].copy_(gg[l].detach())
+                mats[i].copy_(sig_matrix(l))
         it, ep = check_newton_args(None, None)
         # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F (its
         # rounding level); signal Grams: relative to their own norm. Both are PSD up to
-        # rounding, which the shift absorbs: no positive-part projection.
+        # rounding, which the shift absorbs: no positive-part projection. The debiased
+        # signal's matrix is indefinite: its own call with the positive-part projection.
         ref = torch.stack([
             scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
             else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
-        if not bias_correction:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats, it, ep, ref, False)
-            for i, (w, l) in enumerate(items):
-                (noise if w == "n" else signal)[l] = res[i]
+        n_idx = [i for i, (w, _) in enumerate(items) if w == "n"]
+        s_idx = [i for i, (w, _) in enumerate(items) if w != "n"]
+        if s_idx and debias is not None:
+            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[s_idx], it, ep, None, True)
+            for j, i in enumerate(s_idx):
+                signal[items[i][1]] = res[j]
+            s_idx = []
+        if not (correct or sums):
+            idx = n_idx + s_idx
+            if idx:
+                res = torch.ops.gns_kernels.newton_sqrt_trace(mats[idx], it, ep, ref[idx], False)
+                for j, i in enumerate(idx):
+                    w, l = items[i]
+                    (noise if w == "n" else signal)[l] = res[j]
             continue
         # bias correction without eigenvalues: the noise matrices also give the pair sum
         # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum), the signal matrices only the trace
-        n_idx = [i for i, (w, _) in enumerate(items) if w == "n"]
-        s_idx = [i for i, (w, _) in enumerate(items) if w != "n"]
         if s_idx:
             res = torch.ops.gns_kernels.newton_sqrt_trace(mats[s_idx], it, ep, ref[s_idx], False)
             for j, i in enumerate(s_idx):
@@ -428,9 +494,15 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 mats[n_idx], it, ep, ref[n_idx], False, "ieee", "float64")
             for j, i in enumerate(n_idx):
                 l = items[i][1]
-                noise[l] = nuclear_sqrt_trace_corrected_from_sums(
-                    tr[j], pair[j], int(num_samples), batch_size, gram_dim=k,
-                    other_dim=others[l], dof_model=dof_model)
+                if sums:
+                    C = mats[i].to(torch.float64)
+                    noise[l] = tr[j]
+                    extra[:, l] = torch.stack([tr[j].double(), pair[j].double(),
+                                               torch.diagonal(C).sum(), (C * C).sum()]).to(dev0)
+                else:
+                    noise[l] = nuclear_sqrt_trace_corrected_from_sums(
+                        tr[j], pair[j], int(num_samples), batch_size, gram_dim=k,
+                        other_dim=others[l], dof_model=dof_model)
     used: Tensor | None = None
     if meth == "eigh":
         dev = mean_grams[0].device
@@ -441,4 +513,5 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         used = torch.stack(per)
         if eig_hints is not None and record_hints:  # reads the flags; newton tells nothing
             eig_hints.record(shapes, used.tolist())
-    return torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal]), used
+    out = (torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal]), used)
+    return out + (extra,) if sums else out

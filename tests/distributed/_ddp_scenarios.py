@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -30,11 +29,10 @@ import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
 from gns_kernels.distributed import _share
 
-# The hooks' nuclear bias correction takes its degrees of freedom from the eigenvalues
-# alone (the spectral ops' 'columns' model): per-sample fourth moments are not in the
-# reduced Grams. gk.estimate can also use a data-driven one; compare like with like.
-ESTIMATE_KW = ({"nuclear_dof": "columns"}
-               if "nuclear_dof" in inspect.signature(gk.estimate).parameters else {})
+# The nuclear correction's dof: with ranks as samples the hook's default ('auto') is
+# gk.estimate's default ('gauss-sums' at >= 3 samples, else 'columns'); with micro-batches
+# as samples the hook keeps 'columns' (no per-micro-batch deviation). Compare like with like.
+MICRO_ESTIMATE_KW = {"nuclear_dof": "columns"}
 
 LOCAL_BATCH = 4
 IN, HID, MID, OUT = 13, 24, 17, 5
@@ -114,14 +112,16 @@ class _Recorder:
 def _est_tuple(e):
     if e is None:
         return None
-    return (e.gns, e.noise, e.signal, e.valid)
+    return (e.gns, e.noise, e.signal, e.valid, getattr(e, "nuclear_dof", None),
+            getattr(e, "signal_raw", None))
 
 
 
 
 def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, shift=None,
              subset=False, bias_correction=True, bucket_cap_mb=0.001, accumulate=1,
-             as_view=False, static_graph=False, nan_at=None, micro=False):
+             as_view=False, static_graph=False, nan_at=None, micro=False, nuclear_dof=None,
+             signal="raw"):
     dtype = getattr(torch, dtype)
     base = _model(dtype)
     hooked, plain, local = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -141,12 +141,15 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
     elif shift == "last":
         shift_spec = "last"
     B = LOCAL_BATCH * world * accumulate
+    extra = dict(signal=signal)
+    if nuclear_dof is not None:
+        extra["nuclear_dof"] = nuclear_dof
     if micro:
         state = MicroBatchGNS(hp, geometry=geometry, every=every, batch_size=B,
-                              micro_batches=accumulate, bias_correction=bias_correction)
+                              micro_batches=accumulate, bias_correction=bias_correction, **extra)
     else:
         state = GNSHookState(geometry, every=every, batch_size=B, shift=shift_spec,
-                             params=measured, bias_correction=bias_correction)
+                             params=measured, bias_correction=bias_correction, **extra)
     rec = _Recorder()
     dh.register_comm_hook(state, rec.hook)
     records = []
@@ -211,8 +214,9 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
         ref = None
         if measuring:
             try:
+                kw = dict(MICRO_ESTIMATE_KW) if micro else ({"nuclear_dof": nuclear_dof} if nuclear_dof else {})
                 ref = gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
-                                  shift=ref_shift, **ESTIMATE_KW)
+                                  shift=ref_shift, signal=signal, **kw)
             except Exception as exc:  # recorded, asserted in the parent
                 ref = repr(exc)
             if shift == "last":

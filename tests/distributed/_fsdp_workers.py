@@ -15,7 +15,6 @@ The test module asserts on these records.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -112,10 +111,10 @@ class _Counter:
 
 
 
-# The hooks correct the nuclear bias from eigenvalues alone (dof model 'columns', as
-# ddp_gns_hook); gk.estimate can also estimate the dof from the samples (R >= 4).
-_NUCLEAR_DOF = ({"nuclear_dof": "columns"}
-                if "nuclear_dof" in inspect.signature(gk.estimate).parameters else {})
+# Under FSDP2 the nuclear correction's dof is 'columns' (a rank holds only a shard of the
+# mean gradient, so its deviation from it is unknown): gk.estimate and the DDP hook it is
+# compared with are asked for the same.
+_NUCLEAR_DOF = {"nuclear_dof": "columns"}
 
 
 def _est(e):
@@ -125,7 +124,7 @@ def _est(e):
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
              placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
              force_sum=False, ddp=True, unused=False, reuse_input=True,
-             after_remove=False):
+             after_remove=False, signal="raw"):
     base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
@@ -144,14 +143,14 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
     measured = [p for p in hp if p.dim() == 2] if subset else None
     B = LOCAL_BATCH * world * accumulate
     state = GNSHookState(geometry, every=every, batch_size=B, params=measured,
-                         bias_correction=bias_correction)
+                         bias_correction=bias_correction, signal=signal)
     handle = attach_fsdp_gns(hooked, state, reuse_input=reuse_input)
     ddp_model = ddp_state = None
     if ddp:
         ddp_model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001)
         dmeasured = [p for p in ddp_model.parameters() if p.dim() == 2] if subset else None
         ddp_state = GNSHookState(geometry, every=every, batch_size=B, params=dmeasured,
-                                 bias_correction=bias_correction)
+                                 bias_correction=bias_correction, signal=signal, **_NUCLEAR_DOF)
         ddp_model.register_comm_hook(ddp_state, ddp_gns_hook)
     groups = len(handle.reduce_scatters)
     hp_all = hp
@@ -210,7 +209,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
         if measuring:
             sel = [[rg[i] for i in idx] for rg in rank_grads]
             ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
-                                   **_NUCLEAR_DOF))
+                                   signal=signal, **_NUCLEAR_DOF))
         mean64 = [torch.stack([rg[i].double() for rg in rank_grads]).mean(0) for i in range(len(hp))]
         full = [p.grad.full_tensor().double() for p in hp]
         records.append({

@@ -18,6 +18,7 @@ from _harness import run_world
 pytestmark = pytest.mark.distributed
 
 TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
+TOL_DEBIASED = {"l2": 1e-5, "l1": 1e-4, "nuclear": 1e-3}  # see test_ddp_hook.TOL_DEBIASED
 
 SCENARIOS_2 = {
     "l2": dict(geometry="l2", steps=3, every=2),
@@ -46,6 +47,8 @@ SCENARIOS_4 = {
     "nuclear": dict(geometry="nuclear", steps=1),
     "l1_nan": dict(geometry="l1", nan_at=0, steps=2, ddp=False),
     "l2_unused_param": dict(geometry="l2", unused=True, steps=1, ddp=False),
+    "nuclear_debiased": dict(geometry="nuclear", signal="debiased", steps=1),
+    "l1_debiased_mp_fp16": dict(geometry="l1", signal="debiased", mp="fp16", ddp=False, steps=1),
 }
 
 GROUPS = 3  # fully_shard on model.a, model.b and the root (model.c)
@@ -96,7 +99,7 @@ def test_estimate_matches_gathered_gradients_and_ddp(request, world, name):
     """FSDP2 estimate == gk.estimate on the gathered local gradients == DDP hook estimate."""
     kw = _scenario(world, name)
     geometry = kw["geometry"]
-    tol = TOL[geometry]
+    tol = (TOL_DEBIASED if kw.get("signal") == "debiased" else TOL)[geometry]
     res = _results(request, world, name)
     checked = 0
     for rank_res in res:
@@ -184,7 +187,8 @@ def test_collectives_counted(request, world, name):
                 assert rec["hooked_seq"] == rec["plain_seq"] + GROUPS + 1
                 assert [c[0] for c in hooked] == ["reduce_scatter", "all_reduce"] * GROUPS + ["all_reduce"]
                 # L matrices = the groups' Gram all-reduces (one weight matrix per group)
-                assert hooked[-1] == ("all_reduce", 3 * (len(ar) - 1), "torch.float64")
+                rows = 4 if kw.get("signal") == "debiased" else 3  # + the debiased signal
+                assert hooked[-1] == ("all_reduce", rows * (len(ar) - 1), "torch.float64")
                 ar = ar[:-1]
             else:
                 assert rec["hooked_seq"] == rec["plain_seq"] + 1
@@ -200,7 +204,8 @@ def test_collectives_counted(request, world, name):
                 # two k x k Grams per weight matrix, k = min(m, n): 24x13, 17x24, 5x17
                 assert sorted(c[1] for c in ar) == sorted(2 * k * k for k in (13, 17, 5))
             else:
-                assert ar[0] == ("all_reduce", 4, "torch.float64")
+                width = 5 if kw.get("signal") == "debiased" and geometry == "l1" else 4
+                assert ar[0] == ("all_reduce", width, "torch.float64")
 
 
 @pytest.mark.parametrize("world,name", list(_cases()))
@@ -275,6 +280,9 @@ def test_bad_input():
         attach_fsdp_gns(model, GNSHookState("l1", batch_size=8))
     with pytest.raises(TypeError, match="model"):
         attach_fsdp_gns("not a model", GNSHookState("l1", batch_size=8))
+    # the 'gauss-sums' dof needs each rank's deviation from the whole mean gradient
+    with pytest.raises(ValueError, match="nuclear_dof: 'gauss-sums' is not available under FSDP2"):
+        attach_fsdp_gns(model, GNSHookState("nuclear", batch_size=8, nuclear_dof="gauss-sums"))
 
 
 def test_shard_placement():

@@ -361,3 +361,54 @@ def test_deleted_micro_batch_gns_leaves_no_hook():
     import gc
     gc.collect()
     assert len(p._post_accumulate_grad_hooks or {}) == before
+
+
+def test_nuclear_dof_and_signal_arguments_checked():
+    """MicroBatchGNS keeps the 'columns' dof ('gauss-sums' needs per-micro-batch deviations);
+    GNSHookState refuses 'data' (cross-sample terms); both name the argument."""
+    from gns_kernels.distributed import GNSHookState
+
+    params = list(torch.nn.Linear(4, 3).parameters())
+    with pytest.raises(ValueError, match="nuclear_dof: expected one of \\('auto', 'columns'\\)"):
+        gk.MicroBatchGNS(params, geometry="nuclear", batch_size=8, micro_batches=2, nuclear_dof="gauss-sums")
+    with pytest.raises(ValueError, match="nuclear_dof: expected one of .*'data' needs cross-sample"):
+        GNSHookState("nuclear", batch_size=8, nuclear_dof="data")
+    with pytest.raises(ValueError, match="signal: expected 'raw'"):
+        GNSHookState("l1", batch_size=8, signal="unbiased")
+    st = GNSHookState("nuclear", batch_size=8)
+    assert (st.nuclear_dof, st.signal) == ("auto", "raw")
+    assert st.resolved_nuclear_dof(2) == "columns" and st.resolved_nuclear_dof(3) == "gauss-sums"
+    assert st.resolved_nuclear_dof(8, per_sample=False) == "columns"
+    with pytest.raises(ValueError, match="nuclear_dof: 'gauss-sums' needs at least 3"):
+        GNSHookState("nuclear", batch_size=8, nuclear_dof="gauss-sums").resolved_nuclear_dof(2)
+    # the state_dict is unaffected by the new arguments (no new keys), and round-trips
+    a = GNSHookState("nuclear", batch_size=8, nuclear_dof="columns", signal="debiased")
+    a.step = 5
+    sd = a.state_dict()
+    assert set(sd) == {"step", "every", "batch_size", "geometry", "eig_float64"}
+    b = GNSHookState("nuclear", batch_size=16)
+    b.load_state_dict(sd)
+    assert b.state_dict() == sd and (b.nuclear_dof, b.signal) == ("auto", "raw")
+
+
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+def test_one_process_debiased_signal_matches_estimate(geometry):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    A, b = 3, 4
+    mb = gk.MicroBatchGNS(list(model.parameters()), geometry=geometry, every=1, batch_size=A * b,
+                          micro_batches=A, signal="debiased")
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(A, b, 7, generator=g), torch.randn(A, b, 3, generator=g)
+    samples = []
+    for a in range(A):
+        prev = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        (torch.nn.functional.mse_loss(model(xs[a]), ys[a]) / A).backward()
+        samples.append([A * (p.grad - q) for p, q in zip(model.parameters(), prev)])
+        mb.micro_step()
+    ref = gk.estimate(samples, A * b, geometry, signal="debiased", nuclear_dof="columns")
+    est = mb.estimate
+    assert est.valid and est.signal_kind == "debiased"
+    tol = 1e-4 if geometry == "l1" else 1e-3
+    for f in ("gns", "noise", "signal", "signal_raw"):
+        assert abs(getattr(est, f) - getattr(ref, f)) <= tol * abs(getattr(ref, f)), f

@@ -59,9 +59,31 @@ def test_nuclear_share_path_is_sync_free(method, bias_correction, world, rank):
     assert totals.shape == (2,)
 
 
+@pytest.mark.parametrize("method", ["newton", "eigh"])
+@pytest.mark.parametrize("signal", ["raw", "debiased"])
+@pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
+def test_gauss_sums_share_path_is_sync_free(method, signal, world, rank):
+    """The 'gauss-sums' dof: this rank's deviation sums, the solver's pair sums and the
+    correction formed from the reduced vector (share totals), all on fake tensors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            share = SolveShare(world, rank, 3.0, True, 4, 8.0, hints=spectral.EigHints(),
+                               method=method, dof="gauss-sums", signal=signal)
+            for shift in (True, False):
+                grams, grads, shifts = _fake_bucket(shift)
+                share.add_grads(grams, grads, shifts, [torch.randn(g.shape) for g in grads])
+            vec = share.vector()
+            totals = share.totals(vec)
+    rows = 3 + (signal == "debiased") + 5
+    assert vec.shape == (rows * 6,) and vec.dtype == torch.float64
+    assert totals.shape == (2 + (signal == "debiased"),)
+
+
 @pytest.mark.parametrize("geometry", ["l1", "l2", "nuclear"])
 @pytest.mark.parametrize("shift", [False, True])
-def test_ddp_unpack_and_finish_are_sync_free(geometry, shift):
+@pytest.mark.parametrize("signal", ["raw", "debiased"])
+def test_ddp_unpack_and_finish_are_sync_free(geometry, shift, signal):
     """The DDP hook's work after a bucket's all-reduce (unpack: statistics of the bucket,
     mean gradient written back) and after the last one (finish), on fake tensors; one
     rank, so finish issues no collective."""
@@ -71,7 +93,7 @@ def test_ddp_unpack_and_finish_are_sync_free(geometry, shift):
             params = [torch.nn.Parameter(torch.randn(7, 11)), torch.nn.Parameter(torch.randn(5)),
                       torch.nn.Parameter(torch.randn(9, 4))]
             shifts = {p: torch.randn(p.shape) for p in params} if shift else None
-            state = GNSHookState(geometry, every=1, batch_size=16,
+            state = GNSHookState(geometry, every=1, batch_size=16, signal=signal,
                                  shift=(lambda p: shifts.get(p)) if shift else None)
             ctx = ddp_mod._Measurement(state, 1, 4)
             n_buf = sum(p.numel() for p in params)
@@ -177,7 +199,7 @@ def test_cuda_hook_measurement_has_no_host_sync(geometry):
             with _sync_error():
                 share.add_grads(grams, grads, None)
                 share.launch(dist.group.WORLD, dist.all_reduce)
-            noise, signal = share.read()
+            noise, signal, _ = share.read()
             # C_l = mean Gram - D D^T = I (k_l x k_l): noise_l = k_l; signal_l = ||G_l||_S1;
             # rank 0 holds the sum of its own share (the other rank's entries are 0)
             ks = [min(g.shape) for g in grads]
