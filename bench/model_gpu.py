@@ -17,13 +17,18 @@ Terms of the nuclear measurement (per rank, per measurement):
   time  bytes * 2 (R - 1) / R / bus_bw  + latency, and one small collective that shares
   the solved traces (latency only). R = 1: no collective.
 - solves: 2 sqrt-traces per matrix (noise tr C^{1/2}, signal ||G||_S1 = tr (G G^T)^{1/2}),
-  each by coupled Newton-Schulz: iters x 3 batched matmuls of 2 m^3 FLOPs, plus the shift
+  each by the scaled coupled Newton-Schulz iteration (iters = newton_min_iters(1e-6) + 3
+  = 12 + 3) x 3 batched matmuls of 2 m^3 FLOPs, plus the shift
   correction's 6 matmuls (W = e Z^2 and a degree-5 Horner polynomial); no positive-part
   projection (the nuclear path calls it with project=False). Ranks share the solves,
   balanced by m^3: this rank does 1/R of the FLOPs (rounded up to whole matrices of the
   largest size).
-- bias: the bias correction's extra cost, ``bias_solves`` Newton-like solves per noise
-  matrix (a parameter: 1 unless told otherwise), shared by ranks like the solves.
+- bias: the bias correction's extra cost per noise matrix, counted from what
+  gns_kernels.spectral.pairsum does: 8 float32 matmuls (qhat(W) by Horner and S = Y qhat)
+  and 5 + K float64 matmuls (F_0's Taylor series, S^2, and K = 22 squarings at eps = 1e-6)
+  of 2 m^3 each, float64 at the FP64 tensor-core rate; shared by ranks like the solves.
+- dof (R >= 3, the default 'gauss-sums' degrees of freedom): the Gram d d^T of this rank's
+  deviation d = G^j - G per matrix (2 m^2 n FLOPs) and its Frobenius norms.
 - launch floor: the kernels the solves issue (per chunk of 16 matrices per iteration:
   ~10 launches) times a per-launch host cost; the solve term is max(GPU time, floor).
 - host syncs: 1 per measurement (the estimate is materialized when read).
@@ -62,13 +67,16 @@ class Hardware:
     tf32_eff: float = 0.50  # batched TF32 matmul fraction of peak at m = 512..2048
     bf16_flops: float = 990e12  # tensor cores, dense
     bf16_eff: float = 0.50
+    fp64_flops: float = 67e12  # FP64 tensor cores (DGEMM), dense, vendor figure
+    fp64_eff: float = 0.70
     bus_bw: float = 450e9  # bytes/s NCCL all-reduce bus bandwidth within one NVLink node
     coll_latency: float = 25e-6  # s per collective (15-30 us assumed)
     launch_s: float = 5e-6  # host cost per kernel launch (PyTorch eager)
 
     def matmul_rate(self, precision: str) -> float:
-        """Achieved matmul FLOP/s in ``precision`` ('fp32' FFMA, 'tf32' or 'bf16')."""
+        """Achieved matmul FLOP/s in ``precision`` ('fp32' FFMA, 'fp64', 'tf32' or 'bf16')."""
         return {"fp32": self.fp32_flops * self.fp32_eff,
+                "fp64": self.fp64_flops * self.fp64_eff,
                 "tf32": self.tf32_flops * self.tf32_eff,
                 "bf16": self.bf16_flops * self.bf16_eff}[precision]
 
@@ -80,12 +88,14 @@ class Hardware:
 class Solver:
     """Newton-Schulz settings (defaults: gns_kernels.spectral.newton at eps = 1e-6)."""
 
-    iters: int = 25  # check_newton_args default: newton_min_iters(1e-6) + 3 = 22 + 3
+    iters: int = 15  # check_newton_args default: newton_min_iters(1e-6) + 3 = 12 + 3
     matmuls_per_iter: int = 3  # Z Y, Y T, T Z
     correction_matmuls: int = 6  # W = e Z^2, then 5 Horner steps
     chunk: int = 16  # matrices per batched iteration (_NEWTON_CHUNK)
     launches_per_iter: int = 10  # kernels per iteration and chunk (bmm x3, norm, where x2, ...)
-    bias_solves: float = 1.0  # extra Newton-like solves per noise matrix (bias correction)
+    pair_fp32_matmuls: int = 8  # bias correction per noise matrix: qhat(W) Horner + S = Y qhat
+    pair_fp64_matmuls: int = 27  # F_0 Taylor (4), S^2 (1), K = pair_nodes(1e-6) = 22 squarings
+    dof_grams: bool = True  # the 'gauss-sums' deviation Gram at R >= 3
     precision: str = "fp32"  # matmul precision of the solves
     gram_precision: str = "fp32"  # matmul precision of the Grams
 
@@ -158,10 +168,19 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     n_solves = math.ceil(2 * len(ms) / ranks)
     floor = math.ceil(n_solves / s.chunk) * (s.iters + 2) * s.launches_per_iter * hw.launch_s
     t.seconds["solves"] = max(gpu, floor)
-    # bias correction: bias_solves extra solves per noise matrix, shared the same way
-    bias = s.bias_solves * sum(newton_flops(m, s) for m in ms) / ranks
-    t.flops["bias"] = int(bias)
-    t.seconds["bias"] = bias / hw.matmul_rate(s.precision)
+    # bias correction: the pair sum's matmuls per noise matrix, shared the same way
+    per32 = sum(s.pair_fp32_matmuls * 2 * m ** 3 for m in ms) / ranks
+    per64 = sum(s.pair_fp64_matmuls * 2 * m ** 3 for m in ms) / ranks
+    t.flops["bias"] = int(per32 + per64)
+    t.seconds["bias"] = per32 / hw.matmul_rate(s.precision) + per64 / hw.matmul_rate("fp64")
+    # gauss-sums dof (R >= 3): one deviation Gram per matrix, plus reading it for two norms
+    if s.dof_grams and ranks >= 3:
+        t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
+        t.seconds["dof"] = (t.flops["dof"] / hw.matmul_rate(s.gram_precision)
+                            + gram_elems * 4 / hw.copy_rate())
+    else:
+        t.flops["dof"] = 0
+        t.seconds["dof"] = 0.0
     return t
 
 
@@ -183,31 +202,32 @@ def l_step(shapes: list, ranks: int, hw: Hardware = Hardware(), grad_itemsize: i
     return t
 
 
-def table(hw: Hardware = Hardware(), ranks=(1, 2, 8), bias_solves: float = Solver.bias_solves) -> str:
+def table(hw: Hardware = Hardware(), ranks=(1, 2, 8)) -> str:
     """Markdown table of the predictions (nuclear: fp32 and TF32 matmuls; l1/l2)."""
     rows = ["| model | R | path | pack ms | Grams ms | extra collective ms | solves ms | bias ms "
-            "| total ms (prediction) | dominant | extra bytes sent | solve+bias TFLOP/rank | host syncs |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| dof ms | total ms (prediction) | dominant | extra bytes sent | solve+bias TFLOP/rank | host syncs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, (layers, per_layer) in MODELS.items():
         shapes = per_layer * layers
         for r in ranks:
             for prec in ("fp32", "tf32"):
-                s = Solver(precision=prec, gram_precision=prec, bias_solves=bias_solves)
+                s = Solver(precision=prec, gram_precision=prec)
                 t = nuclear_step(shapes, r, hw, s)
                 ms = {k: v * 1e3 for k, v in t.seconds.items()}
                 rows.append(
                     f"| {name} | {r} | S1 Newton, {prec} matmuls | {ms['pack']:.2f} | {ms['grams']:.2f} "
-                    f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {t.total_s * 1e3:.1f} "
+                    f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {ms['dof']:.2f} "
+                    f"| {t.total_s * 1e3:.1f} "
                     f"| {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
                     f"| {(t.flops['solves'] + t.flops['bias']) / 1e12:.2f} | {t.host_syncs} |")
             t = l_step(shapes, r, hw)
             ms = {k: v * 1e3 for k, v in t.seconds.items()}
             rows.append(
                 f"| {name} | {r} | l1/l2 (float32 pack) | {ms['pack']:.2f} | - | {ms['collective']:.2f} "
-                f"| - | - | {t.total_s * 1e3:.2f} | {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
+                f"| - | - | - | {t.total_s * 1e3:.2f} | {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
                 f"| 0 | {t.host_syncs} |")
             if name == "160M":
-                rows.append(f"| {name} | {r} | S1 eigh (old path, quoted, not modelled) | | | | | | "
+                rows.append(f"| {name} | {r} | S1 eigh (old path, quoted, not modelled) | | | | | | | "
                             f"{OLD_PATH_S[0] * 1e3:.0f}-{OLD_PATH_S[1] * 1e3:.0f} | cuSOLVER latency "
                             f"| | | one per matrix and bucket |")
     return "\n".join(rows)
@@ -215,16 +235,15 @@ def table(hw: Hardware = Hardware(), ranks=(1, 2, 8), bias_solves: float = Solve
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="GPU cost model of one measurement step (prediction)")
-    ap.add_argument("--bias-solves", type=float, default=Solver.bias_solves,
-                    help="extra Newton-like solves per noise matrix for the bias correction")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     hw = Hardware()
-    s = Solver(bias_solves=args.bias_solves)
+    s = Solver()
     print("PREDICTION (no GPU measurement): one measurement step, one rank, H100 SXM.")
     print(f"assumed: {hw}")
     print(f"solver: iters={s.iters} x {s.matmuls_per_iter} matmuls + {s.correction_matmuls} "
-          f"correction matmuls of 2 m^3 FLOPs; bias_solves={s.bias_solves}")
-    print(table(hw, bias_solves=s.bias_solves))
+          f"correction matmuls of 2 m^3 FLOPs; bias correction {s.pair_fp32_matmuls} fp32 + "
+          f"{s.pair_fp64_matmuls} fp64 matmuls per noise matrix")
+    print(table(hw))
     for prec in ("fp32", "tf32"):
         t = nuclear_step(SHAPES_160M * 12, 8, hw, replace(s, precision=prec, gram_precision=prec))
         verdict = "meets" if t.total_s * 1e3 < TARGET_MS else "misses"

@@ -14,9 +14,9 @@ sys.modules["model_gpu"] = mg  # dataclasses look their module up there
 _spec.loader.exec_module(mg)
 
 # round numbers: 1 byte/s of copy, 1 FLOP/s of matmul, 1000 bytes/s of bus, no latency
-HW = mg.Hardware(hbm_bw=1.0, hbm_eff=1.0, fp32_flops=1.0, fp32_eff=1.0, bus_bw=1000.0,
-                 coll_latency=0.0, launch_s=0.0)
-S = mg.Solver(iters=2, matmuls_per_iter=3, correction_matmuls=1, bias_solves=0.5)
+HW = mg.Hardware(hbm_bw=1.0, hbm_eff=1.0, fp32_flops=1.0, fp32_eff=1.0, fp64_flops=0.5, fp64_eff=1.0,
+                 bus_bw=1000.0, coll_latency=0.0, launch_s=0.0)
+S = mg.Solver(iters=2, matmuls_per_iter=3, correction_matmuls=1, pair_fp32_matmuls=1, pair_fp64_matmuls=2)
 
 
 def test_gram_and_newton_flops():
@@ -24,8 +24,18 @@ def test_gram_and_newton_flops():
     assert mg.gram_flops(2, 3) == 24 and mg.gram_flops(3, 2) == 24
     # m = 2: (2 iterations x 3 + 1) matmuls of 2 * 2^3 = 16 FLOPs
     assert mg.newton_flops(2, S) == 7 * 16
-    # the package defaults: 25 iterations x 3 + 6 correction matmuls of 2 m^3
-    assert mg.newton_flops(10, mg.Solver()) == 81 * 2000
+    # the package defaults: 15 iterations x 3 + 6 correction matmuls of 2 m^3
+    assert mg.newton_flops(10, mg.Solver()) == 51 * 2000
+
+
+def test_solver_defaults_follow_the_package():
+    """The model's iteration and pair-sum matmul counts are the package's defaults."""
+    from gns_kernels import spectral as sp
+    from gns_kernels.spectral.pairsum import pair_nodes
+
+    assert mg.Solver().iters == sp.newton_min_iters() + 3
+    # F_0's Taylor series (4 matmuls), S^2 (1), then one squaring per node after the first
+    assert mg.Solver().pair_fp64_matmuls == 4 + 1 + pair_nodes(sp.NEWTON_EPS)
 
 
 def test_allreduce_time():
@@ -40,10 +50,12 @@ def test_nuclear_step_one_matrix_one_rank():
     assert t.bytes["pack"] == 80 and t.seconds["pack"] == pytest.approx(80)
     # Grams: local + mean = 2 * 24 FLOPs, plus C: 4 elements x 12 bytes
     assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(48 + 48)
-    # no collective on one rank; two solves of m = 2; bias: 0.5 solve of the noise matrix
+    # no collective on one rank; two solves of m = 2; bias: 1 fp32 matmul (16 FLOPs at 1/s)
+    # and 2 fp64 matmuls (32 FLOPs at 0.5/s) for the noise matrix; no dof Gram below R = 3
     assert t.seconds["collective"] == 0.0
-    assert t.flops["solves"] == 2 * 112 and t.flops["bias"] == 56
-    assert t.total_s == pytest.approx(80 + 96 + 224 + 56)
+    assert t.flops["solves"] == 2 * 112 and t.flops["bias"] == 48
+    assert t.seconds["bias"] == pytest.approx(16 + 64) and t.seconds["dof"] == 0.0
+    assert t.total_s == pytest.approx(80 + 96 + 224 + 80)
     assert t.host_syncs == 1
 
 
@@ -57,6 +69,13 @@ def test_nuclear_step_ranks_share_the_solves():
     t = mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S)
     assert t.bytes["collective"] == 80
     assert t.seconds["collective"] == pytest.approx(80 * 1 / 1000)
+
+
+def test_nuclear_step_dof_gram_from_three_ranks():
+    # the deviation Gram (2 m^2 n) and one read of it, only at R >= 3
+    assert mg.nuclear_step([(2, 3)], 2, HW, S).flops["dof"] == 0
+    t = mg.nuclear_step([(2, 3)], 3, HW, S)
+    assert t.flops["dof"] == 24 and t.seconds["dof"] == pytest.approx(24 + 4 * 4)
 
 
 def test_l_step_bytes():

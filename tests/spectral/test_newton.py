@@ -25,11 +25,69 @@ def abs_sqrt_trace(A):
 
 def test_iteration_counts():
     # newton_min_iters: the product p = y z of an eigenvalue eps/2 reaches 1 - 1e-7;
-    # sign_iters: s = eps/2 reaches 1 - 1e-7 under s <- s (3 - s^2) / 2
-    assert sp.newton_min_iters() == 22
-    assert sp.sign_iters() == 40
+    # sign_iters: s = eps/2 reaches 1 - 1e-7; both with the scaled steps (about half the
+    # plain iteration's 22 and 40 at eps = 1e-6)
+    assert sp.newton_min_iters() == 12
+    assert sp.sign_iters() == 21
+    assert sp.newton_min_iters(1e-12) == 21
     assert sp.newton_min_iters(1e-2) < sp.newton_min_iters(1e-4) < sp.newton_min_iters(1e-6)
     assert sp.sign_iters(1e-2) < sp.sign_iters(1e-4) < sp.sign_iters(1e-6)
+
+
+@pytest.mark.parametrize("lo", [1e-9, 7.07e-4, 0.1, 0.9])
+def test_scaled_schedule_is_the_minimax_cubic(lo):
+    """Each a_k is Chen-Chow's equioscillation factor (both ends of [l_k, 1] map to the same
+    value) or the cap (the top maps to 1/2, not lower), keeps [l_k, 1] inside
+    [l_{k+1}, 1] on a dense grid, and decreases to 1."""
+    import math
+    from gns_kernels.spectral.newton import scaled_schedule
+
+    sched = scaled_schedule(lo)
+    assert all(1.0 < a <= 1.5321 for a in sched)
+    assert all(x >= y for x, y in zip(sched, sched[1:]))
+    l = lo
+    for a in sched:
+        f = lambda s: 0.5 * a * s * (3.0 - a * a * s * s)  # noqa: E731
+        capped = abs(a - 2.0 * math.cos(math.radians(40.0))) < 1e-12
+        if capped:
+            assert abs(f(1.0) - 0.5) < 1e-12
+        else:
+            assert abs(f(l) - f(1.0)) <= 1e-12
+        new_l = min(f(l), f(1.0))
+        grid = [l + (1.0 - l) * i / 2000 for i in range(2001)]
+        vals = [f(s) for s in grid]
+        assert min(vals) >= new_l - 1e-12 and max(vals) <= 1.0 + 1e-12
+        assert new_l > 0.5 * l * (3.0 - l * l)  # the small end grows faster than the plain step
+        l = new_l
+    with pytest.raises(ValueError, match="lo"):
+        scaled_schedule(0.0)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-4, 1e-2])
+def test_newton_converges_at_min_iters_on_the_extreme_eigenvalue(eps):
+    """A float64 diagonal matrix with ||A||_F = 1 whose smallest eigenvalue is -eps/2 (a
+    rounding-level negative eigenvalue: after the shift, M = A + eps I has eps/2, the
+    bound the schedule is built for) and whose largest is near 1: at newton_min_iters the
+    coupled iteration gives sqrt(lambda + eps) and its inverse within 1e-6 for each
+    eigenvalue; at half that count it has not converged."""
+    d = torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64)
+    d = d / d.norm()
+    d[-1] = -eps / 2.0
+    A = torch.diag(d).unsqueeze(0)
+    from gns_kernels.spectral.newton import _newton_iterate
+
+    def sqrt_diag(k):
+        Y, Z, e, c, eye = _newton_iterate(A, k, eps, None, False, "float64")
+        return torch.diagonal(Y[0]), torch.diagonal(Z[0]), c.reshape(()), e.reshape(())
+    y, z, c, e = sqrt_diag(sp.newton_min_iters(eps))
+    # the iteration runs on A / c + e I, c ~ 1 + eps (Frobenius normalization and the
+    # shifted top), e = eps / (1 + eps)
+    assert abs(float(c) - (1 + eps)) < 1e-4 and abs(float(e) - eps / (1 + eps)) < 1e-15
+    want = (d / c + e).sqrt()
+    assert ((y - want).abs() / want).max() < 1e-6
+    assert ((z - 1 / want).abs() * want).max() < 1e-6
+    y_early, *_ = sqrt_diag(sp.newton_min_iters(eps) // 2)
+    assert ((y_early - want).abs() / want).max() > 1e-3
 
 
 def _iteration_count_cases(gen):
