@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fixed options of a named experiment (see docs/demo.md); with --compare, "
                         "paper-cpu runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, "
                         "3 seeds)")
+    g.add_argument("--jobs", type=int, default=1,
+                   help="--compare --preset: runs at a time (each run's process gets "
+                        "OMP_NUM_THREADS threads, else cpu_count // jobs)")
     g.add_argument("--large-factor", type=int, default=4,
                    help="--compare: the large constant batch is this times the initial")
     g.add_argument("--quiet", action="store_true", help="no progress bar")

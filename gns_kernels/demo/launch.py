@@ -162,6 +162,15 @@ def _write_failure(folder: str, rank: int, exc: BaseException) -> None:
     os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
 
 
+def _threads_per_rank(world: int) -> int:
+    """Threads of one spawned rank: OMP_NUM_THREADS when it is set to a positive integer
+    (several runs side by side), else cpu_count // world (at least 1)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def _spawn_worker(rank: int, world: int, port: int, cfg: DemoConfig, corpus, resume_from,
                   errors: str):
     import torch
@@ -170,7 +179,7 @@ def _spawn_worker(rank: int, world: int, port: int, cfg: DemoConfig, corpus, res
     try:
         from .loop import train
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(_threads_per_rank(world))
         timeout = timedelta(seconds=cfg.timeout)
         store = dist.TCPStore(HOST, port, None, False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)

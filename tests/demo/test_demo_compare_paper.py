@@ -145,6 +145,13 @@ def test_cli_rejects_unknown_preset(capsys, tmp_path):
     assert "--preset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("jobs", [0, -1, 1.5])
+def test_run_paper_rejects_bad_jobs(tmp_path, jobs):
+    with pytest.raises(DemoError, match="--jobs must be an integer >= 1"):
+        run_paper(DemoConfig(), Protocol(), str(tmp_path / "p"), log=lambda m: None, jobs=jobs)
+    assert not os.path.exists(tmp_path / "p")   # refused before anything is written
+
+
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
@@ -170,8 +177,9 @@ def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
     cfg = DemoConfig(**{**cfg.__dict__, "dim": 16, "layers": 1, "heads": 2, "mlp": 32,
                         "context": 16, "samples": 160, "val_windows": 8, "eval_every": 2,
                         "every": 2, "warmup": 2, "corpus": small_corpus, "quiet": True})
+    # two runs at a time (the final table's set-up); the arithmetic below does not depend on it
     res = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
-                    str(tmp_path / "p"), log=lambda m: None)
+                    str(tmp_path / "p"), log=lambda m: None, jobs=2)
     d = res["per_optimizer"]["signum"]
     top = tmp_path / "p" / "signum"
     finals = {}
