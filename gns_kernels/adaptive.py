@@ -591,7 +591,7 @@ class AdaptiveBatching:
         m = ctrl.multiple_of
         if strict:
             mine = ctrl._config()
-            saved = csd["config"]
+            saved = {"signal": "raw", **csd["config"]}  # checkpoints from before the option: raw
             diff = sorted(k for k in set(mine) | set(saved)
                           if k != "multiple_of" and mine.get(k) != saved.get(k))
             if diff:

@@ -546,3 +546,26 @@ def test_signal_is_the_states_and_a_mismatch_raises():
     raw = AdaptiveBatching(GNSHookState(geometry="l1", every=1, batch_size=8), opt, micro_batch_size=4,
                            initial_batch_size=8, world_size=2)
     assert raw.controller.signal == "raw"
+
+
+def test_checkpoint_from_before_the_signal_option_loads_as_raw():
+    """A coordinator checkpoint whose controller settings lack 'signal' (written before the
+    option existed) loads strictly into a raw-signal coordinator and is refused by a
+    debiased one."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def make(signal="raw"):
+        return AdaptiveBatching(GNSHookState(geometry="l1", every=1, batch_size=8, signal=signal), opt,
+                                micro_batch_size=4, initial_batch_size=8, world_size=2)
+    sd = make().state_dict()
+    del sd["controller"]["config"]["signal"]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    coord = make()
+    coord.load_state_dict(loaded)
+    assert coord.controller.signal == "raw"
+    with pytest.raises(ValueError, match="signal: saved 'raw' vs 'debiased'"):
+        make("debiased").load_state_dict(loaded)

@@ -279,7 +279,7 @@ class SolveShare:
 
         self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev, self.rows, qa,
                                                  lambda sel: solve(sel, "debiased")), L, dev),
-                  mean_grams[0], list(mean_grams) + list(mean_grads))
+                  mean_grams[0], list(mean_grams) + list(mean_grads) + ([] if qa is None else [qa]))
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]]) -> None:

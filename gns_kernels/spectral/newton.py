@@ -25,12 +25,16 @@ the same definition as the eigenvalue path, sum_i sqrt(max(lambda_i, 0)).
    root grows about 2.3x instead of 1.5x, which roughly halves the iterations (12 instead
    of 22 at eps = 1e-6); once a_k < 1 + 1e-3 the plain step (a = 1) takes over. The ratio Y / Z = M
    is kept exactly by every step, so the limits are the same as the plain iteration's.
-   Guard (per matrix, torch.where, no sync): the iterate is frozen once r = ||Z Y - I||_F
-   is non-finite; during the scaled steps also once r > 2 sqrt(m) (eigenvalues of Z Y
-   in [0, 1] give r <= sqrt(m): only an eigenvalue of M below 0, which the iteration
-   drives away from 1 quadratically, exceeds it); during the plain steps once r exceeds
-   (1 + 1e-3) min(previous plain r), as for positive definite M it decreases monotonically
-   in exact arithmetic, so that guard acts only past convergence (rounding-level wobble).
+   Guard (per matrix, torch.where, no sync; r = ||Z Y - I||_F of the current iterate):
+   during the scaled steps r <= sqrt(m) (1 - l_k^2 + 1e-3) holds whenever the eigenvalues
+   of Z Y lie in [l_k^2, 1]. An eigenvalue of M below 0 (input indefinite beyond the
+   shift, outside the ``project=False`` contract) is driven away from 1 and breaks it:
+   that matrix goes back to its previous iterate and takes plain steps (a = 1) from there.
+   During plain steps the matrix is frozen at its previous iterate once r exceeds
+   (1 + 1e-3) min(previous plain r) (for positive definite M, r decreases monotonically
+   in exact arithmetic, so this acts only past convergence: rounding-level wobble), and
+   always once r is non-finite. For input outside the contract this keeps the result
+   finite and bounded, not accurate.
 4. Undo the shift spectrally: with W = e Z^2 (eigenvalues w = e/(lambda + e) in (0, 1]),
    sqrt(lambda) = sqrt(lambda + e) sqrt(1 - w) ~ y q(w), q = Taylor polynomial of
    sqrt(1 - w) to w^5 plus a w^6 term making q(1) = 0. Eigenvalues >= 3 e keep their
@@ -66,6 +70,7 @@ NEWTON_PRECISIONS = ("ieee", "float64")
 NEWTON_EPS_BY_PRECISION = {"ieee": 1e-6, "float64": 1e-12}
 NEWTON_MAX_ITERS = 200
 _FREEZE_SLACK = 1e-3  # guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
+_BOUND_SLACK = 1e-3  # guard of the scaled steps: absolute slack on (1 - l_k^2)
 _CONVERGED = 1e-7  # scalar convergence target of newton_min_iters and sign_iters
 
 
@@ -219,21 +224,47 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
     c = c * top.double()
     Y = x + e * eye
     Z = eye.clone()
-    sched = scaled_schedule(math.sqrt(eps / 2.0))
+    lo = math.sqrt(eps / 2.0)
+    sched = scaled_schedule(lo)
+    # residual bounds of the scaled steps: every eigenvalue p of Z Y in [l_k^2, 1] gives
+    # ||Z Y - I||_F <= sqrt(m) (1 - l_k^2); 1e-3 absolute slack for rounding and lag
+    bounds = []
+    for a in sched:
+        bounds.append(math.sqrt(m) * (1.0 - lo * lo + _BOUND_SLACK))
+        lo = min(0.5 * a * lo * (3.0 - a * a * lo * lo), 0.5 * a * (3.0 - a * a))
     rmin = torch.full_like(e, float("inf"))
-    active = torch.ones_like(e, dtype=torch.bool)
-    blowup = 2.0 * math.sqrt(m)
+    active = torch.ones_like(e, dtype=torch.bool)  # not frozen
+    scaled = torch.ones_like(e, dtype=torch.bool)  # still taking the scaled steps
+    Yp, Zp, Pp = Y, Z, Y  # previous iterate and its product Z Y (Z0 = I)
     for k in range(iters):
         P = bmm(Z, Y, prec)
         r = torch.linalg.matrix_norm(P - eye, keepdim=True)
+        finite = torch.isfinite(r)
         if k < len(sched):
-            a = sched[k]
-            active = active & torch.isfinite(r) & (r <= blowup)
+            in_bound = r <= bounds[k]
+            # a scaled matrix out of its bound falls back to its previous iterate and takes
+            # plain steps from there (an eigenvalue of M below 0: the plain step drives it
+            # away from 1 more slowly, and the plain guard below then freezes it)
+            demote = active & scaled & finite & ~in_bound
+            scaled = scaled & in_bound
         else:
-            a = 1.0
-            active = active & torch.isfinite(r) & (r <= rmin * (1.0 + _FREEZE_SLACK))
-            rmin = torch.where(active, torch.minimum(rmin, r), rmin)
+            demote = torch.zeros_like(active)
+            scaled = torch.zeros_like(scaled)
+        plain_ok = r <= rmin * (1.0 + _FREEZE_SLACK)
+        ok = finite & (scaled | demote | plain_ok)
+        # a failed check freezes the matrix at the last iterate that passed
+        back = active & (demote | ~ok)
+        Y = torch.where(back, Yp, Y)
+        Z = torch.where(back, Zp, Z)
+        active = active & ok
+        rmin = torch.where(active & ~scaled & ~demote, torch.minimum(rmin, r), rmin)
+        if k < len(sched):
+            a = torch.where(scaled, torch.full_like(r, sched[k]), torch.ones_like(r))
+        else:
+            a = torch.ones_like(r)
+        P = torch.where(demote, Pp, P)  # the restored iterate's product
         T = (1.5 * a) * eye - (0.5 * a ** 3) * P
+        Yp, Zp, Pp = Y, Z, P
         Y = torch.where(active, bmm(Y, T, prec), Y)
         Z = torch.where(active, bmm(T, Z, prec), Z)
     return Y, Z, e, c, eye

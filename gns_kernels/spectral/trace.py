@@ -41,9 +41,10 @@ def sqrt_trace(
                each matrix whose a-posteriori error bound exceeds ``tol`` (relative).
                Within 1e-3 of float64 eigvalsh of the same input.
       'newton' matmul iterations in float32 (gns_kernels.spectral.newton): the positive
-               part by the Newton-Schulz sign iteration (sign_iters(eps) steps), then
-               coupled Newton-Schulz, ``iters`` fixed iterations (default
-               newton_min_iters(eps) + 3 = 25; allowed [newton_min_iters(eps), 200]) on
+               part by the scaled Newton-Schulz sign iteration (sign_iters(eps) = 21
+               steps at eps = 1e-6), then scaled coupled Newton-Schulz, ``iters`` fixed
+               iterations (default newton_min_iters(eps) + 3 = 15; allowed
+               [newton_min_iters(eps), 200]) on
                A_+/||A||_F + eps I, the shift undone spectrally; no host sync.
                Eigenvalues below ~eps ||A||_F (float32 rounding noise included) are
                suppressed: on a float32 input that is rank-deficient only up to rounding

@@ -194,3 +194,22 @@ def test_newton_projection_keeps_psd_results(gen):
     with_p, without = newton_op(A, 25, project=True), newton_op(A, 25, project=False)
     assert rel_err(with_p, without) < TOL
     assert rel_err(with_p, ref.sqrt_trace(A.double())) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_newton_without_projection_bounded_when_eigenvalues_fall_below_the_shift(gen, dtype):
+    """project=False on input whose negative eigenvalues exceed the shift (1.5-5x eps of
+    ||A||_F, outside the contract): the scaled steps must not let them blow up (a guard that
+    froze only at r > 2 sqrt(m) returned 5118 for an exact 3.5); the result stays finite
+    and within 20% of the clamped value, which the projection then makes exact."""
+    m = 31
+    Q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    norm = (3 * 1.0 + 5 * 1e-4) ** 0.5
+    for mult in (1.5, 2.3, 5.0):
+        ev = torch.tensor([1.0] * 3 + [1e-2] * 5 + [-mult * 1e-6 * norm] * (m - 8), dtype=torch.float64)
+        A = ((Q * ev) @ Q.T).to(dtype)
+        exact = ev.clamp_min(0).sqrt().sum().item()
+        got = newton_op(A.unsqueeze(0), sp.newton_min_iters() + 3, project=False).double()
+        assert torch.isfinite(got).all() and abs(got.item() - exact) < 0.2 * exact, (mult, got.item())
+        projected = newton_op(A.unsqueeze(0), sp.newton_min_iters() + 3, project=True).double()
+        assert abs(projected.item() - exact) < TOL * exact, (mult, projected.item())
