@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from numbers import Integral, Real
 from typing import Any
 
@@ -410,6 +411,12 @@ class AdaptiveBatchSize:
                     f"state_dict configuration differs ({details}); construct the controller "
                     "with the saved settings or pass strict=False"
                 )
+        saved_kind = saved.get("signal", "raw")
+        if not strict and saved_kind != self.signal and state_dict["signal_ema"] is not None:
+            warnings.warn(
+                f"AdaptiveBatchSize.load_state_dict: the checkpoint's EMAs were formed with "
+                f"signal={saved_kind!r}, this controller uses signal={self.signal!r}; its first "
+                "decisions mix the two until the EMAs turn over", stacklevel=2)
         # check every entry before changing anything: a corrupt state leaves self as it was
         batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
         if batch % self.multiple_of:

@@ -449,3 +449,19 @@ def test_state_dict_without_signal_loads_as_raw_and_round_trips():
     assert d.state_dict() == sd
     with pytest.raises(ValueError, match="signal"):
         ctrl(signal="debiased").load_state_dict(sd)
+
+
+def test_non_strict_load_across_signal_kinds_warns():
+    c = ctrl()
+    sd_empty = c.state_dict()
+    c.update(0, Est(40.0, 2.0))
+    sd = c.state_dict()
+    d = ctrl(signal="debiased")
+    with pytest.warns(UserWarning, match="signal='raw'.*signal='debiased'"):
+        d.load_state_dict(sd, strict=False)
+    assert d.noise_ema == c.noise_ema and d.signal == "debiased"
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        ctrl(signal="debiased").load_state_dict(sd_empty, strict=False)  # no EMAs yet: silent
+        ctrl().load_state_dict(sd, strict=False)  # same kind: silent
