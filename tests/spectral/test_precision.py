@@ -152,8 +152,10 @@ def _measurement(gen, m, n, R, noise, shift, precision):
     return float(noise_f / noise64 - 1), float(signal_f / signal64 - 1), rho
 
 
-# (m, n, R, noise std relative to the mean gradient, shift)
-SMALL_RHO = [(33, 50, 2, 5.0, False), (64, 96, 4, 1.0, True), (48, 48, 2, 10.0, False), (40, 70, 4, 2.0, False)]
+# (m, n, R, noise std relative to the mean gradient, shift). SMALL_RHO cases keep rho
+# below the tf32 limit 2.05 on every seed: max 1.55 / 1.33 / 1.86 / 1.69 over 60-200 seeds
+# (33 x 50 at R = 2 reached 2.02 in 60 seeds and 2.0507 once, so it runs at R = 3)
+SMALL_RHO = [(33, 50, 3, 5.0, False), (64, 96, 4, 1.0, True), (48, 48, 2, 10.0, False), (40, 70, 4, 2.0, False)]
 LARGE_RHO = [(64, 96, 4, 0.01, False), (64, 96, 4, 0.01, True), (33, 128, 2, 0.01, False), (48, 80, 2, 0.01, True)]
 
 
