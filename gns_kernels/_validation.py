@@ -218,3 +218,17 @@ def check_no_overlap(outputs: Sequence[tuple[str, Tensor]], inputs: Sequence[tup
             far_any = span
         if is_out and (far_out is None or end > far_out[1]):
             far_out = span
+
+
+SIGNALS = ("raw", "debiased")  # signal= of gk.estimate, the hook states and the controller
+
+
+def check_signal(signal, allow_none: bool = False):
+    """signal=: 'raw' (the paper's signal) or 'debiased' (or None where ``allow_none``:
+    "take it from elsewhere"); ValueError naming the argument otherwise."""
+    if allow_none and signal is None:
+        return None
+    if not isinstance(signal, str) or signal not in SIGNALS:
+        allowed = "None, 'raw' or 'debiased'" if allow_none else "'raw' (the paper's signal) or 'debiased'"
+        raise ValueError(f"signal: expected {allowed}, got {signal!r}")
+    return signal

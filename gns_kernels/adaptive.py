@@ -60,6 +60,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 import torch
 
 from ._validation import check_int as _check_int
+from ._validation import check_signal as _check_signal
 from .controller import AdaptiveBatchSize
 from .distributed.microbatch import MicroBatchGNS
 from .distributed.state import GNSHookState
@@ -200,10 +201,9 @@ class AdaptiveBatching:
                 "both, or leave AdaptiveBatching's every=None to take the state's")
         self.every = every
         state_signal = getattr(self.state, "signal", "raw")
+        signal = _check_signal(signal, allow_none=True)
         if signal is None:
             signal = state_signal
-        if signal not in ("raw", "debiased"):
-            raise ValueError(f"signal: expected None, 'raw' or 'debiased', got {signal!r}")
         if signal != state_signal:
             raise ValueError(
                 f"signal: AdaptiveBatching(signal={signal!r}) but the hook state computes the "

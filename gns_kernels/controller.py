@@ -61,13 +61,13 @@ from typing import Any
 
 from ._validation import check_int as _check_int
 from ._validation import check_real as _check_real
+from ._validation import check_signal as _check_signal
 
 __all__ = ["AdaptiveBatchSize"]
 
 logger = logging.getLogger("gns_kernels.controller")
 
 _LR_SCALINGS = ("sqrt", "linear", "none")
-_SIGNALS = ("raw", "debiased")
 _STATE_VERSION = 1
 # a quotient within this relative distance of an integer is taken as that integer before ceil
 _CEIL_RTOL = 1e-9
@@ -141,9 +141,7 @@ class AdaptiveBatchSize:
         lr_scaling: str = "sqrt",
         signal: str = "raw",
     ) -> None:
-        if not isinstance(signal, str) or signal not in _SIGNALS:
-            raise ValueError(f"signal: expected 'raw' (the paper's signal) or 'debiased', got {signal!r}")
-        self.signal = signal
+        self.signal = _check_signal(signal)
         self.initial_batch_size = _check_int("initial_batch_size", initial_batch_size, 1)
         self.theta = _check_real("theta", theta, 0.0, lo_open=True)
         if not (0.0 < self.theta * self.theta < math.inf):

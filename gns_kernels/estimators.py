@@ -41,7 +41,7 @@ import torch
 
 from . import bias as _bias
 from . import nuclear_dof as _nuclear_dof
-from ._validation import check_int
+from ._validation import SIGNALS, check_int, check_signal
 from .ops import eager_variance_sums
 from .spectral import smaller_side
 
@@ -58,7 +58,6 @@ __all__ = [
 ]
 
 GEOMETRIES = ("l2", "l1", "nuclear")
-SIGNALS = ("raw", "debiased")  # signal= of gk.estimate, the hook states and the controller
 CBS_RULES = ("fraction", "inflection", "efficiency")  # the rules of critical_batch_size
 
 
@@ -106,13 +105,6 @@ class GNSEstimate:
         if not self.valid or not self.signal_unbiased > 0:
             return math.nan
         return self.noise / self.signal_unbiased
-
-
-def check_signal(signal) -> str:
-    """signal= of gk.estimate, the hook states and the controller: 'raw' or 'debiased'."""
-    if not isinstance(signal, str) or signal not in SIGNALS:
-        raise ValueError(f"signal: expected 'raw' (the paper's signal) or 'debiased', got {signal!r}")
-    return signal
 
 
 def _check_geometry(geometry: str) -> str:

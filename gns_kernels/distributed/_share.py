@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import spectral
+from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
@@ -185,8 +186,7 @@ class SolveShare:
                  dof: str = "columns", signal: str = "raw"):
         if dof not in ("columns", "gauss-sums"):
             raise ValueError(f"dof: expected 'columns' or 'gauss-sums', got {dof!r}")
-        if signal not in ("raw", "debiased"):
-            raise ValueError(f"signal: expected 'raw' or 'debiased', got {signal!r}")
+        check_signal(signal)
         self.gauss = bool(bias_correction) and dof == "gauss-sums"
         self.dof = dof if bias_correction else None
         self.signal = signal

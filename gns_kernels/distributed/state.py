@@ -41,7 +41,8 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from ..bias import resolve_nuclear_dof
-from ..estimators import GEOMETRIES, check_signal
+from .._validation import check_signal
+from ..estimators import GEOMETRIES
 from ..spectral.hints import EigHints
 
 Tensor = torch.Tensor

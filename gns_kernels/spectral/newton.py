@@ -94,25 +94,31 @@ def scaled_schedule(lo: float) -> tuple[float, ...]:
     choice (both ends of [l_k, 1] map to the same value); for 1 < a <= sqrt(3) the map
     sends [l_k, 1] into [l_{k+1}, 1] (its maximum 1 is at s = 1 / a). a_k -> 1 as
     l_k -> 1. Host floats only."""
+    return _scaled_steps(lo)[0]
+
+
+def _scaled_steps(lo: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(a_0, a_1, ...) of ``scaled_schedule(lo)`` and the lower bounds (l_0, l_1, ..., l_K)
+    before each step and after the last (K = number of scaled steps)."""
     lo = float(lo)
     if not 0.0 < lo <= 1.0:
         raise ValueError(f"lo: expected a lower bound in (0, 1], got {lo!r}")
-    out: list[float] = []
-    while len(out) < NEWTON_MAX_ITERS:
+    alphas: list[float] = []
+    lows = [lo]
+    while len(alphas) < NEWTON_MAX_ITERS:
         a = min(math.sqrt(3.0 / (1.0 + lo + lo * lo)), SCALE_CAP)
         if a <= 1.0 + _SCALED_UNTIL:
             break
-        out.append(a)
+        alphas.append(a)
         lo = min(0.5 * a * lo * (3.0 - a * a * lo * lo), 0.5 * a * (3.0 - a * a))
-    return tuple(out)
+        lows.append(lo)
+    return tuple(alphas), tuple(lows)
 
 
 def _sign_steps_to_converge(lo: float, power: int) -> int:
     """Steps of the scaled-then-plain sign map that take s = lo to 1 - s^power <= 1e-7."""
-    s, k = lo, 0
-    for a in scaled_schedule(lo):
-        s = min(0.5 * a * s * (3.0 - a * a * s * s), 0.5 * a * (3.0 - a * a))
-        k += 1
+    alphas, lows = _scaled_steps(lo)
+    s, k = lows[-1], len(alphas)
     while 1.0 - s ** power > _CONVERGED and k < NEWTON_MAX_ITERS:
         s = 0.5 * s * (3.0 - s * s)
         k += 1
@@ -224,14 +230,10 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
     c = c * top.double()
     Y = x + e * eye
     Z = eye.clone()
-    lo = math.sqrt(eps / 2.0)
-    sched = scaled_schedule(lo)
+    sched, lows = _scaled_steps(math.sqrt(eps / 2.0))
     # residual bounds of the scaled steps: every eigenvalue p of Z Y in [l_k^2, 1] gives
     # ||Z Y - I||_F <= sqrt(m) (1 - l_k^2); 1e-3 absolute slack for rounding and lag
-    bounds = []
-    for a in sched:
-        bounds.append(math.sqrt(m) * (1.0 - lo * lo + _BOUND_SLACK))
-        lo = min(0.5 * a * lo * (3.0 - a * a * lo * lo), 0.5 * a * (3.0 - a * a))
+    bounds = [math.sqrt(m) * (1.0 - lo * lo + _BOUND_SLACK) for lo in lows[:len(sched)]]
     rmin = torch.full_like(e, float("inf"))
     active = torch.ones_like(e, dtype=torch.bool)  # not frozen
     scaled = torch.ones_like(e, dtype=torch.bool)  # still taking the scaled steps

@@ -33,6 +33,7 @@ from .grams import grams_on_sides
 from .hints import EigHints
 from .newton import check_newton_args
 from .trace import resolve_method
+from .._validation import check_signal
 
 Tensor = torch.Tensor
 
@@ -54,9 +55,7 @@ def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -
 
 def _debias(signal: str, scale: float, batch_size) -> float | None:
     """c = scale / B for signal='debiased' (the signal matrix G G^T - C / B), else None."""
-    if signal not in ("raw", "debiased"):
-        raise ValueError(f"signal: expected 'raw' or 'debiased', got {signal!r}")
-    if signal == "raw":
+    if check_signal(signal) == "raw":
         return None
     try:
         B = float(batch_size)
