@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--lr", type=float, default=None, help="main learning rate (None: per optimizer)")
     o.add_argument("--adam-lr", type=float, default=d.adam_lr, help="AdamW part of muon/specsgd")
     o.add_argument("--lr-warmup", type=float, default=d.lr_warmup, help="warm-up fraction of the budget")
+    o.add_argument("--lr-min", type=float, default=d.lr_min_ratio,
+                   help="the cosine's final LR as a fraction of the peak (0: decay to zero)")
     o.add_argument("--dim", type=int, default=d.dim, help="model width")
     o.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
     o.add_argument("--heads", type=int, default=d.heads, help="attention heads")
@@ -103,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         samples=(args.samples if args.samples is not None
                  else COMPARE_SAMPLES if getattr(args, "compare", False) else DemoConfig.samples),
         steps=args.steps, lr=args.lr,
-        adam_lr=args.adam_lr, lr_warmup=args.lr_warmup, seed=args.seed, dim=args.dim,
+        adam_lr=args.adam_lr, lr_warmup=args.lr_warmup, lr_min_ratio=args.lr_min, seed=args.seed, dim=args.dim,
         layers=args.layers, heads=args.heads, mlp=args.mlp, context=args.context,
         corpus=args.corpus, eval_every=args.eval_every, val_windows=args.val_windows,
         checkpoint_every=args.checkpoint_every, out=args.out or "", quiet=args.quiet,

@@ -197,7 +197,7 @@ def validate(cfg: DemoConfig, world: int | None = None) -> None:
     _finite_positive("--timeout", cfg.timeout)
     _finite_positive("lr_scale", cfg.lr_scale)
     if not (math.isfinite(cfg.lr_min_ratio) and 0.0 <= cfg.lr_min_ratio <= 1.0):
-        raise DemoError(f"lr_min_ratio must be in [0, 1], got {cfg.lr_min_ratio}")
+        raise DemoError(f"--lr-min (lr_min_ratio) must be in [0, 1], got {cfg.lr_min_ratio}")
     if cfg.dim % cfg.heads or (cfg.dim // cfg.heads) % 2:
         raise DemoError(f"--dim {cfg.dim} must split into --heads {cfg.heads} heads of even size")
     ranks = cfg.ranks if world is None else world

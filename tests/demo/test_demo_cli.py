@@ -42,6 +42,9 @@ def tiny_corpus(tmp_path):
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
     (["--lr-warmup", "nan"], "--lr-warmup must be in [0, 1), got nan"),
+    (["--lr-min", "1.5"], "--lr-min (lr_min_ratio) must be in [0, 1], got 1.5"),
+    (["--lr-min", "-0.1"], "--lr-min (lr_min_ratio) must be in [0, 1], got -0.1"),
+    (["--lr-min", "nan"], "--lr-min (lr_min_ratio) must be in [0, 1], got nan"),
     (["--theta", "nan"], "--theta must be > 0, got nan"),
     (["--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
     (["--timeout", "inf"], "--timeout must be a finite number > 0, got inf"),
@@ -315,3 +318,14 @@ def test_disk_full_in_a_rank_exits_2_with_one_line(tiny_corpus, monkeypatch, cap
                                    "checkpoint.pt (the previous checkpoint, if any, is kept; free "
                                    "space and --resume)")
     assert not os.path.exists(out / "checkpoint.pt.tmp") and not os.path.exists(out / "checkpoint.pt")
+
+
+def test_lr_min_reaches_the_config():
+    import argparse
+
+    from gns_kernels.demo.args import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args([])).lr_min_ratio == DemoConfig.lr_min_ratio == 0.1
+    assert config_from_args(p.parse_args(["--lr-min", "0"])).lr_min_ratio == 0.0
