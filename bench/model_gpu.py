@@ -10,8 +10,10 @@ Terms of the nuclear measurement (per rank, per measurement):
 - pack: copy the bucket gradients into the float32 pack and the local Grams after them
   (HBM bandwidth: read + write).
 - grams: the local Grams (G^j - S)(G^j - S)^T of every matrix on its smaller side m
-  (2 m^2 n FLOPs, n the larger side), and after the all-reduce the Gram of the mean
-  gradient G G^T (another 2 m^2 n), plus C = scale (mean Gram - G G^T) (m^2 elementwise).
+  (2 m^2 n FLOPs, n the larger side, written once: 4 m^2 bytes), and after the all-reduce,
+  only for the matrices whose two solves this rank owns (1/R of them), the Gram of the
+  mean gradient G G^T (another 2 m^2 n) and C = scale (mean Gram - G G^T) (m^2
+  elementwise: read 2 Grams, write 1).
 - collective: the EXTRA bytes of the all-reduce over plain DDP's gradient all-reduce (the
   Grams, float32; plus the float32 widening of a bf16 gradient) with a ring all-reduce
   time  bytes * 2 (R - 1) / R / bus_bw  + latency, and one small collective that shares
@@ -149,9 +151,13 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     # pack: read gradients (bucket dtype) + write float32; copy Grams in (read + write)
     t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
     t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
-    # Grams: local and mean, plus C (read 2 Grams, write 1)
-    t.flops["grams"] = 2 * sum(gram_flops(a, b) for a, b in shapes)
-    t.bytes["grams"] = gram_elems * 12
+    # Grams: the local ones of every matrix; the mean gradient's Gram and C (read 2 Grams,
+    # write 1) only on the rank that owns the matrix's two solves: 1/R of them, balanced
+    # like the solves (at least the largest matrix)
+    local = sum(gram_flops(a, b) for a, b in shapes)
+    own = (max(local / ranks, max(gram_flops(a, b) for a, b in shapes)) if ranks > 1 else local)
+    t.flops["grams"] = int(local + own)
+    t.bytes["grams"] = gram_elems * 4 + (gram_elems * 12 / ranks if ranks > 1 else gram_elems * 12)
     t.seconds["grams"] = (t.flops["grams"] / hw.matmul_rate(s.gram_precision)
                           + t.bytes["grams"] / hw.copy_rate())
     # collective: the extra bytes over plain DDP (Grams; float32 widening of the gradients),

@@ -48,14 +48,14 @@ def test_nuclear_step_one_matrix_one_rank():
     t = mg.nuclear_step([(2, 3)], 1, HW, S)
     # pack: 6 float32 gradients read and written (6 * 8) + the 2x2 Gram copied (4 * 8)
     assert t.bytes["pack"] == 80 and t.seconds["pack"] == pytest.approx(80)
-    # Grams: local + mean = 2 * 24 FLOPs, plus C: 4 elements x 12 bytes
-    assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(48 + 48)
+    # Grams: local + mean = 2 * 24 FLOPs; the local Gram written (4 x 4 bytes) and C (4 x 12)
+    assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(48 + 64)
     # no collective on one rank; two solves of m = 2; bias: 1 fp32 matmul (16 FLOPs at 1/s)
     # and 2 fp64 matmuls (32 FLOPs at 0.5/s) for the noise matrix; no dof Gram below R = 3
     assert t.seconds["collective"] == 0.0
     assert t.flops["solves"] == 2 * 112 and t.flops["bias"] == 48
     assert t.seconds["bias"] == pytest.approx(16 + 64) and t.seconds["dof"] == 0.0
-    assert t.total_s == pytest.approx(80 + 96 + 224 + 80)
+    assert t.total_s == pytest.approx(80 + 112 + 224 + 80)
     assert t.host_syncs == 1
 
 
@@ -68,6 +68,10 @@ def test_nuclear_step_ranks_share_the_solves():
     # the extra collective: the Grams (16 + 4 elements, float32), ring factor 2 (R-1)/R
     t = mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S)
     assert t.bytes["collective"] == 80
+    # Grams: every local one (128 + 16 FLOPs), the mean-gradient Grams of the owned
+    # matrices: half of them, but at least the largest (128)
+    assert t.flops["grams"] == 144 + 128
+    assert mg.nuclear_step([(4, 4)] * 4, 2, HW, S).flops["grams"] == 4 * 128 + 2 * 128
     assert t.seconds["collective"] == pytest.approx(80 * 1 / 1000)
 
 

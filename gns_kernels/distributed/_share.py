@@ -5,9 +5,11 @@ sqrt-traces (noise tr(C_l^{1/2}) and signal ||G_l||_S1 per matrix l) on every ra
 the work R times. Instead each rank solves its share and one small all-reduce shares the
 results:
 
-- assignment: every solve costs k^3 (k the side of its k x k eigenproblem). The solves
-  of a bucket (DDP) or param group (FSDP2) are sorted by (cost descending, position) and
-  each goes to the rank with the smallest running load (ties: the lowest rank); the loads
+- assignment: a matrix's two solves (noise and signal, each a k x k eigenproblem, k its
+  Gram side) cost 2 k^3 and go to the same rank, which then forms the Gram of the mean
+  gradient both read once (no other rank forms it). The matrices of a bucket (DDP) or
+  param group (FSDP2) are sorted by (cost descending, position) and each goes to the rank
+  with the smallest running load (ties: the lowest rank); the loads
   carry over from one bucket to the next (greedy longest-processing-time). Every rank sees
   the same buckets in the same order, so every rank computes the same assignment without
   communicating.
@@ -53,6 +55,7 @@ from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
+from ._stats import all_finite
 
 Tensor = torch.Tensor
 
@@ -70,13 +73,6 @@ def assign_solves(costs: Sequence[int], loads: list) -> list[int]:
         owners[i] = r
         loads[r] += costs[i]
     return owners
-
-
-def _finite(tensors: Sequence[Tensor], device) -> Tensor:
-    """0-d bool tensor: every element of every tensor is finite (no host read)."""
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def share_rows(signal_debiased: bool = False, gauss_sums: bool = False) -> dict:
@@ -127,7 +123,7 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
         return out
     res = solve((list(owned_n), list(owned_s)))
     noise, signal, used = res[0], res[1], res[2]
-    ok = _finite(inputs, device)
+    ok = all_finite(inputs, device)
     nan_like = lambda v: torch.full_like(v, float("nan"))  # noqa: E731
     vals = torch.stack([noise, signal]).to(device=device, dtype=torch.float64)
     if "pair" in rows:  # the float64 raw trace of the owned noise matrices
@@ -210,11 +206,12 @@ class SolveShare:
 
     # ----------------------------------------------------------- assignment
     def _owners(self, ks: Sequence[int]) -> tuple[list, list]:
-        """(owned_n, owned_s) of this rank for matrices with Gram sides ks."""
-        cost = [int(k) ** 3 for k in ks]
-        owners = assign_solves(cost + cost, self.loads)
-        L = len(ks)
-        return ([o == self.rank for o in owners[:L]], [o == self.rank for o in owners[L:]])
+        """(owned_n, owned_s) of this rank for matrices with Gram sides ks: a matrix's noise
+        and signal solves go to the same rank (cost 2 k^3), so the Gram of its mean gradient
+        (which both read) is formed on that rank only."""
+        owners = assign_solves([2 * int(k) ** 3 for k in ks], self.loads)
+        mine = [o == self.rank for o in owners]
+        return mine, list(mine)
 
     def _run(self, fn: Callable[[], Tensor], like: Tensor, inputs: Sequence[Tensor]) -> None:
         """Run fn (the part's solve) on a side stream on CUDA, inline elsewhere."""

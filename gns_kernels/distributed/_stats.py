@@ -17,6 +17,18 @@ from .. import spectral
 Tensor = torch.Tensor
 
 
+def all_finite(tensors: Sequence[Tensor], device) -> Tensor:
+    """0-d bool tensor on `device`: every element of every tensor is finite (no host read).
+
+    One read of each tensor and no tensor-sized temporary: the min and max of a tensor are
+    finite exactly when every element is (aminmax propagates NaN; an inf is the max or the
+    min). Empty tensors count as finite."""
+    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack([f.to(device) for f in flags]).all()
+
+
 def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],
                            shifts: Sequence[Optional[Tensor]], scale: float,
                            batch_size: float) -> Tensor:
@@ -51,7 +63,7 @@ def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tens
     if L == 0:
         return nan, nan
     # validity stays on the device (no host read): non-finite inputs -> nan statistics
-    finite = torch.stack([torch.isfinite(t).all() for t in list(mean_grams) + list(mean_grads)]).all()
+    finite = all_finite(list(mean_grams) + list(mean_grads), dev)
     try:
         noise, signal = spectral.nuclear_stats(
             list(mean_grams), list(mean_grads), scale=scale, shifts=shifts,

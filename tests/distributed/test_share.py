@@ -93,3 +93,38 @@ def test_shares_sum_to_the_full_solve(world, bias_correction, shift, gen):
         sh.read()
         h.apply()
         assert h.state_dict() == hints.state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_a_matrix_noise_and_signal_go_to_one_rank(world):
+    """Both solves of a matrix read the Gram of its mean gradient: they are owned by the
+    same rank, so that Gram is formed once over all ranks; the matrices still split evenly."""
+    ks = [min(s) for s in SHAPES_160M] * 12
+    shares = [SolveShare(world, r, 1.0, True, world, 8.0) for r in range(world)]
+    owned = [sh._owners(ks) for sh in shares]
+    for own_n, own_s in owned:
+        assert own_n == own_s
+    # every matrix has exactly one owner, and the owners' matrix counts differ by at most 1
+    counts = [sum(own_n) for own_n, _ in owned]
+    assert [sum(o[0][l] for o in owned) for l in range(len(ks))] == [1] * len(ks)
+    assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_flag_sees_every_nan_and_inf(dtype):
+    from gns_kernels.distributed._stats import all_finite as _finite
+
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(37, 53, generator=g).to(dtype), torch.randn(11, generator=g).to(dtype)]
+    assert bool(_finite(ts, "cpu")) and bool(_finite([], "cpu"))
+    assert bool(_finite(ts + [torch.empty(0, 3, dtype=dtype)], "cpu"))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in ((0, 0), (36, 52), (17, 29)):
+            t = ts[0].clone()
+            t[pos] = bad
+            assert not bool(_finite([ts[1], t], "cpu")), (bad, pos)
+    # a tensor of all NaN but one finite value, and a huge finite one, are told apart
+    t = torch.full((9,), float("nan"), dtype=dtype)
+    t[4] = 1.0
+    assert not bool(_finite([t], "cpu"))
+    assert bool(_finite([torch.full((5,), torch.finfo(dtype).max, dtype=dtype)], "cpu"))

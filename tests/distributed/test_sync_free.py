@@ -203,10 +203,10 @@ def test_cuda_hook_measurement_has_no_host_sync(geometry):
             # C_l = mean Gram - D D^T = I (k_l x k_l): noise_l = k_l; signal_l = ||G_l||_S1;
             # rank 0 holds the sum of its own share (the other rank's entries are 0)
             ks = [min(g.shape) for g in grads]
-            owners = assign_solves([k ** 3 for k in ks] * 2, [0, 0])
-            want_n = sum(k for k, o in zip(ks, owners[:2]) if o == 0)
+            owners = assign_solves([2 * k ** 3 for k in ks], [0, 0])  # noise + signal together
+            want_n = sum(k for k, o in zip(ks, owners) if o == 0)
             want_s = sum(float(torch.linalg.svdvals(g.double()).sum())
-                         for g, o in zip(grads, owners[2:]) if o == 0)
+                         for g, o in zip(grads, owners) if o == 0)
             assert abs(noise - want_n) <= 1e-3 * max(want_n, 1)
             assert abs(signal - want_s) <= 1e-3 * max(want_s, 1)
         finally:
