@@ -40,6 +40,7 @@ from .plots import finish_figure
 #   flattens long before the budget ends (capacity-limited, as the protocol asks), and a
 #   step is cheap enough for ~20 runs on 2 cores;
 # - val_windows 512 every 100 steps: 32768 validation bytes, the same windows for every run;
+# - lr_min_ratio 0: the cosine decays to zero (the paper's "learning rate min fraction 0.0");
 # - bias_correction False: the paper's estimator (no c4(R) correction of the l1 / nuclear
 #   noise), which theta 0.6 / 0.3 were chosen for; the corrected noise at R = 2 is
 #   1/c4(2)^2 = pi/2 times larger, so the same theta would ask for batches about 1.57x the
@@ -48,16 +49,31 @@ PRESETS: dict[str, dict] = {
     "paper-cpu": dict(ranks=1, micro_batches=2, dim=32, layers=1, heads=2, mlp=96, context=64,
                       samples=200000, eval_every=100, val_windows=512, every=5,
                       max_batch_size=512, max_local_batch=64, checkpoint_every=100000,
-                      bias_correction=False),
+                      bias_correction=False, lr_min_ratio=0.0),
 }
 
 
 @dataclass(frozen=True)
 class Protocol:
-    """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grid."""
+    """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grid, and
+    the peak learning rates searched per optimizer.
+
+    lrs: ((optimizer, (lr, ...)), ...); an optimizer not listed (or listed with ()) runs at
+    its default LR only. With several LRs the constant grid runs every (B, lr) pair and
+    each adaptive kind (l2, geometry-matched) runs every lr on the first seed; each keeps
+    the LR with the lowest final validation loss there (the paper tunes the LR of every
+    method from a grid, its Table "hyperparameter search space")."""
     optimizers: tuple = ("signum", "muon")
     seeds: tuple = (0, 1, 2)
     grid: tuple = (16, 32, 64)
+    lrs: tuple = (("signum", (1e-3, 2e-3, 4e-3)), ("muon", (0.005, 0.01, 0.02)))
+
+    def lrs_for(self, optimizer: str) -> tuple:
+        """The LRs searched for `optimizer`: (None,) (its default) when none are listed."""
+        for name, values in self.lrs:
+            if name == optimizer and values:
+                return tuple(float(v) for v in values)
+        return (None,)
 
 
 PROTOCOLS = {"paper-cpu": Protocol()}
@@ -176,6 +192,12 @@ def paper_table(per_opt: dict[str, dict]) -> str:
                      + f"{_fmt_pct(red['euclidean']):>23}{_fmt_pct(red['adaptive']):>30}")
     lines.append("")
     lines.append("losses: median over seeds [min, max]; steps reduction: median over seeds")
+    for opt, d in per_opt.items():
+        if d.get("lr"):
+            lr = d["lr"]
+            lines.append(f"peak LR, {opt}: constant {_fmt_lr(lr.get('baseline'))}, l2 "
+                         f"{_fmt_lr(lr.get('euclidean'))}, {d.get('geometry', 'geom')} "
+                         f"{_fmt_lr(lr.get('adaptive'))}")
     lines.append("")
     lines.append(f"{'optimizer':<10}{'seed':>5}{'target':>9}{'base steps':>11}"
                  + "".join(f"{'  ' + n + ' steps/total/final/red%':>38}" for n in ("l2", "geom")))
@@ -204,13 +226,34 @@ def paper_table(per_opt: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def grid_table(grid: dict[str, dict[int, dict]]) -> str:
-    """The B_0 grid: final and best validation loss, steps and seconds per optimizer and B."""
-    lines = [f"{'optimizer':<10}{'B':>6}{'final val':>11}{'best val':>10}{'steps':>7}{'seconds':>9}"]
+def _lr_tag(lr: float | None) -> str:
+    """Run-folder suffix of a searched LR ('' for the optimizer's default)."""
+    return "" if lr is None else f"_lr{lr:g}"
+
+
+def _fmt_lr(lr: float | None) -> str:
+    return "default" if lr is None else f"{lr:g}"
+
+
+def grid_table(grid: dict[str, list]) -> str:
+    """The B_0 grid: final and best validation loss, steps and seconds per optimizer, B and
+    peak LR. grid[optimizer] = [(B, lr or None, summary), ...]."""
+    lines = [f"{'optimizer':<10}{'B':>6}{'lr':>9}{'final val':>11}{'best val':>10}{'steps':>7}{'seconds':>9}"]
     for opt, runs in grid.items():
-        for B, r in sorted(runs.items()):
-            lines.append(f"{opt:<10}{B:>6}{r['final_val_loss']:>11.4f}{r['best_val_loss']:>10.4f}"
-                         f"{r['steps']:>7}{r['elapsed_s']:>9.0f}")
+        for B, lr, r in sorted(runs, key=lambda t: (t[0], t[1] or 0.0)):
+            lines.append(f"{opt:<10}{B:>6}{_fmt_lr(lr):>9}{r['final_val_loss']:>11.4f}"
+                         f"{r['best_val_loss']:>10.4f}{r['steps']:>7}{r['elapsed_s']:>9.0f}")
+    return "\n".join(lines)
+
+
+def lr_table(tuning: dict[str, list]) -> str:
+    """The adaptive runs' LR search on the first seed. tuning[optimizer] = [(kind label, lr,
+    summary), ...]."""
+    lines = [f"{'optimizer':<10}{'run':<28}{'lr':>9}{'final val':>11}{'steps':>7}{'final B':>9}{'seconds':>9}"]
+    for opt, runs in tuning.items():
+        for label, lr, r in runs:
+            lines.append(f"{opt:<10}{label:<28}{_fmt_lr(lr):>9}{r['final_val_loss']:>11.4f}"
+                         f"{r['steps']:>7}{r['final_batch_size']:>9}{r['elapsed_s']:>9.0f}")
     return "\n".join(lines)
 
 
@@ -250,20 +293,25 @@ def _run(rc: DemoConfig, log) -> tuple[dict, dict]:
     return done, read_metrics(os.path.join(rc.out, "metrics.csv"))
 
 
-def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str) -> dict:
+def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str,
+                 lrs: dict | None = None) -> dict:
     """The three runs of one seed: {"baseline", "euclidean", "adaptive"} -> DemoConfig with
-    its run folder under `folder` (the baseline of grid_seed is the grid's run at B0)."""
+    its run folder under `folder` (the baseline of grid_seed is the grid's run at B0).
+    lrs: kind -> peak LR (None or missing: the optimizer's default)."""
+    lrs = lrs or {}
     geom = base_cfg.resolved_geometry()
-    base_out = f"grid_B{B0}" if seed == grid_seed else f"const_B{B0}_seed{seed}"
+    lb, le, la = (lrs.get(k) for k in ("baseline", "euclidean", "adaptive"))
+    base_out = (f"grid_B{B0}{_lr_tag(lb)}" if seed == grid_seed
+                else f"const_B{B0}{_lr_tag(lb)}_seed{seed}")
     return {
-        "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed,
+        "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed, lr=lb,
                             label=f"B={B0}", multiple_of=None, out=os.path.join(folder, base_out)),
-        "euclidean": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+        "euclidean": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed, lr=le,
                              geometry="l2", label="Euclidean GNS (l2)",
-                             out=os.path.join(folder, f"l2_seed{seed}")),
-        "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed,
+                             out=os.path.join(folder, f"l2{_lr_tag(le)}_seed{seed}")),
+        "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed, lr=la,
                             label=f"Non-Euclidean GNS ({geom})",
-                            out=os.path.join(folder, f"{geom}_seed{seed}")),
+                            out=os.path.join(folder, f"{geom}{_lr_tag(la)}_seed{seed}")),
     }
 
 
@@ -297,21 +345,46 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
     per_opt, grid_res, curves = {}, {}, {}
     base_cfgs = {opt: replace(cfg, optimizer=opt, geometry=None, theta=None, lr=None)
                  for opt in protocol.optimizers}
-    # 1. grid of constant batches, first seed
-    grid_rcs = [(opt, B, replace(base_cfgs[opt], adaptive=False, initial_batch_size=B,
-                                 seed=protocol.seeds[0], label=f"B={B}", multiple_of=None,
-                                 out=os.path.join(top, opt, f"grid_B{B}")))
-                for opt in protocol.optimizers for B in protocol.grid]
-    done = _run_all([rc for _, _, rc in grid_rcs], log, jobs)
-    for (opt, B, _), (summary, _) in zip(grid_rcs, done):
-        grid_res.setdefault(opt, {})[B] = summary
-    B0s = {}
+    lrs = {opt: protocol.lrs_for(opt) for opt in protocol.optimizers}
+    first = protocol.seeds[0]
+    # 1. grid of constant batches x peak LRs, first seed
+    grid_rcs = [(opt, B, lr, replace(base_cfgs[opt], adaptive=False, initial_batch_size=B, lr=lr,
+                                     seed=first, label=f"B={B}", multiple_of=None,
+                                     out=os.path.join(top, opt, f"grid_B{B}{_lr_tag(lr)}")))
+                for opt in protocol.optimizers for B in protocol.grid for lr in lrs[opt]]
+    done = _run_all([rc for *_, rc in grid_rcs], log, jobs)
+    for (opt, B, lr, _), (summary, _) in zip(grid_rcs, done):
+        grid_res.setdefault(opt, []).append((B, lr, summary))
+    B0s, tuned = {}, {}
     for opt in protocol.optimizers:
-        B0s[opt] = min(protocol.grid, key=lambda b: (grid_res[opt][b]["final_val_loss"], b))
-        log(f"{opt}: B_0 = {B0s[opt]} (lowest final validation loss of the grid)")
-    # 2. baseline, l2 and geometry-matched adaptive runs per seed
-    seed_runs = {(opt, seed): seed_configs(base_cfgs[opt], B0s[opt], seed, protocol.seeds[0],
-                                           os.path.join(top, opt))
+        B0, lr0, _ = min(grid_res[opt], key=lambda t: (t[2]["final_val_loss"], t[0], t[1] or 0.0))
+        B0s[opt] = B0
+        tuned[opt] = {"baseline": lr0, "euclidean": lr0, "adaptive": lr0}
+        log(f"{opt}: B_0 = {B0}, lr {_fmt_lr(lr0)} (lowest final validation loss of the grid)")
+    # 2. the adaptive runs' LR search, first seed (only where several LRs are listed)
+    tune_rcs = []
+    for opt in protocol.optimizers:
+        if len(lrs[opt]) < 2:
+            continue
+        for lr in lrs[opt]:
+            cf = seed_configs(base_cfgs[opt], B0s[opt], first, first, os.path.join(top, opt),
+                              {"baseline": tuned[opt]["baseline"], "euclidean": lr, "adaptive": lr})
+            tune_rcs += [(opt, k, lr, cf[k]) for k in ("euclidean", "adaptive")]
+    done = _run_all([rc for *_, rc in tune_rcs], log, jobs)
+    tuning = {}
+    for (opt, k, lr, rc), (summary, _) in zip(tune_rcs, done):
+        tuning.setdefault(opt, []).append((rc.label, lr, summary))
+    for opt in tuning:
+        for k in ("euclidean", "adaptive"):
+            runs = [(lr, summ) for (o, kk, lr, _), (summ, _) in zip(tune_rcs, done)
+                    if o == opt and kk == k]
+            tuned[opt][k] = min(runs, key=lambda t: (t[1]["final_val_loss"], t[0]))[0]
+        log(f"{opt}: lr l2 {_fmt_lr(tuned[opt]['euclidean'])}, "
+            f"{base_cfgs[opt].resolved_geometry()} {_fmt_lr(tuned[opt]['adaptive'])} "
+            f"(lowest final validation loss of the first seed)")
+    # 3. baseline, l2 and geometry-matched adaptive runs per seed
+    seed_runs = {(opt, seed): seed_configs(base_cfgs[opt], B0s[opt], seed, first,
+                                           os.path.join(top, opt), tuned[opt])
                  for opt in protocol.optimizers for seed in protocol.seeds}
     order = [(key, k) for key, runs in seed_runs.items() for k in runs]
     order.sort(key=lambda item: item[1] != "baseline")  # the longest runs (constant B_0) first
@@ -331,14 +404,20 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
             seed_mets.append(mets)
         add_closeness(seeds, seed_mets)
         per_opt[opt] = {"B0": B0, "seeds": seeds, "seeds_used": list(protocol.seeds),
-                        "geometry": geom}
+                        "geometry": geom, "lr": dict(tuned[opt])}
     table = paper_table(per_opt)
     gtable = grid_table(grid_res)
+    ltable = lr_table(tuning) if tuning else ""
     with open(os.path.join(top, "paper.txt"), "w") as fh:
-        fh.write(table + "\n\nB_0 grid (seed %d):\n" % protocol.seeds[0] + gtable + "\n")
+        fh.write(table + "\n\nB_0 grid (seed %d):\n" % first + gtable + "\n")
+        if ltable:
+            fh.write("\nadaptive runs' LR search (seed %d):\n" % first + ltable + "\n")
     with open(os.path.join(top, "paper.json"), "w") as fh:
-        json.dump({"per_optimizer": per_opt, "grid": {o: {str(b): r for b, r in g.items()}
-                                                      for o, g in grid_res.items()},
+        json.dump({"per_optimizer": per_opt,
+                   "grid": {o: [{"B": b, "lr": lr, **r} for b, lr, r in g]
+                            for o, g in grid_res.items()},
+                   "lr_search": {o: [{"run": lab, "lr": lr, **r} for lab, lr, r in g]
+                                 for o, g in tuning.items()},
                    "config": asdict(cfg), "protocol": asdict(protocol)}, fh, indent=1)
     plots = []
     if plots_available():
@@ -350,6 +429,8 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
             plots.append(path)
     log(table)
     log("\nB_0 grid:\n" + gtable)
+    if ltable:
+        log("\nadaptive runs' LR search:\n" + ltable)
     log(f"protocol folder: {top} (paper.txt, paper.json, {', '.join(os.path.basename(p) for p in plots)}) "
         f"in {time.time() - t0:.0f}s")
     return {"table": table, "grid_table": gtable, "per_optimizer": per_opt, "plots": plots}

@@ -172,40 +172,57 @@ def _read(path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
-    # one optimizer, one seed, a 2-batch grid and 160 sequences: 4 launches
+    # one optimizer, one seed, a 2-batch x 2-LR grid, the adaptive LR search over the same 2
+    # LRs and 160 sequences: 8 launches
     cfg = apply_preset(DemoConfig(), "paper-cpu")
     cfg = DemoConfig(**{**cfg.__dict__, "dim": 16, "layers": 1, "heads": 2, "mlp": 32,
                         "context": 16, "samples": 160, "val_windows": 8, "eval_every": 2,
                         "every": 2, "warmup": 2, "corpus": small_corpus, "quiet": True})
+    proto = Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16),
+                     lrs=(("signum", (1e-3, 4e-3)),))
     # two runs at a time (the final table's set-up); the arithmetic below does not depend on it
-    res = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
-                    str(tmp_path / "p"), log=lambda m: None, jobs=2)
+    res = run_paper(cfg, proto, str(tmp_path / "p"), log=lambda m: None, jobs=2)
     d = res["per_optimizer"]["signum"]
     top = tmp_path / "p" / "signum"
     finals = {}
     for B in (8, 16):
-        steps, vals = _read(top / f"grid_B{B}" / "metrics.csv")
-        finals[B] = [v for v in vals if v is not None][-1]
-    assert d["B0"] == min((8, 16), key=lambda b: (round(finals[b], 6), b))
-    steps, vals = _read(top / f"grid_B{d['B0']}" / "metrics.csv")
+        for lr in ("0.001", "0.004"):
+            steps, vals = _read(top / f"grid_B{B}_lr{lr}" / "metrics.csv")
+            finals[(B, lr)] = [v for v in vals if v is not None][-1]
+    best = min(finals, key=lambda k: (round(finals[k], 6), k[0], float(k[1])))
+    assert (d["B0"], d["lr"]["baseline"]) == (best[0], float(best[1]))
+    steps, vals = _read(top / f"grid_B{best[0]}_lr{best[1]}" / "metrics.csv")
     logged = [(s, v) for s, v in zip(steps, vals) if v is not None]
     target = min(v for _, v in logged)
     base = next(s for s, v in logged if v <= target) + 1
     s = d["seeds"][0]
     assert s["target"] == pytest.approx(target) and s["base_steps"] == base
-    for kind, folder in (("euclidean", "l2_seed3"), ("adaptive", "l1_seed3")):
-        steps, vals = _read(top / folder / "metrics.csv")
+    for kind, geom in (("euclidean", "l2"), ("adaptive", "l1")):
+        tuned = {}
+        for lr in ("0.001", "0.004"):   # the LR search: the lower final loss wins
+            _, vals = _read(top / f"{geom}_lr{lr}_seed3" / "metrics.csv")
+            tuned[lr] = [v for v in vals if v is not None][-1]
+        lr = min(tuned, key=lambda k: (round(tuned[k], 6), float(k)))
+        assert d["lr"][kind] == float(lr)
+        steps, vals = _read(top / f"{geom}_lr{lr}_seed3" / "metrics.csv")
         reach = next((st + 1 for st, v in zip(steps, vals) if v is not None and v <= target), None)
         assert s[kind]["steps"] == reach
         want = None if reach is None else 100.0 * (base - reach) / base
         assert s[kind]["reduction"] == (None if want is None else pytest.approx(want))
-    assert os.path.exists(tmp_path / "p" / "paper.txt")
+    with open(tmp_path / "p" / "paper.txt") as fh:
+        text = fh.read()
+    assert "adaptive runs' LR search" in text and "peak LR, signum" in text
     with open(tmp_path / "p" / "paper_signum.png", "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     # a second call reuses every finished run (same table, no new launch)
-    again = run_paper(cfg, Protocol(optimizers=("signum",), seeds=(3,), grid=(8, 16)),
-                      str(tmp_path / "p"), log=lambda m: None)
+    again = run_paper(cfg, proto, str(tmp_path / "p"), log=lambda m: None)
     assert again["table"] == res["table"]
+
+
+def test_protocol_lrs_for():
+    p = Protocol(lrs=(("signum", (1e-3, 2e-3)), ("muon", ())))
+    assert p.lrs_for("signum") == (1e-3, 2e-3)
+    assert p.lrs_for("muon") == (None,) and p.lrs_for("adamw") == (None,)
 
 
 def test_plot_paper_writes_a_png_with_four_panels(tmp_path):
