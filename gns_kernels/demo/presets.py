@@ -65,8 +65,8 @@ class Protocol:
     method from a grid, its Table "hyperparameter search space")."""
     optimizers: tuple = ("signum", "muon")
     seeds: tuple = (0, 1, 2)
-    grid: tuple = (16, 32, 64)
-    lrs: tuple = (("signum", (1e-3, 2e-3, 4e-3)), ("muon", (0.005, 0.01, 0.02)))
+    grid: tuple = (16, 32, 64, 128)
+    lrs: tuple = (("signum", (1e-3, 2e-3, 4e-3, 8e-3)), ("muon", (0.005, 0.01, 0.02)))
 
     def lrs_for(self, optimizer: str) -> tuple:
         """The LRs searched for `optimizer`: (None,) (its default) when none are listed."""
