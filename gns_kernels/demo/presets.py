@@ -2,13 +2,16 @@
 
 Protocol (per optimizer of `Protocol.optimizers`, Signum and Muon by default):
 
-1. **B_0 grid.** Constant-batch runs at every B of `Protocol.grid` with the first seed, the
-   same sample budget and the same LR schedule on samples (no LR scaling with B). B_0 is
-   the batch with the lowest final validation loss (ties: the smaller batch).
-2. **Runs.** For every seed: the constant baseline at B_0 (the grid's run for the first
-   seed), Algorithm 1 from B_0 with the Euclidean (l2) GNS at theta 0.3, and Algorithm 1
-   from B_0 with the GNS in the optimizer's geometry (l1 for Signum, nuclear for Muon) at
-   theta 0.6. Every run sees the same samples budget and LR schedule; the adaptive runs
+1. **B_0 grid.** Constant-batch runs at every B of `Protocol.grid` and every peak LR of
+   `Protocol.lrs_for(optimizer)` with the first seed, the same sample budget and the same
+   LR schedule shape on samples (no LR scaling with B). (B_0, its LR) is the pair with
+   the lowest final validation loss (ties: the smaller batch, then the smaller LR).
+2. **Runs.** With several LRs, Algorithm 1 from B_0 with the Euclidean (l2) GNS at theta
+   0.3 and with the GNS in the optimizer's geometry (l1 for Signum, nuclear for Muon) at
+   theta 0.6 first run at every LR on the first seed; each keeps its lowest final loss's
+   LR (the paper tunes every method's LR). Then for every seed: the constant baseline at
+   (B_0, its LR) (the grid's run for the first seed) and the two adaptive runs at their
+   LRs. Every run sees the same sample budget and LR schedule shape; the adaptive runs
    multiply the LR by sqrt(B/B_0) (the paper's rule).
 3. **Table** (`paper_table`), Table 2 layout: median final validation loss over the seeds
    (with the seeds' min and max), and the median over seeds of the steps reduction: for
