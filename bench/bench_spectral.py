@@ -22,7 +22,7 @@ time (bench/RESULTS.md). Speed is reported as ratios; nothing here asserts a tim
 measurement as the DDP hook does it, two paths interleaved (old, new, old, new, ...):
   old  every rank solves all 2L sqrt-traces (spectral.nuclear_stats, bias-corrected, with
        eigensolver hints, as the hook's default)
-  new  each rank solves its share (gns_kernels.distributed._share: LPT by k^3) and one
+  new  each rank solves its share (gns_kernels.distributed._share: LPT by 2 k^3 per matrix) and one
        all-reduce of 3L float64 shares the results
 Both include the rank's local Grams and the all-reduce of all Grams (the same work in
 both paths); the mean gradient is reduced before the timed region (plain DDP does that).

@@ -11,20 +11,20 @@ Terms of the nuclear measurement (per rank, per measurement):
   (HBM bandwidth: read + write).
 - grams: the local Grams (G^j - S)(G^j - S)^T of every matrix on its smaller side m
   (2 m^2 n FLOPs, n the larger side, written once: 4 m^2 bytes), and after the all-reduce,
-  only for the matrices whose two solves this rank owns (1/R of them), the Gram of the
+  only for the matrices whose two solves this rank owns (the busiest rank's), the Gram of the
   mean gradient G G^T (another 2 m^2 n) and C = scale (mean Gram - G G^T) (m^2
   elementwise: read 2 Grams, write 1).
 - collective: the EXTRA bytes of the all-reduce over plain DDP's gradient all-reduce (the
   Grams, float32; plus the float32 widening of a bf16 gradient) with a ring all-reduce
   time  bytes * 2 (R - 1) / R / bus_bw  + latency, and one small collective that shares
   the solved traces (latency only). R = 1: no collective.
-- solves: 2 sqrt-traces per matrix (noise tr C^{1/2}, signal ||G||_S1 = tr (G G^T)^{1/2}),
+- solves: 2 sqrt-traces per owned matrix (noise tr C^{1/2}, signal ||G||_S1 = tr (G G^T)^{1/2}),
   each by the scaled coupled Newton-Schulz iteration (iters = newton_min_iters(1e-6) + 3
   = 12 + 3) x 3 batched matmuls of 2 m^3 FLOPs, plus the shift
   correction's 6 matmuls (W = e Z^2 and a degree-5 Horner polynomial); no positive-part
-  projection (the nuclear path calls it with project=False). Ranks share the solves,
-  balanced by m^3: this rank does 1/R of the FLOPs (rounded up to whole matrices of the
-  largest size).
+  projection (the nuclear path calls it with project=False). Ranks share the matrices
+  (both solves of a matrix on one rank) by the package's own greedy assignment by 2 m^3;
+  the model takes the busiest rank's matrices (at 160M, R = 8: 11 of the 84, not 10.5).
 - bias: the bias correction's extra cost per noise matrix, counted from what
   gns_kernels.spectral.pairsum does: 8 float32 matmuls (qhat(W) by Horner and S = Y qhat)
   and 5 + K float64 matmuls (F_0's Taylor series, S^2, and K = 22 squarings at eps = 1e-6)
@@ -114,6 +114,21 @@ def newton_flops(m: int, s: Solver) -> int:
     return (s.iters * s.matmuls_per_iter + s.correction_matmuls) * 2 * m ** 3
 
 
+def busiest_rank_matrices(ms: list, ranks: int) -> list:
+    """Indices of the matrices (Gram sides ms) the busiest of `ranks` ranks solves, by the
+    package's own assignment (gns_kernels.distributed._share.assign_solves: a matrix's two
+    solves together, greedy LPT by cost 2 m^3); every matrix for one rank."""
+    if ranks <= 1:
+        return list(range(len(ms)))
+    from gns_kernels.distributed._share import assign_solves
+
+    costs = [2 * m ** 3 for m in ms]
+    owners = assign_solves(costs, [0] * ranks)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
+    top = max(range(ranks), key=lambda r: (loads[r], -r))
+    return [i for i, o in enumerate(owners) if o == top]
+
+
 def allreduce_s(nbytes: float, ranks: int, hw: Hardware) -> float:
     """Ring all-reduce time: bytes * 2 (R-1)/R / bus bandwidth + latency (0 for R = 1)."""
     if ranks <= 1:
@@ -151,13 +166,15 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     # pack: read gradients (bucket dtype) + write float32; copy Grams in (read + write)
     t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
     t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
+    # the matrices this rank owns: the package's assignment (both solves of a matrix on one
+    # rank, greedy LPT by 2 m^3), taking the busiest rank
+    ms = [min(a, b) for a, b in shapes]
+    owned = busiest_rank_matrices(ms, ranks)
     # Grams: the local ones of every matrix; the mean gradient's Gram and C (read 2 Grams,
-    # write 1) only on the rank that owns the matrix's two solves: 1/R of them, balanced
-    # like the solves (at least the largest matrix)
+    # write 1) only for the owned matrices
     local = sum(gram_flops(a, b) for a, b in shapes)
-    own = (max(local / ranks, max(gram_flops(a, b) for a, b in shapes)) if ranks > 1 else local)
-    t.flops["grams"] = int(local + own)
-    t.bytes["grams"] = gram_elems * 4 + (gram_elems * 12 / ranks if ranks > 1 else gram_elems * 12)
+    t.flops["grams"] = local + sum(gram_flops(*shapes[i]) for i in owned)
+    t.bytes["grams"] = gram_elems * 4 + sum(ms[i] ** 2 for i in owned) * 12
     t.seconds["grams"] = (t.flops["grams"] / hw.matmul_rate(s.gram_precision)
                           + t.bytes["grams"] / hw.copy_rate())
     # collective: the extra bytes over plain DDP (Grams; float32 widening of the gradients),
@@ -165,18 +182,16 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
     t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
                                + (hw.coll_latency if ranks > 1 else 0.0))
-    # solves: 2 per matrix, shared by ranks balanced by m^3 (at least one largest matrix)
-    ms = [min(a, b) for a, b in shapes]
-    total = 2 * sum(newton_flops(m, s) for m in ms)
-    share = max(total / ranks, newton_flops(max(ms), s)) if ranks > 1 else total
+    # solves: the owned matrices' two sqrt-traces each
+    share = sum(2 * newton_flops(ms[i], s) for i in owned)
     t.flops["solves"] = int(share)
     gpu = share / hw.matmul_rate(s.precision)
-    n_solves = math.ceil(2 * len(ms) / ranks)
+    n_solves = 2 * len(owned)
     floor = math.ceil(n_solves / s.chunk) * (s.iters + 2) * s.launches_per_iter * hw.launch_s
     t.seconds["solves"] = max(gpu, floor)
-    # bias correction: the pair sum's matmuls per noise matrix, shared the same way
-    per32 = sum(s.pair_fp32_matmuls * 2 * m ** 3 for m in ms) / ranks
-    per64 = sum(s.pair_fp64_matmuls * 2 * m ** 3 for m in ms) / ranks
+    # bias correction: the pair sum's matmuls per owned noise matrix
+    per32 = sum(s.pair_fp32_matmuls * 2 * ms[i] ** 3 for i in owned)
+    per64 = sum(s.pair_fp64_matmuls * 2 * ms[i] ** 3 for i in owned)
     t.flops["bias"] = int(per32 + per64)
     t.seconds["bias"] = per32 / hw.matmul_rate(s.precision) + per64 / hw.matmul_rate("fp64")
     # gauss-sums dof (R >= 3): one deviation Gram per matrix, plus reading it for two norms

@@ -60,16 +60,18 @@ def test_nuclear_step_one_matrix_one_rank():
 
 
 def test_nuclear_step_ranks_share_the_solves():
-    # m = 4 and m = 2 matrices: 2 * (112 * 8 + 112) FLOPs in all, 1/R each rank, but never
-    # less than one solve of the largest matrix
-    total = 2 * (mg.newton_flops(4, S) + mg.newton_flops(2, S))
-    assert mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S).flops["solves"] == total // 2
-    assert mg.nuclear_step([(4, 4), (2, 2)], 8, HW, S).flops["solves"] == mg.newton_flops(4, S)
-    # the extra collective: the Grams (16 + 4 elements, float32), ring factor 2 (R-1)/R
+    # a matrix's two solves stay on one rank: with an m = 4 and an m = 2 matrix on 2 ranks
+    # the busiest rank holds the m = 4 one (both solves), never half of each
+    assert mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S).flops["solves"] == 2 * mg.newton_flops(4, S)
+    assert mg.nuclear_step([(4, 4), (2, 2)], 8, HW, S).flops["solves"] == 2 * mg.newton_flops(4, S)
+    # 84 equal matrices on 8 ranks: the busiest rank gets ceil(84 / 8) = 11 of them
+    t = mg.nuclear_step([(8, 8)] * 84, 8, HW, S)
+    assert t.flops["solves"] == 11 * 2 * mg.newton_flops(8, S)
+    assert len(mg.busiest_rank_matrices([8] * 84, 8)) == 11
     t = mg.nuclear_step([(4, 4), (2, 2)], 2, HW, S)
     assert t.bytes["collective"] == 80
-    # Grams: every local one (128 + 16 FLOPs), the mean-gradient Grams of the owned
-    # matrices: half of them, but at least the largest (128)
+    # Grams: every local one (128 + 16 FLOPs), the mean-gradient Grams of the busiest
+    # rank's matrices (the m = 4 one: 128)
     assert t.flops["grams"] == 144 + 128
     assert mg.nuclear_step([(4, 4)] * 4, 2, HW, S).flops["grams"] == 4 * 128 + 2 * 128
     assert t.seconds["collective"] == pytest.approx(80 * 1 / 1000)

@@ -72,10 +72,18 @@ class Protocol:
     lrs: tuple = (("signum", (1e-3, 2e-3, 4e-3, 8e-3)), ("muon", (0.005, 0.01, 0.02)))
 
     def lrs_for(self, optimizer: str) -> tuple:
-        """The LRs searched for `optimizer`: (None,) (its default) when none are listed."""
+        """The LRs searched for `optimizer`: (None,) (its default) when none are listed.
+        DemoError for a non-positive LR or two LRs that would share a run folder."""
         for name, values in self.lrs:
             if name == optimizer and values:
-                return tuple(float(v) for v in values)
+                out = tuple(float(v) for v in values)
+                if not all(math.isfinite(v) and v > 0 for v in out):
+                    raise DemoError(f"Protocol.lrs[{optimizer!r}]: LRs must be finite and > 0, got {values!r}")
+                tags = [_lr_tag(v) for v in out]
+                if len(set(tags)) != len(tags):
+                    raise DemoError(f"Protocol.lrs[{optimizer!r}]: {values!r} holds LRs that are equal "
+                                    "to 6 significant figures (their runs would share a folder)")
+                return out
         return (None,)
 
 
@@ -196,7 +204,7 @@ def paper_table(per_opt: dict[str, dict]) -> str:
     lines.append("")
     lines.append("losses: median over seeds [min, max]; steps reduction: median over seeds")
     for opt, d in per_opt.items():
-        if d.get("lr"):
+        if any(v is not None for v in (d.get("lr") or {}).values()):
             lr = d["lr"]
             lines.append(f"peak LR, {opt}: constant {_fmt_lr(lr.get('baseline'))}, l2 "
                          f"{_fmt_lr(lr.get('euclidean'))}, {d.get('geometry', 'geom')} "

@@ -7,7 +7,8 @@ results:
 
 - assignment: a matrix's two solves (noise and signal, each a k x k eigenproblem, k its
   Gram side) cost 2 k^3 and go to the same rank, which then forms the Gram of the mean
-  gradient both read once (no other rank forms it). The matrices of a bucket (DDP) or
+  gradient both read once (DDP: no other rank forms it; FSDP2's ranks all form their
+  shard's part of it before the Gram all-reduce, ``add_grams``). The matrices of a bucket (DDP) or
   param group (FSDP2) are sorted by (cost descending, position) and each goes to the rank
   with the smallest running load (ties: the lowest rank); the loads
   carry over from one bucket to the next (greedy longest-processing-time). Every rank sees

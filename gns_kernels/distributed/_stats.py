@@ -23,10 +23,11 @@ def all_finite(tensors: Sequence[Tensor], device) -> Tensor:
     One read of each tensor and no tensor-sized temporary: the min and max of a tensor are
     finite exactly when every element is (aminmax propagates NaN; an inf is the max or the
     min). Empty tensors count as finite."""
-    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
-    if not flags:
+    ends = [x.to(device=device, dtype=torch.float64) for t in tensors if t.numel()
+            for x in torch.aminmax(t)]
+    if not ends:
         return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([f.to(device) for f in flags]).all()
+    return torch.isfinite(torch.stack(ends)).all()
 
 
 def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],

@@ -94,7 +94,7 @@ nuclear correction uses the 'columns' dof here: the default 'gauss-sums' one nee
 rank's deviation from the full mean gradient, which a rank holding a shard does not have):
 every rank holds all the reduced
 Grams but solves only its share of the 2L sqrt-traces (noise and signal per matrix,
-assigned by cost k^3, the same on every rank), and that all-reduce shares the results
+assigned per matrix by cost 2 k^3, the same on every rank), and that all-reduce shares the results
 and the eigensolver report (gns_kernels.distributed._share). The Grams themselves are
 still all-reduced, not reduce-scattered to their solving rank: each rank receives every
 Gram. No value is read on the host inside the backward: the statistics stay device

@@ -3,6 +3,7 @@ baseline's best validation loss, reduction, median with "not reached", seed spre
 choice), and a one-seed tiny-budget run of the whole protocol whose table is recomputed
 here from the runs' metrics.csv files. The effect itself is not tested (docs/demo.md)."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -189,7 +190,7 @@ def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
         for lr in ("0.001", "0.004"):
             steps, vals = _read(top / f"grid_B{B}_lr{lr}" / "metrics.csv")
             finals[(B, lr)] = [v for v in vals if v is not None][-1]
-    best = min(finals, key=lambda k: (round(finals[k], 6), k[0], float(k[1])))
+    best = min(finals, key=lambda k: (finals[k], k[0], float(k[1])))
     assert (d["B0"], d["lr"]["baseline"]) == (best[0], float(best[1]))
     steps, vals = _read(top / f"grid_B{best[0]}_lr{best[1]}" / "metrics.csv")
     logged = [(s, v) for s, v in zip(steps, vals) if v is not None]
@@ -202,8 +203,10 @@ def test_tiny_protocol_table_matches_metrics(small_corpus, tmp_path):
         for lr in ("0.001", "0.004"):   # the LR search: the lower final loss wins
             _, vals = _read(top / f"{geom}_lr{lr}_seed3" / "metrics.csv")
             tuned[lr] = [v for v in vals if v is not None][-1]
-        lr = min(tuned, key=lambda k: (round(tuned[k], 6), float(k)))
+        lr = min(tuned, key=lambda k: (tuned[k], float(k)))
         assert d["lr"][kind] == float(lr)
+        with open(top / f"{geom}_lr{lr}_seed3" / "config.json") as fh:   # the LR was applied
+            assert json.load(fh)["lr"] == float(lr)
         steps, vals = _read(top / f"{geom}_lr{lr}_seed3" / "metrics.csv")
         reach = next((st + 1 for st, v in zip(steps, vals) if v is not None and v <= target), None)
         assert s[kind]["steps"] == reach
@@ -238,3 +241,68 @@ def test_plot_paper_writes_a_png_with_four_panels(tmp_path):
     out = plot_paper(curves, str(tmp_path / "p.png"), title="t")
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_paper_picks_b0_and_lrs_and_uses_them_on_every_seed(monkeypatch, tmp_path):
+    """The protocol's selection on synthetic final losses (no training): an interior (B, lr)
+    optimum with an exact tie at a larger B (the smaller B wins), each adaptive kind's LR
+    with a tie (the smaller LR wins), and every later seed run at the chosen values."""
+    import gns_kernels.demo.plots as plots
+    import gns_kernels.demo.presets as presets
+
+    const = {(8, 1e-3): 1.30, (8, 2e-3): 1.20, (8, 4e-3): 1.25,
+             (16, 1e-3): 1.10, (16, 2e-3): 1.00, (16, 4e-3): 1.05,
+             (32, 1e-3): 1.15, (32, 2e-3): 1.00, (32, 4e-3): 1.40}
+    adaptive = {("l2", 1e-3): 1.50, ("l2", 2e-3): 1.45, ("l2", 4e-3): 1.20,
+                ("l1", 1e-3): 1.35, ("l1", 2e-3): 1.10, ("l1", 4e-3): 1.10}
+    launched = []
+
+    def fake_run(rc, log):
+        launched.append(rc)
+        if not rc.adaptive:
+            final = const[(rc.initial_batch_size, rc.lr)] + 0.01 * rc.seed
+        else:
+            final = adaptive[(rc.resolved_geometry(), rc.lr)] + 0.01 * rc.seed
+        summary = {"final_val_loss": final, "best_val_loss": final, "steps": 3,
+                   "elapsed_s": 1.0, "final_batch_size": rc.initial_batch_size}
+        metrics = {"step": [0.0, 1.0, 2.0], "samples": [8.0, 16.0, 24.0],
+                   "val_loss": [2.0, 1.5, final], "batch_size": [8.0, 8.0, 8.0]}
+        return summary, metrics
+
+    monkeypatch.setattr(presets, "_run", fake_run)
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
+    proto = Protocol(optimizers=("signum",), seeds=(0, 1), grid=(8, 16, 32),
+                     lrs=(("signum", (1e-3, 2e-3, 4e-3)),))
+    res = run_paper(DemoConfig(), proto, str(tmp_path / "p"), log=lambda m: None)
+    d = res["per_optimizer"]["signum"]
+    assert d["B0"] == 16
+    assert d["lr"] == {"baseline": 2e-3, "euclidean": 4e-3, "adaptive": 2e-3}
+    # 9 grid runs + 6 LR-search runs + both seeds' three runs: seed 0's are the grid's and
+    # the search's folders (a real _run reuses them), so 18 distinct run folders
+    assert len(launched) == 21
+    assert len({rc.out for rc in launched}) == 18
+    seed1 = {(rc.adaptive, rc.resolved_geometry()): rc for rc in launched if rc.seed == 1}
+    assert seed1[(False, "l1")].lr == 2e-3 and seed1[(False, "l1")].initial_batch_size == 16
+    assert seed1[(True, "l2")].lr == 4e-3 and seed1[(True, "l1")].lr == 2e-3
+    assert all(rc.initial_batch_size == 16 for rc in seed1.values())
+    # the seed rows use those runs' losses
+    assert [s["final"]["baseline"] for s in d["seeds"]] == [1.00, 1.01]
+    assert [s["final"]["euclidean"] for s in d["seeds"]] == [1.20, 1.21]
+    assert "peak LR, signum: constant 0.002, l2 0.004, l1 0.002" in res["table"]
+
+
+def test_protocol_lrs_are_checked():
+    with pytest.raises(DemoError, match="share a folder"):
+        Protocol(lrs=(("signum", (1e-3, 1e-3)),)).lrs_for("signum")
+    with pytest.raises(DemoError, match="finite and > 0"):
+        Protocol(lrs=(("signum", (1e-3, 0.0)),)).lrs_for("signum")
+
+
+def test_no_lr_line_without_a_search():
+    row = {"final": {"baseline": 1.0, "euclidean": 1.1, "adaptive": 1.05}, "steps":
+           {"baseline": 10, "euclidean": 4, "adaptive": 5}, "target": 1.0, "base_steps": 10,
+           "euclidean": {"steps": None, "reduction": None},
+           "adaptive": {"steps": None, "reduction": None}}
+    d = {"B0": 16, "seeds": [row], "seeds_used": [0], "geometry": "l1",
+         "lr": {"baseline": None, "euclidean": None, "adaptive": None}}
+    assert "peak LR" not in paper_table({"signum": d})

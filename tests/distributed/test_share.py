@@ -128,3 +128,7 @@ def test_finite_flag_sees_every_nan_and_inf(dtype):
     t[4] = 1.0
     assert not bool(_finite([t], "cpu"))
     assert bool(_finite([torch.full((5,), torch.finfo(dtype).max, dtype=dtype)], "cpu"))
+    # mixed dtypes in one call: a float64 value beyond float32's range is still finite
+    big = torch.full((3,), 1e300, dtype=torch.float64)
+    assert bool(_finite([ts[0], big], "cpu"))
+    assert not bool(_finite([ts[0], big, torch.tensor([float("nan")], dtype=dtype)], "cpu"))
