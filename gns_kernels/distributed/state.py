@@ -39,6 +39,7 @@ import math
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from ..bias import resolve_nuclear_dof
 from .._validation import check_signal
@@ -166,6 +167,13 @@ class GNSHookState:
             raise ValueError(f"nuclear_dof: expected one of {self._NUCLEAR_DOFS} for "
                              f"{type(self).__name__}, got {nuclear_dof!r}{self._NUCLEAR_DOF_HINT}")
         self.nuclear_dof = nuclear_dof
+        if (nuclear_dof == "gauss-sums" and self.bias_correction and geometry == "nuclear"
+                and dist.is_available() and dist.is_initialized()):
+            world = dist.get_world_size(process_group)
+            if world < 3:  # said here, not at the first measurement inside backward()
+                raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least 3 ranks as samples, "
+                                 f"this process group has {world} (use 'auto', which falls back "
+                                 "to 'columns' below 3)")
         self.signal = check_signal(signal)
         self._step = 0
         self._estimate = None

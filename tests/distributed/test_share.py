@@ -132,3 +132,25 @@ def test_finite_flag_sees_every_nan_and_inf(dtype):
     big = torch.full((3,), 1e300, dtype=torch.float64)
     assert bool(_finite([ts[0], big], "cpu"))
     assert not bool(_finite([ts[0], big, torch.tensor([float("nan")], dtype=dtype)], "cpu"))
+
+
+def test_gauss_sums_on_too_few_ranks_is_refused_at_construction(tmp_path):
+    """nuclear_dof='gauss-sums' with fewer than 3 ranks raises when the state is built
+    (a process group exists), not at the first measurement inside backward()."""
+    import torch.distributed as dist
+
+    from gns_kernels.distributed.state import GNSHookState
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ValueError, match="'gauss-sums' needs at least 3 ranks as samples, "
+                                             "this process group has 1"):
+            GNSHookState("nuclear", every=1, batch_size=8, nuclear_dof="gauss-sums")
+        # the same with no correction, another geometry, or 'auto' is fine
+        GNSHookState("nuclear", every=1, batch_size=8, nuclear_dof="gauss-sums",
+                     bias_correction=False)
+        GNSHookState("l1", every=1, batch_size=8, nuclear_dof="gauss-sums")
+        GNSHookState("nuclear", every=1, batch_size=8, nuclear_dof="auto")
+    finally:
+        dist.destroy_process_group()
