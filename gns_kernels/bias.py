@@ -73,6 +73,9 @@ __all__ = [
 NUCLEAR_DOF_MODES = ("auto", "gauss-sums", "columns", "data", "rank_one")
 
 
+GAUSS_SUMS_MIN_SAMPLES = 3  # 'gauss-sums' estimates a fourth moment from the samples' deviations
+
+
 def resolve_nuclear_dof(mode: str, num_samples: int, *, per_sample: bool = True) -> str:
     """The dof mode a measurement of ``num_samples`` samples uses for ``nuclear_dof=mode``.
 
@@ -85,9 +88,9 @@ def resolve_nuclear_dof(mode: str, num_samples: int, *, per_sample: bool = True)
         raise ValueError(f"nuclear_dof: expected one of {NUCLEAR_DOF_MODES}, got {mode!r}")
     R = _sample_count("num_samples", num_samples)
     if mode == "auto":
-        return "gauss-sums" if (R >= 3 and per_sample) else "columns"
-    if mode == "gauss-sums" and R < 3:
-        raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least 3 samples, got {R} "
+        return "gauss-sums" if (R >= GAUSS_SUMS_MIN_SAMPLES and per_sample) else "columns"
+    if mode == "gauss-sums" and R < GAUSS_SUMS_MIN_SAMPLES:
+        raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least {GAUSS_SUMS_MIN_SAMPLES} samples, got {R} "
                          "(use 'auto', which falls back to 'columns' below 3)")
     if mode == "data" and R < 4:
         raise ValueError(f"nuclear_dof: 'data' needs at least 4 samples (a fourth moment), got {R}")

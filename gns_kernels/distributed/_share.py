@@ -206,13 +206,12 @@ class SolveShare:
         self.failed = False
 
     # ----------------------------------------------------------- assignment
-    def _owners(self, ks: Sequence[int]) -> tuple[list, list]:
-        """(owned_n, owned_s) of this rank for matrices with Gram sides ks: a matrix's noise
-        and signal solves go to the same rank (cost 2 k^3), so the Gram of its mean gradient
-        (which both read) is formed on that rank only."""
+    def _owners(self, ks: Sequence[int]) -> list:
+        """Whether this rank owns each matrix (Gram sides ks): a matrix's noise and signal
+        solves go to the same rank (cost 2 k^3), so the Gram of its mean gradient (which
+        both read) is formed on that rank only."""
         owners = assign_solves([2 * int(k) ** 3 for k in ks], self.loads)
-        mine = [o == self.rank for o in owners]
-        return mine, list(mine)
+        return [o == self.rank for o in owners]
 
     def _run(self, fn: Callable[[], Tensor], like: Tensor, inputs: Sequence[Tensor]) -> None:
         """Run fn (the part's solve) on a side stream on CUDA, inline elsewhere."""
@@ -262,11 +261,11 @@ class SolveShare:
             raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
                              f"mean gradient for each of the {L} matrices")
         ks = [A.shape[-1] for A in mean_grams]
-        own_n, own_s = self._owners(ks)
+        own = self._owners(ks)
         shapes = [tuple(D.shape) for D in mean_grads]
         self.shapes.extend(shapes)
         dev = mean_grams[0].device
-        inputs = [t for l in range(L) if own_n[l] or own_s[l] for t in (mean_grams[l], mean_grads[l])]
+        inputs = [t for l in range(L) if own[l] for t in (mean_grams[l], mean_grads[l])]
         # on the calling stream, before the caller overwrites what the deviations view
         qa = deviation_sums(deviations, dev) if self.gauss else None
 
@@ -275,7 +274,7 @@ class SolveShare:
                                         signal=signal, return_sums=self.gauss and signal == "raw",
                                         **self._kw())
 
-        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev, self.rows, qa,
+        self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, qa,
                                                  lambda sel: solve(sel, "debiased")), L, dev),
                   mean_grams[0], list(mean_grams) + list(mean_grads) + ([] if qa is None else [qa]))
 
@@ -287,11 +286,11 @@ class SolveShare:
         if L == 0:
             return
         ks = [A.shape[-1] for A in mean_grams]
-        own_n, own_s = self._owners(ks)
+        own = self._owners(ks)
         shapes = [tuple(int(d) for d in s) for s in shapes]
         self.shapes.extend(shapes)
         dev = mean_grams[0].device
-        inputs = [t for l in range(L) if own_n[l] or own_s[l] for t in (mean_grams[l], dd[l])]
+        inputs = [t for l in range(L) if own[l] for t in (mean_grams[l], dd[l])]
 
         if self.gauss:
             raise ValueError("dof: 'gauss-sums' needs each rank's deviation from the full mean "
@@ -301,7 +300,7 @@ class SolveShare:
             return nuclear_stats_from_grams_select(mean_grams, dd, shapes=shapes, select=select,
                                                    signal=signal, **self._kw())
 
-        self._run(self._guard(lambda: solve_part(solve, inputs, own_n, own_s, dev, self.rows, None,
+        self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, None,
                                                  lambda sel: solve(sel, "debiased")), L, dev),
                   mean_grams[0], list(mean_grams) + list(dd))
 

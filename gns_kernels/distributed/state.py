@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..bias import resolve_nuclear_dof
+from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
 from ..estimators import GEOMETRIES
 from ..spectral.hints import EigHints
@@ -170,8 +170,9 @@ class GNSHookState:
         if (nuclear_dof == "gauss-sums" and self.bias_correction and geometry == "nuclear"
                 and dist.is_available() and dist.is_initialized()):
             world = dist.get_world_size(process_group)
-            if world < 3:  # said here, not at the first measurement inside backward()
-                raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least 3 ranks as samples, "
+            if world < GAUSS_SUMS_MIN_SAMPLES:  # said here, not at the first measurement in backward()
+                raise ValueError(f"nuclear_dof: 'gauss-sums' needs at least {GAUSS_SUMS_MIN_SAMPLES} "
+                                 f"ranks as samples, "
                                  f"this process group has {world} (use 'auto', which falls back "
                                  "to 'columns' below 3)")
         self.signal = check_signal(signal)
