@@ -2,17 +2,22 @@
 
 Protocol (per optimizer of `Protocol.optimizers`, Signum and Muon by default):
 
-1. **B_0 grid.** Constant-batch runs at every B of `Protocol.grid` and every peak LR of
-   `Protocol.lrs_for(optimizer)` with the first seed, the same sample budget and the same
-   LR schedule shape on samples (no LR scaling with B). (B_0, its LR) is the pair with
-   the lowest final validation loss (ties: the smaller batch, then the smaller LR).
+1. **B_0 grid.** Constant-batch runs at every B of `Protocol.grid_for(optimizer)` and every
+   peak LR of `Protocol.lrs_for(optimizer)` with every seed of `Protocol.select_seeds()`
+   (all seeds by default), the same sample budget and the same LR schedule shape on
+   samples (no LR scaling with B). (B_0, its LR) is the pair with the lowest final
+   validation loss averaged over those seeds (ties: the smaller batch, then the smaller
+   LR). One seed's grid is noise-dominated: its differences (0.001-0.005 here) are smaller
+   than the seed-to-seed spread (up to 0.024), so a single-seed choice favours whichever
+   setting drew a lucky seed.
 2. **Runs.** With several LRs, Algorithm 1 from B_0 with the Euclidean (l2) GNS at theta
    0.3 and with the GNS in the optimizer's geometry (l1 for Signum, nuclear for Muon) at
-   theta 0.6 first run at every LR on the first seed; each keeps its lowest final loss's
-   LR (the paper tunes every method's LR). Then for every seed: the constant baseline at
-   (B_0, its LR) (the grid's run for the first seed) and the two adaptive runs at their
-   LRs. Every run sees the same sample budget and LR schedule shape; the adaptive runs
-   multiply the LR by sqrt(B/B_0) (the paper's rule).
+   theta 0.6 first run at every LR on the same selection seeds; each keeps the LR of its
+   lowest mean final loss (the paper tunes every method's LR). Then for every seed: the
+   constant baseline at (B_0, its LR) and the two adaptive runs at their LRs (runs the
+   grid or the search already made are reused). Every run sees the same sample budget
+   and LR schedule shape; the adaptive runs multiply the LR by sqrt(B/B_0) (the paper's
+   rule).
 3. **Table** (`paper_table`), Table 2 layout: median final validation loss over the seeds
    (with the seeds' min and max), and the median over seeds of the steps reduction: for
    seed s, target_s = min validation loss of the baseline of seed s, n_base = the first
@@ -58,18 +63,26 @@ PRESETS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class Protocol:
-    """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grid, and
-    the peak learning rates searched per optimizer.
+    """What the preset runs besides the DemoConfig fields: optimizers, seeds, B_0 grids, the
+    peak learning rates searched per optimizer, and the seeds the choices are made on.
 
+    grid: the constant batch sizes of the B_0 grid; grids: ((optimizer, (B, ...)), ...)
+    per-optimizer grids that replace it (Muon's optimum sat at the shared grid's lower edge,
+    16, and B = 128 was 0.03-0.06 worse than the best at every LR on the first seed).
     lrs: ((optimizer, (lr, ...)), ...); an optimizer not listed (or listed with ()) runs at
     its default LR only. With several LRs the constant grid runs every (B, lr) pair and
-    each adaptive kind (l2, geometry-matched) runs every lr on the first seed; each keeps
-    the LR with the lowest final validation loss there (the paper tunes the LR of every
-    method from a grid, its Table "hyperparameter search space")."""
+    each adaptive kind (l2, geometry-matched) runs every lr; each keeps the LR with the
+    lowest final validation loss (the paper tunes the LR of every method from a grid, its
+    Table "hyperparameter search space"). select: "all" (default) makes every choice on
+    the mean final loss over all seeds (the grid and the search run on every seed);
+    "first" on the first seed only (cheaper, but the choice then follows that seed's
+    noise)."""
     optimizers: tuple = ("signum", "muon")
     seeds: tuple = (0, 1, 2)
     grid: tuple = (16, 32, 64, 128)
+    grids: tuple = (("muon", (8, 16, 32, 64)),)
     lrs: tuple = (("signum", (1e-3, 2e-3, 4e-3, 8e-3)), ("muon", (0.005, 0.01, 0.02)))
+    select: str = "all"
 
     def lrs_for(self, optimizer: str) -> tuple:
         """The LRs searched for `optimizer`: (None,) (its default) when none are listed.
@@ -85,6 +98,30 @@ class Protocol:
                                     "to 6 significant figures (their runs would share a folder)")
                 return out
         return (None,)
+
+    def grid_for(self, optimizer: str) -> tuple:
+        """The B_0 grid of `optimizer` (its `grids` entry, else `grid`). DemoError unless it
+        is a non-empty list of distinct integers >= 1."""
+        values, where = self.grid, "Protocol.grid"
+        for name, vals in self.grids:
+            if name == optimizer:
+                values, where = vals, f"Protocol.grids[{optimizer!r}]"
+        ok = (len(values) > 0 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                      for b in values))
+        if not ok or len(set(values)) != len(values):
+            raise DemoError(f"{where}: expected distinct integer batch sizes >= 1, got {values!r}")
+        return tuple(values)
+
+    def select_seeds(self) -> tuple:
+        """The seeds the B_0 grid and the LR search run on and are chosen by (their mean
+        final loss): every seed for select='all', the first for 'first'."""
+        if not self.seeds:
+            raise DemoError("Protocol.seeds: expected at least one seed, got ()")
+        if self.select == "all":
+            return tuple(self.seeds)
+        if self.select == "first":
+            return tuple(self.seeds[:1])
+        raise DemoError(f"Protocol.select: expected 'all' or 'first', got {self.select!r}")
 
 
 PROTOCOLS = {"paper-cpu": Protocol()}
@@ -246,25 +283,39 @@ def _fmt_lr(lr: float | None) -> str:
     return "default" if lr is None else f"{lr:g}"
 
 
+def _finals(summaries: list) -> str:
+    return "/".join(f"{r['final_val_loss']:.4f}" for r in summaries)
+
+
+def _mean_final(summaries: list) -> float:
+    return sum(r["final_val_loss"] for r in summaries) / len(summaries)
+
+
 def grid_table(grid: dict[str, list]) -> str:
-    """The B_0 grid: final and best validation loss, steps and seconds per optimizer, B and
-    peak LR. grid[optimizer] = [(B, lr or None, summary), ...]."""
-    lines = [f"{'optimizer':<10}{'B':>6}{'lr':>9}{'final val':>11}{'best val':>10}{'steps':>7}{'seconds':>9}"]
+    """The B_0 grid: mean final validation loss over the selection seeds, each seed's final
+    loss, steps and mean seconds per optimizer, B and peak LR. grid[optimizer] = [(B, lr
+    or None, [summary per selection seed]), ...]."""
+    lines = [f"{'optimizer':<10}{'B':>6}{'lr':>9}{'mean final':>11}  {'final val per seed':<26}"
+             f"{'steps':>7}{'seconds':>9}"]
     for opt, runs in grid.items():
-        for B, lr, r in sorted(runs, key=lambda t: (t[0], t[1] or 0.0)):
-            lines.append(f"{opt:<10}{B:>6}{_fmt_lr(lr):>9}{r['final_val_loss']:>11.4f}"
-                         f"{r['best_val_loss']:>10.4f}{r['steps']:>7}{r['elapsed_s']:>9.0f}")
+        for B, lr, rs in sorted(runs, key=lambda t: (t[0], t[1] or 0.0)):
+            secs = sum(r["elapsed_s"] for r in rs) / len(rs)
+            lines.append(f"{opt:<10}{B:>6}{_fmt_lr(lr):>9}{_mean_final(rs):>11.4f}  {_finals(rs):<26}"
+                         f"{rs[0]['steps']:>7}{secs:>9.0f}")
     return "\n".join(lines)
 
 
 def lr_table(tuning: dict[str, list]) -> str:
-    """The adaptive runs' LR search on the first seed. tuning[optimizer] = [(kind label, lr,
-    summary), ...]."""
-    lines = [f"{'optimizer':<10}{'run':<28}{'lr':>9}{'final val':>11}{'steps':>7}{'final B':>9}{'seconds':>9}"]
+    """The adaptive runs' LR search on the selection seeds. tuning[optimizer] = [(kind label,
+    lr, [summary per selection seed]), ...]."""
+    lines = [f"{'optimizer':<10}{'run':<28}{'lr':>9}{'mean final':>11}  {'final val per seed':<26}"
+             f"{'steps':>7}{'final B':>9}{'seconds':>9}"]
     for opt, runs in tuning.items():
-        for label, lr, r in runs:
-            lines.append(f"{opt:<10}{label:<28}{_fmt_lr(lr):>9}{r['final_val_loss']:>11.4f}"
-                         f"{r['steps']:>7}{r['final_batch_size']:>9}{r['elapsed_s']:>9.0f}")
+        for label, lr, rs in runs:
+            secs = sum(r["elapsed_s"] for r in rs) / len(rs)
+            lines.append(f"{opt:<10}{label:<28}{_fmt_lr(lr):>9}{_mean_final(rs):>11.4f}  "
+                         f"{_finals(rs):<26}{rs[0]['steps']:>7}{rs[0]['final_batch_size']:>9}"
+                         f"{secs:>9.0f}")
     return "\n".join(lines)
 
 
@@ -304,6 +355,12 @@ def _run(rc: DemoConfig, log) -> tuple[dict, dict]:
     return done, read_metrics(os.path.join(rc.out, "metrics.csv"))
 
 
+def _const_folder(B: int, lr: float | None, seed: int, first_seed: int) -> str:
+    """Run folder of a constant-batch run (the first seed's is the grid's historical name)."""
+    return (f"grid_B{B}{_lr_tag(lr)}" if seed == first_seed
+            else f"const_B{B}{_lr_tag(lr)}_seed{seed}")
+
+
 def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str,
                  lrs: dict | None = None) -> dict:
     """The three runs of one seed: {"baseline", "euclidean", "adaptive"} -> DemoConfig with
@@ -312,8 +369,7 @@ def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folde
     lrs = lrs or {}
     geom = base_cfg.resolved_geometry()
     lb, le, la = (lrs.get(k) for k in ("baseline", "euclidean", "adaptive"))
-    base_out = (f"grid_B{B0}{_lr_tag(lb)}" if seed == grid_seed
-                else f"const_B{B0}{_lr_tag(lb)}_seed{seed}")
+    base_out = _const_folder(B0, lb, seed, grid_seed)
     return {
         "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed, lr=lb,
                             label=f"B={B0}", multiple_of=None, out=os.path.join(folder, base_out)),
@@ -358,41 +414,44 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
                  for opt in protocol.optimizers}
     lrs = {opt: protocol.lrs_for(opt) for opt in protocol.optimizers}
     first = protocol.seeds[0]
-    # 1. grid of constant batches x peak LRs, first seed
-    grid_rcs = [(opt, B, lr, replace(base_cfgs[opt], adaptive=False, initial_batch_size=B, lr=lr,
-                                     seed=first, label=f"B={B}", multiple_of=None,
-                                     out=os.path.join(top, opt, f"grid_B{B}{_lr_tag(lr)}")))
-                for opt in protocol.optimizers for B in protocol.grid for lr in lrs[opt]]
-    done = _run_all([rc for *_, rc in grid_rcs], log, jobs)
-    for (opt, B, lr, _), (summary, _) in zip(grid_rcs, done):
-        grid_res.setdefault(opt, []).append((B, lr, summary))
+    sel = protocol.select_seeds()
+    grids = {opt: protocol.grid_for(opt) for opt in protocol.optimizers}
+    # 1. grid of constant batches x peak LRs, on every selection seed
+    grid_keys = [(opt, B, lr) for opt in protocol.optimizers for B in grids[opt] for lr in lrs[opt]]
+    grid_rcs = [replace(base_cfgs[opt], adaptive=False, initial_batch_size=B, lr=lr, seed=seed,
+                        label=f"B={B}", multiple_of=None,
+                        out=os.path.join(top, opt, _const_folder(B, lr, seed, first)))
+                for opt, B, lr in grid_keys for seed in sel]
+    done = _run_all(grid_rcs, log, jobs)
+    for i, (opt, B, lr) in enumerate(grid_keys):
+        summaries = [summary for summary, _ in done[i * len(sel):(i + 1) * len(sel)]]
+        grid_res.setdefault(opt, []).append((B, lr, summaries))
     B0s, tuned = {}, {}
     for opt in protocol.optimizers:
-        B0, lr0, _ = min(grid_res[opt], key=lambda t: (t[2]["final_val_loss"], t[0], t[1] or 0.0))
+        B0, lr0, _ = min(grid_res[opt], key=lambda t: (_mean_final(t[2]), t[0], t[1] or 0.0))
         B0s[opt] = B0
         tuned[opt] = {"baseline": lr0, "euclidean": lr0, "adaptive": lr0}
-        log(f"{opt}: B_0 = {B0}, lr {_fmt_lr(lr0)} (lowest final validation loss of the grid)")
-    # 2. the adaptive runs' LR search, first seed (only where several LRs are listed)
-    tune_rcs = []
-    for opt in protocol.optimizers:
-        if len(lrs[opt]) < 2:
-            continue
-        for lr in lrs[opt]:
-            cf = seed_configs(base_cfgs[opt], B0s[opt], first, first, os.path.join(top, opt),
-                              {"baseline": tuned[opt]["baseline"], "euclidean": lr, "adaptive": lr})
-            tune_rcs += [(opt, k, lr, cf[k]) for k in ("euclidean", "adaptive")]
-    done = _run_all([rc for *_, rc in tune_rcs], log, jobs)
-    tuning = {}
-    for (opt, k, lr, rc), (summary, _) in zip(tune_rcs, done):
-        tuning.setdefault(opt, []).append((rc.label, lr, summary))
+        log(f"{opt}: B_0 = {B0}, lr {_fmt_lr(lr0)} (lowest mean final validation loss of the "
+            f"grid over seeds {', '.join(str(x) for x in sel)})")
+    # 2. the adaptive runs' LR search on the selection seeds (only where several LRs are listed)
+    tune_keys = [(opt, lr, k) for opt in protocol.optimizers if len(lrs[opt]) >= 2
+                 for lr in lrs[opt] for k in ("euclidean", "adaptive")]
+    tune_rcs = [seed_configs(base_cfgs[opt], B0s[opt], seed, first, os.path.join(top, opt),
+                             {"baseline": tuned[opt]["baseline"], "euclidean": lr,
+                              "adaptive": lr})[k]
+                for opt, lr, k in tune_keys for seed in sel]
+    done = _run_all(tune_rcs, log, jobs)
+    tuning, searched = {}, {}
+    for i, (opt, lr, k) in enumerate(tune_keys):
+        summaries = [summary for summary, _ in done[i * len(sel):(i + 1) * len(sel)]]
+        tuning.setdefault(opt, []).append((tune_rcs[i * len(sel)].label, lr, summaries))
+        searched.setdefault((opt, k), []).append((lr, summaries))
     for opt in tuning:
         for k in ("euclidean", "adaptive"):
-            runs = [(lr, summ) for (o, kk, lr, _), (summ, _) in zip(tune_rcs, done)
-                    if o == opt and kk == k]
-            tuned[opt][k] = min(runs, key=lambda t: (t[1]["final_val_loss"], t[0]))[0]
+            tuned[opt][k] = min(searched[(opt, k)], key=lambda t: (_mean_final(t[1]), t[0]))[0]
         log(f"{opt}: lr l2 {_fmt_lr(tuned[opt]['euclidean'])}, "
             f"{base_cfgs[opt].resolved_geometry()} {_fmt_lr(tuned[opt]['adaptive'])} "
-            f"(lowest final validation loss of the first seed)")
+            f"(lowest mean final validation loss over seeds {', '.join(str(x) for x in sel)})")
     # 3. baseline, l2 and geometry-matched adaptive runs per seed
     seed_runs = {(opt, seed): seed_configs(base_cfgs[opt], B0s[opt], seed, first,
                                            os.path.join(top, opt), tuned[opt])
@@ -420,14 +479,18 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
     gtable = grid_table(grid_res)
     ltable = lr_table(tuning) if tuning else ""
     with open(os.path.join(top, "paper.txt"), "w") as fh:
-        fh.write(table + "\n\nB_0 grid (seed %d):\n" % first + gtable + "\n")
+        seeds_txt = "seeds " + ", ".join(str(x) for x in sel)
+        fh.write(table + f"\n\nB_0 grid ({seeds_txt}):\n" + gtable + "\n")
         if ltable:
-            fh.write("\nadaptive runs' LR search (seed %d):\n" % first + ltable + "\n")
+            fh.write(f"\nadaptive runs' LR search ({seeds_txt}):\n" + ltable + "\n")
     with open(os.path.join(top, "paper.json"), "w") as fh:
         json.dump({"per_optimizer": per_opt,
-                   "grid": {o: [{"B": b, "lr": lr, **r} for b, lr, r in g]
+                   "selection_seeds": list(sel),
+                   "grid": {o: [{"B": b, "lr": lr, "mean_final_val_loss": _mean_final(rs),
+                                 "runs": rs} for b, lr, rs in g]
                             for o, g in grid_res.items()},
-                   "lr_search": {o: [{"run": lab, "lr": lr, **r} for lab, lr, r in g]
+                   "lr_search": {o: [{"run": lab, "lr": lr, "mean_final_val_loss": _mean_final(rs),
+                                      "runs": rs} for lab, lr, rs in g]
                                  for o, g in tuning.items()},
                    "config": asdict(cfg), "protocol": asdict(protocol)}, fh, indent=1)
     plots = []

@@ -272,7 +272,7 @@ def test_run_paper_picks_b0_and_lrs_and_uses_them_on_every_seed(monkeypatch, tmp
     monkeypatch.setattr(presets, "_run", fake_run)
     monkeypatch.setattr(plots, "plots_available", lambda: False)
     proto = Protocol(optimizers=("signum",), seeds=(0, 1), grid=(8, 16, 32),
-                     lrs=(("signum", (1e-3, 2e-3, 4e-3)),))
+                     lrs=(("signum", (1e-3, 2e-3, 4e-3)),), select="first")
     res = run_paper(DemoConfig(), proto, str(tmp_path / "p"), log=lambda m: None)
     d = res["per_optimizer"]["signum"]
     assert d["B0"] == 16
@@ -306,3 +306,75 @@ def test_no_lr_line_without_a_search():
     d = {"B0": 16, "seeds": [row], "seeds_used": [0], "geometry": "l1",
          "lr": {"baseline": None, "euclidean": None, "adaptive": None}}
     assert "peak LR" not in paper_table({"signum": d})
+
+
+def _fake_protocol_run(finals, launched):
+    """A stand-in for presets._run: final loss finals(rc), no training."""
+    def fake_run(rc, log):
+        launched.append(rc)
+        final = finals(rc)
+        summary = {"final_val_loss": final, "best_val_loss": final, "steps": 3,
+                   "elapsed_s": 1.0, "final_batch_size": rc.initial_batch_size}
+        metrics = {"step": [0.0, 1.0, 2.0], "samples": [8.0, 16.0, 24.0],
+                   "val_loss": [2.0, 1.5, final], "batch_size": [8.0, 8.0, 8.0]}
+        return summary, metrics
+    return fake_run
+
+
+def test_run_paper_chooses_on_the_mean_over_seeds(monkeypatch, tmp_path):
+    """select='all': the grid and the LR search run on every seed and the choice is the
+    lowest MEAN final loss. Seed 0 alone favours (B 32, 4e-3) and l1 at 4e-3 (a lucky draw);
+    the means favour (16, 2e-3) and l1 at 2e-3. Every seed's table runs are the grid's and
+    the search's own (no extra launch)."""
+    import gns_kernels.demo.plots as plots
+    import gns_kernels.demo.presets as presets
+
+    const = {(16, 2e-3): (1.10, 1.10, 1.10), (16, 4e-3): (1.12, 1.12, 1.13),
+             (32, 2e-3): (1.15, 1.14, 1.15), (32, 4e-3): (1.05, 1.20, 1.21)}
+    adaptive = {("l2", 2e-3): (1.30, 1.31, 1.29), ("l2", 4e-3): (1.35, 1.36, 1.34),
+                ("l1", 2e-3): (1.22, 1.20, 1.21), ("l1", 4e-3): (1.18, 1.27, 1.26)}
+    seeds = (5, 6, 7)
+
+    def finals(rc):
+        i = seeds.index(rc.seed)
+        if not rc.adaptive:
+            return const[(rc.initial_batch_size, rc.lr)][i]
+        assert rc.initial_batch_size == 16   # the adaptive runs start from the chosen B_0
+        return adaptive[(rc.resolved_geometry(), rc.lr)][i]
+
+    launched = []
+    monkeypatch.setattr(presets, "_run", _fake_protocol_run(finals, launched))
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
+    proto = Protocol(optimizers=("signum",), seeds=seeds, grid=(16, 32),
+                     lrs=(("signum", (2e-3, 4e-3)),))
+    res = run_paper(DemoConfig(), proto, str(tmp_path / "p"), log=lambda m: None)
+    d = res["per_optimizer"]["signum"]
+    assert (d["B0"], d["lr"]) == (16, {"baseline": 2e-3, "euclidean": 2e-3, "adaptive": 2e-3})
+    # grid 4 x 3 seeds, search 2 LRs x 2 kinds x 3 seeds, then the 9 table runs, all reused
+    assert len(launched) == 12 + 12 + 9
+    assert len({rc.out for rc in launched}) == 24
+    assert [s["final"]["baseline"] for s in d["seeds"]] == [1.10, 1.10, 1.10]
+    assert [s["final"]["adaptive"] for s in d["seeds"]] == [1.22, 1.20, 1.21]
+    # the grid table reports every seed and the mean
+    row = next(l for l in res["grid_table"].splitlines() if l.split()[1:3] == ["32", "0.004"])
+    assert "1.0500/1.2000/1.2100" in row and f"{(1.05 + 1.20 + 1.21) / 3:.4f}" in row
+    with open(tmp_path / "p" / "paper.json") as fh:
+        saved = json.load(fh)
+    assert saved["selection_seeds"] == [5, 6, 7]
+    assert [r["final_val_loss"] for r in saved["grid"]["signum"][3]["runs"]] == [1.05, 1.20, 1.21]
+
+
+def test_per_optimizer_grids_and_selection_seeds_are_checked():
+    p = Protocol(grid=(16, 32), grids=(("muon", (8, 16)),))
+    assert p.grid_for("signum") == (16, 32) and p.grid_for("muon") == (8, 16)
+    assert Protocol().grid_for("muon")[0] == 8 and Protocol().select_seeds() == (0, 1, 2)
+    assert Protocol(seeds=(4, 2), select="first").select_seeds() == (4,)
+    for bad in ((), (16, 16), (0, 16), (16.0,), (True,)):
+        with pytest.raises(DemoError, match=r"Protocol.grids\['muon'\]: expected distinct integer"):
+            Protocol(grids=(("muon", bad),)).grid_for("muon")
+    with pytest.raises(DemoError, match="Protocol.grid: expected distinct integer"):
+        Protocol(grid=(8, 8)).grid_for("signum")
+    with pytest.raises(DemoError, match="Protocol.select: expected 'all' or 'first', got 'best'"):
+        Protocol(select="best").select_seeds()
+    with pytest.raises(DemoError, match="Protocol.seeds: expected at least one seed"):
+        Protocol(seeds=()).select_seeds()
