@@ -82,6 +82,8 @@ class Measurement(NamedTuple):
     valid: bool
     step: int
     gns: float
+    noise_pooled: Optional[float] = None  # the hook's noise pool (divided likewise), or None
+    pool_beta: Optional[float] = None
 
 
 def _as_list(x) -> list:
@@ -242,6 +244,11 @@ class AdaptiveBatching:
         self._warned: set = set()
         self._apply_batch()
         self.state.step = 0
+        self.state.grad_scale = self._scale
+        if getattr(self.state, "pool", None) is not None and self.state._order is None:
+            # the noise pool is saved keyed by the optimizers' parameter order
+            self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
+                                   for p in g["params"])
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -362,6 +369,7 @@ class AdaptiveBatching:
         skip_sync, last = self._sync_contexts(model, A)
         self._served = True
         self._scale = self._read_scale()
+        self.state.grad_scale = self._scale  # the pool stores statistics / scale^2
         feeds_sampler = self.sampler is not None and getattr(loader, "batch_sampler", None) is self.sampler
         for a in range(A):
             batch = self._next_item(loader)
@@ -435,8 +443,10 @@ class AdaptiveBatching:
                             "it is not used")
             return None
         s2 = self._scale * self._scale
+        pooled = getattr(est, "noise_pooled", None)
         return Measurement(float(est.noise) / s2, float(est.signal) / s2, bool(est.valid), k,
-                           float(est.gns))
+                           float(est.gns), None if pooled is None else float(pooled) / s2,
+                           getattr(est, "pool_beta", None))
 
     def _sync_lrs(self) -> None:
         m = self._lrm.multiplier
@@ -485,6 +495,7 @@ class AdaptiveBatching:
         self._sync_lrs()
         self._lrm.step(ctrl.lr_multiplier)
         self._scale = self._read_scale()
+        self.state.grad_scale = self._scale
         self._last = self._record(k, B_used, A_used, scale_used, measure, est)
         return new
 
@@ -500,6 +511,8 @@ class AdaptiveBatching:
             "valid": bool(est.valid) if est is not None else False,
             "gns": est.gns if est is not None else nan,
             "noise": est.noise if est is not None else nan,
+            "noise_pooled": (est.noise_pooled if est is not None and est.noise_pooled is not None
+                             else nan),
             "signal": est.signal if est is not None else nan,
             "noise_ema": nan if ctrl.noise_ema is None else ctrl.noise_ema,
             "signal_ema": nan if ctrl.signal_ema is None else ctrl.signal_ema,
@@ -525,8 +538,9 @@ class AdaptiveBatching:
         """The last completed step as a flat dict of plain Python values: step,
         samples_seen, batch_size (B_k), accum_steps, micro_batch_size, next_batch_size
         (B_{k+1}), lr_multiplier (omega_{k+1}), lr_<i> (every param group's next lr),
-        measuring_step, measured, valid, gns, noise, signal (the measurement of step k,
-        divided by grad_scale^2; nan when not measured), noise_ema, signal_ema, gns_ema,
+        measuring_step, measured, valid, gns, noise, noise_pooled, signal (the measurement
+        of step k, divided by grad_scale^2; nan when not measured; noise_pooled nan without
+        a noise pool), noise_ema (the pooled noise when the hook pools), signal_ema, gns_ema,
         target_batch_size, grad_scale; and ``noise/<layer>``, ``signal/<layer>`` when the
         hook state exposes a ``layer_stats`` dict {name: (noise, signal)}. Empty before the
         first ``step()``."""
@@ -631,3 +645,4 @@ class AdaptiveBatching:
         self._loader = self._iter = None
         self._served, self._consumed = False, 0
         self._scale = self._read_scale()
+        self.state.grad_scale = self._scale

@@ -15,6 +15,12 @@ Rule (paper Algorithm 1 and eq. (var_ema_method)):
 
   The EMAs start at the first valid measurement (N = noise, M = signal), so there is no
   zero-initialisation bias to correct.
+  An estimate that carries a pooled noise (``noise_pooled`` not None: a hook state with a
+  noise pool, gns_kernels.pooling) has formed the noise EMA already, on the variances /
+  covariances before their square roots: then N_k = estimate.noise_pooled (the pool's EMA
+  factor ``pool_beta`` takes the place of beta_noise; a WARNING is logged once when the two
+  differ) and only M is averaged here. A measurement whose noise_pooled is not a finite
+  number >= 0 is invalid.
 - A measurement is *invalid* (and skipped: EMAs and batch unchanged, a WARNING is logged)
   when ``estimate.valid`` is False, when noise or signal is not finite, when signal <= 0,
   or when noise < 0. ``estimate=None`` at a measuring step means "nothing was measured"
@@ -78,6 +84,17 @@ def _optional_real(name: str, value: Any, lo: float, lo_open: bool) -> float | N
     if value is None:
         return None
     return _check_real(name, value, lo, lo_open=lo_open)
+
+
+def _pooled_noise(estimate: Any) -> float | None:
+    """estimate.noise_pooled as a float (nan when not a number), None when absent."""
+    v = getattr(estimate, "noise_pooled", None)
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _ceil_tolerant(x: float) -> int:
@@ -188,6 +205,7 @@ class AdaptiveBatchSize:
         self._last_measured_step: int | None = None
         self._num_measurements = 0
         self._num_skipped = 0
+        self._warned_pool_beta = False
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -273,6 +291,9 @@ class AdaptiveBatchSize:
             return f"signal <= 0 ({signal})"
         if noise < 0.0:
             return f"noise < 0 ({noise})"
+        pooled = _pooled_noise(estimate)
+        if pooled is not None and not (math.isfinite(pooled) and pooled >= 0.0):
+            return f"pooled noise not a finite number >= 0 ({pooled})"
         return None
 
     def update(self, step: int, estimate: Any = None) -> int:
@@ -309,6 +330,9 @@ class AdaptiveBatchSize:
             return self._batch_size
 
         noise, signal = float(estimate.noise), float(estimate.signal)
+        pooled = _pooled_noise(estimate)
+        if pooled is not None:
+            self._check_pool_beta(getattr(estimate, "pool_beta", None))
         if self._noise_ema is None or self._signal_ema is None:
             self._noise_ema, self._signal_ema = noise, signal
         else:
@@ -316,11 +340,23 @@ class AdaptiveBatchSize:
             self._signal_ema = (
                 self.beta_signal * self._signal_ema + (1.0 - self.beta_signal) * signal
             )
+        if pooled is not None:  # the hook's pool is the noise EMA
+            self._noise_ema = pooled
         self._num_measurements += 1
         self._last_measured_step = step
         if step >= self.warmup_steps:
             self._decide(step)
         return self._batch_size
+
+    def _check_pool_beta(self, pool_beta) -> None:
+        if (isinstance(pool_beta, Real) and not isinstance(pool_beta, bool)
+                and float(pool_beta) != self.beta_noise and not self._warned_pool_beta):
+            self._warned_pool_beta = True
+            logger.warning(
+                "the estimates carry a noise pooled with pool_beta %s, which replaces this "
+                "controller's noise EMA (beta_noise %s is not applied); build the hook state "
+                "with pool_beta=%s to average over the window you chose", pool_beta,
+                self.beta_noise, self.beta_noise)
 
     def _decide(self, step: int) -> None:
         assert self._noise_ema is not None and self._signal_ema is not None

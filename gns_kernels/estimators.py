@@ -80,6 +80,12 @@ class GNSEstimate:
     paper's raw signal (equal to signal when signal_kind is 'raw'; nan when invalid).
     nuclear_dof: nuclear with bias correction, the dof mode the correction used
     ('gauss-sums', 'columns', 'data' or 'rank_one'); None otherwise or when not known.
+    noise_pooled: the pooled noise of a hook state with a noise pool (l1 / nuclear with
+    bias correction, ``pool_beta`` not None; gns_kernels.pooling): the noise formed from
+    the EMA of this and the earlier measurements' variances / covariances, in this
+    estimate's units. It is the noise EMA the controller uses in place of its own
+    (``AdaptiveBatchSize.update``); nan when invalid; None without a pool (gk.estimate,
+    l2, the paper's raw estimator). pool_beta: that pool's EMA factor (None without one).
     """
 
     gns: float
@@ -96,6 +102,8 @@ class GNSEstimate:
     signal_kind: str = "raw"
     signal_raw: float | None = None
     nuclear_dof: str | None = None
+    noise_pooled: float | None = None
+    pool_beta: float | None = None
 
     @property
     def gns_unbiased_signal(self) -> float | None:
@@ -157,6 +165,8 @@ def estimate_from_stats(
     signal: str = "raw",
     signal_debiased_sum=None,
     nuclear_dof: str | None = None,
+    noise_pooled_sum=None,
+    pool_beta: float | None = None,
 ) -> GNSEstimate:
     """Build a GNSEstimate from reduced statistics (used by estimate() and the hooks).
 
@@ -178,6 +188,9 @@ def estimate_from_stats(
       sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear), squared here. A debiased signal
       <= 0 (the noise dominates the whole mean gradient) gives valid=False.
     nuclear_dof: recorded as GNSEstimate.nuclear_dof (nuclear with bias correction).
+    noise_pooled_sum: a noise pool's sum (l1: sum of the pooled, corrected ||s||_1 parts;
+    nuclear: sum_l of the pooled, corrected tr(P_l^{1/2})), squared into noise_pooled (nan
+    when it is not a finite number >= 0 or the estimate is invalid); pool_beta recorded.
     """
     _check_geometry(geometry)
     R, B = _check_counts(num_samples, batch_size)
@@ -226,16 +239,23 @@ def estimate_from_stats(
         and (noise_raw is None or math.isfinite(noise_raw))
     )
     nan = math.nan
+    pooled = None
+    if noise_pooled_sum is not None:
+        p = _as_float(noise_pooled_sum)
+        pooled = p * p if (math.isfinite(p) and p >= 0 and math.isfinite(p * p)) else nan
+    pool = dict(noise_pooled=pooled, pool_beta=pool_beta)
     if not valid:
         return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
-                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label)
+                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label,
+                           **dict(pool, noise_pooled=None if pooled is None else nan))
     gns = noise / sig
     sig_unb = signal_raw - noise / B if geometry == "l2" else None
     if not math.isfinite(gns):  # signal so small that the quotient overflows
         return GNSEstimate(nan, nan, nan, False, nan if geometry == "l2" else None,
-                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label)
+                           geometry, R, B, bias_correction, nan, step, kind, nan, dof_label,
+                           **dict(pool, noise_pooled=None if pooled is None else nan))
     return GNSEstimate(gns, noise, sig, True, sig_unb, geometry, R, B,
-                       bias_correction, noise_raw, step, kind, signal_raw, dof_label)
+                       bias_correction, noise_raw, step, kind, signal_raw, dof_label, **pool)
 
 
 def _check_real_tensor(name: str, t: Tensor) -> None:

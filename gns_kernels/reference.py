@@ -18,6 +18,7 @@ formulas above in exact arithmetic and loses no digits to cancellation.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "accumulate_sq",
     "nuclear_stats",
     "raw_gns",
+    "pooled_noise",
 ]
 
 
@@ -235,3 +237,94 @@ def raw_gns(
         n, s = nuclear_stats(mats, batch_size)
         return float(n.sum()) ** 2, float(s.sum()) ** 2
     raise ValueError(f"geometry: expected 'l2', 'l1' or 'nuclear', got {geometry!r}")
+
+
+def _c4(n: float) -> float:
+    """E[s] / sigma for a sample standard deviation of n Gaussian samples (real n > 1)."""
+    return math.sqrt(2.0 / (n - 1.0)) * math.exp(math.lgamma(n / 2.0) - math.lgamma((n - 1.0) / 2.0))
+
+
+def _pooled_sqrt_trace(P: Tensor, nu: float) -> float:
+    """tr(P^{1/2}) corrected for nu degrees of freedom (the second-order Wishart form):
+    raw / c4(nu / k + 1), k = (sum_ij s_i s_j / (s_i + s_j) + raw / 2) / raw."""
+    s = torch.linalg.eigvalsh(P).clamp_min(0).sqrt()
+    raw = float(s.sum())
+    if raw == 0.0:
+        return 0.0
+    ss = s[:, None] + s[None, :]
+    pair = float(torch.where(ss > 0, s[:, None] * s[None, :] / torch.where(ss > 0, ss, torch.ones_like(ss)),
+                             torch.zeros_like(ss)).sum())
+    k = (pair + 0.5 * raw) / raw
+    nu_eff = max(nu / k, 1.0)
+    return raw / _c4(nu_eff + 1.0) if math.isfinite(nu_eff) else raw
+
+
+def pooled_noise(
+    measurements: Sequence[tuple[Sequence[Sequence[Tensor]], float] | None],
+    geometry: str,
+    beta: float,
+    grad_scales: Sequence[float] | None = None,
+) -> list[list[float]]:
+    """The noise pools of gns_kernels.pooling, eagerly, in float64 (loops, two-pass variances).
+
+    measurements[t] = (rank_grads, batch_size) of measurement t (rank_grads as raw_gns), or
+    None for a measurement that is not folded (invalid). grad_scales[t]: the loss scale the
+    gradients of measurement t carry (default 1). Returns, per measurement, one pooled value
+    per parameter in the units of that measurement's gradients:
+      l1:      sum_i sqrt(P_i) / c4(1/U + 1)  (P the EMA of s2_i; U = sum_k w_k^2 / (S_k - 1));
+      nuclear: per 2-D parameter the corrected tr(P^{1/2}) for nu_s / U degrees of freedom,
+               nu_s = num / var from the EMAs (from the second measurement) of
+               tr C tr P' + <C, P'> and ||C - P'||_F^2 / (1/(S - 1) + U'), P' and U' the pool
+               before the fold; nan for the first measurement (no pair yet).
+    EMA: the first folded measurement sets the pool, each later one P <- beta P + (1-beta) x.
+    An invalid measurement (None) gives [] and changes nothing; a parameter whose statistics
+    are not finite gives nan and its pool skips that measurement (the others fold it).
+    """
+    if geometry not in ("l1", "nuclear"):
+        raise ValueError(f"geometry: expected 'l1' or 'nuclear', got {geometry!r}")
+    state: dict = {}
+    out: list[list[float]] = []
+    for t, meas in enumerate(measurements):
+        if meas is None:
+            out.append([])
+            continue
+        rank_grads, B = meas
+        gs = 1.0 if grad_scales is None else float(grad_scales[t])
+        S = len(rank_grads)
+        vals = []
+        for p in range(len(rank_grads[0])):
+            samples = [rg[p] for rg in rank_grads]
+            if geometry == "nuclear" and samples[0].dim() != 2:
+                continue
+            if geometry == "l1":
+                x = coordinate_variance(samples, B).reshape(-1) / gs ** 2
+            else:
+                x = row_covariance(samples, B) / gs ** 2
+            if not bool(torch.isfinite(x).all()):  # this parameter's pool skips the measurement
+                vals.append(math.nan)
+                continue
+            st = state.get(p)
+            if st is None:
+                st = state[p] = {"P": x.clone(), "n": 1, "U": 1.0 / (S - 1), "num": 0.0, "var": 0.0,
+                                 "npair": 0}
+            else:
+                if geometry == "nuclear":
+                    P0 = st["P"]
+                    num_k = float(torch.trace(x) * torch.trace(P0) + (x * P0).sum())
+                    var_k = float(((x - P0) ** 2).sum()) / (1.0 / (S - 1) + st["U"])
+                    bp = beta if st["npair"] else 0.0
+                    st["num"] = bp * st["num"] + (1 - bp) * num_k
+                    st["var"] = bp * st["var"] + (1 - bp) * var_k
+                    st["npair"] += 1
+                st["P"] = beta * st["P"] + (1 - beta) * x
+                st["U"] = beta ** 2 * st["U"] + (1 - beta) ** 2 / (S - 1)
+                st["n"] += 1
+            if geometry == "l1":
+                vals.append(gs * float(st["P"].sqrt().sum()) / _c4(1.0 / st["U"] + 1.0))
+            elif st["npair"] == 0:
+                vals.append(math.nan)
+            else:
+                nu_s = st["num"] / st["var"] if st["var"] > 0 else math.inf
+                vals.append(gs * _pooled_sqrt_trace(st["P"], nu_s / st["U"]))
+        out.append(vals)
+    return out

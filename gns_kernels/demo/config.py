@@ -21,7 +21,7 @@ DEFAULT_LR = {"muon": 0.02, "specsgd": 0.02, "signum": 1e-3, "signsgd": 3e-4,
 COMPARE_SAMPLES = 6000   # default budget of each --compare run (four runs in < 15 min here)
 METRIC_COLUMNS = ["step", "samples", "lr", "batch_size", "gns_raw", "gns_ema", "train_loss",
                   "val_loss", "lr_multiplier", "accum_steps", "micro_batch", "elapsed_s",
-                  "noise", "signal"]
+                  "noise", "signal", "noise_pooled"]
 DEFAULT_TIMEOUT = 300.0  # seconds: process-group set-up and any one collective
 # keys that change how a run is watched or where it stops, not what it computes: a resumed
 # run may differ from its checkpoint in these

@@ -98,6 +98,8 @@ class Trainer:
         else:
             self.hook_state = GNSHookState(geometry=self.geometry, every=cfg.every, batch_size=B0,
                                            params=measured, bias_correction=cfg.bias_correction)
+            if measured is None:  # the noise pool is checkpointed keyed by this order
+                self.hook_state.bind_params(self.model.parameters())
         self.ddp.register_comm_hook(self.hook_state, ddp_gns_hook)
 
         self.budget = cfg.samples
@@ -137,7 +139,8 @@ class Trainer:
         self.lrm.load_state_dict(ck["lr_multiplier"])
         self.ctrl.load_state_dict(ck["controller"])
         self.sampler.load_state_dict(ck["sampler"])
-        self.hook_state.load_state_dict(ck["hook"])
+        hook = ck["hook"]  # one per rank (each holds its share of the noise pool)
+        self.hook_state.load_state_dict(hook[self.rank] if isinstance(hook, list) else hook)
         set_rng_state(ck["rng"][self.rank])
         self.step = ck["step"]
         self.elapsed_before = ck["elapsed"]
@@ -160,15 +163,18 @@ class Trainer:
         return self.elapsed_before + time.time() - self.t0
 
     def save(self) -> None:
-        """Collective: gathers every rank's RNG state; rank 0 writes checkpoint.pt."""
+        """Collective: gathers every rank's RNG state and hook state (its share of the noise
+        pool); rank 0 writes checkpoint.pt."""
         rngs = [None] * self.world
         dist.all_gather_object(rngs, rng_state())
+        hooks = [None] * self.world
+        dist.all_gather_object(hooks, self.hook_state.state_dict())
         if self.is_main:
             ck = {"model": self.model.state_dict(),
                   "optimizers": [o.state_dict() for o in self.optimizers],
                   "schedulers": [s.state_dict() for s in self.schedulers],
                   "lr_multiplier": self.lrm.state_dict(), "controller": self.ctrl.state_dict(),
-                  "sampler": self.sampler.state_dict(), "hook": self.hook_state.state_dict(),
+                  "sampler": self.sampler.state_dict(), "hook": hooks,
                   "rng": rngs, "step": self.step, "elapsed": self.elapsed(),
                   "best_val": self.best_val, "config": asdict(self.cfg)}
             save_checkpoint(ck, self.ckpt_path)
@@ -238,12 +244,13 @@ class Trainer:
             self.best_val = min(self.best_val, val_loss)
         gns_raw = estimate.gns if (estimate is not None and estimate.valid) else None
         noise = None if estimate is None else estimate.noise
+        noise_pooled = None if estimate is None else estimate.noise_pooled
         signal = None if estimate is None else estimate.signal
         row = dict(step=step, samples=sampler.samples_seen, lr=lr_used, batch_size=B,
                    gns_raw=gns_raw, gns_ema=ctrl.gns_ema, train_loss=train_loss, val_loss=val_loss,
                    lr_multiplier=self.lrm.multiplier, accum_steps=len(micro),
                    micro_batch=sampler.micro_batch_size, elapsed_s=self.elapsed(),
-                   noise=noise, signal=signal)
+                   noise=noise, noise_pooled=noise_pooled, signal=signal)
         return row, last_step
 
     # -- the loop --------------------------------------------------------------------------

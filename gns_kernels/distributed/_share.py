@@ -36,6 +36,14 @@ results:
   tr M_l, ||M_l||_F^2, R) (M_l = R / scale C_l = sum_j d_j d_j^T) and the corrected
   sqrt-trace (bias.nuclear_sqrt_trace_corrected_from_sums's formula): device ops only, so
   on the Newton (GPU) path nothing is read on the host either.
+- noise pool (``pool``, gns_kernels.pooling; l1 / nuclear with bias correction): the rank
+  that solves a matrix's noise also folds its covariance C_l = scale (M_l - D_l D_l^T) into
+  the pool under the matrix's key, solves the pooled covariance's sqrt-trace and pair sum
+  (one more sqrt-trace per owned matrix, same solver) and corrects it for the pool's
+  degrees of freedom. Rows added: pool_l (the pooled corrected tr(P_l^{1/2})) and
+  pool_new_l (1.0 when the pool has no pair of measurements yet, the first measurement:
+  the pooled value is then that measurement's own corrected noise, formed after the
+  all-reduce like the 'gauss-sums' one). The pooled total is kept as ``pooled_total``.
 - validity: a rank whose solved inputs are non-finite (non-finite gradients on some rank)
   writes NaN for the values it owns in that part; a solver failure likewise (with a
   warning). NaN survives the sum, so the measurement is invalid on every rank.
@@ -55,6 +63,7 @@ from .. import spectral
 from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
+from ..pooling import NoisePool
 from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
 from ._stats import all_finite
 
@@ -76,14 +85,45 @@ def assign_solves(costs: Sequence[int], loads: list) -> list[int]:
     return owners
 
 
-def share_rows(signal_debiased: bool = False, gauss_sums: bool = False) -> dict:
+def share_rows(signal_debiased: bool = False, gauss_sums: bool = False, pooled: bool = False) -> dict:
     """Row name -> row index of the shared vector (module docstring)."""
     names = ["noise", "signal", "used64"]
     if signal_debiased:
         names.append("signal_deb")
     if gauss_sums:
         names += ["pair", "trace", "fro2", "q", "a"]
+    if pooled:
+        names += ["pool", "pool_new"]
     return {n: i for i, n in enumerate(names)}
+
+
+def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
+                       shapes: Sequence[tuple], num_samples: int, grad_scale: float,
+                       method: str = "auto", hints=None) -> Tensor:
+    """Fold each covariance into the pool under its key, then the pooled, corrected
+    tr(P^{1/2}) per matrix: float64 Tensor[2, L] rows [pooled value, new] (new = 1.0 where
+    the pool has no pair yet: the caller uses the measurement's own corrected noise there;
+    the value is then 0). NaN values where a covariance is not finite. The sqrt-traces and
+    pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
+    in one call; no host synchronization."""
+    L = len(covs)
+    dev = covs[0].device
+    Ps, nus = [], []
+    for key, C in zip(keys, covs):
+        P, nu = pool.fold_covariance(key, C, num_samples, grad_scale)
+        Ps.append(P)
+        nus.append(nu)
+    nu = torch.stack(nus).to(dev)
+    zeros = [torch.zeros_like(P) for P in Ps]
+    _, _, _, sums = nuclear_stats_from_grams_select(
+        Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
+        eig_hints=hints, record_hints=False, return_sums=True)
+    sums = sums.to(device=dev, dtype=torch.float64)
+    value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, torch.ones_like(nu)))
+    new = (nu == 0)
+    value = torch.where(new, torch.zeros_like(value), value)
+    value = torch.where(torch.isnan(nu), torch.full_like(value, float("nan")), value)
+    return torch.stack([value, new.to(torch.float64)])
 
 
 def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
@@ -103,7 +143,8 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
 
 def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
                owned_s: Sequence[bool], device, rows: Optional[dict] = None,
-               qa: Optional[Tensor] = None, solve_debiased: Optional[Callable] = None) -> Tensor:
+               qa: Optional[Tensor] = None, solve_debiased: Optional[Callable] = None,
+               pool_fold: Optional[Callable] = None) -> Tensor:
     """One part (bucket / param group) of a rank's share: float64 Tensor[len(rows), L_part].
 
     solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
@@ -113,7 +154,10 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
     all NaN when an owned input is non-finite; used64 (0 / 1); q, a: ``qa`` (every matrix,
     this rank's deviation sums). solve_debiased(select): the debiased signals (row
-    signal_deb). Entries this rank does not own are 0. No host synchronization.
+    signal_deb). pool_fold(covs) -> Tensor[2, number of owned noise matrices]: rows pool,
+    pool_new of the owned matrices (pooled_sqrt_traces), given the covariances the solve
+    appended to its ``cov_out`` list as (l, C). Entries this rank does not own are 0. No
+    host synchronization.
     """
     rows = rows or share_rows()
     L = len(owned_n)
@@ -122,7 +166,9 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
         out[rows["q"]:rows["q"] + 2] = qa.to(device=device, dtype=torch.float64)
     if not (any(owned_n) or any(owned_s)):
         return out
-    res = solve((list(owned_n), list(owned_s)))
+    covs: list = []
+    res = solve((list(owned_n), list(owned_s)), covs) if pool_fold is not None else \
+        solve((list(owned_n), list(owned_s)))
     noise, signal, used = res[0], res[1], res[2]
     ok = all_finite(inputs, device)
     nan_like = lambda v: torch.full_like(v, float("nan"))  # noqa: E731
@@ -140,6 +186,11 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     if "signal_deb" in rows and any(owned_s):
         deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
         out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
+    if pool_fold is not None and covs:
+        idx = torch.tensor([l for l, _ in covs], device=device)
+        vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
+        p = rows["pool"]
+        out[p:p + 2].index_copy_(1, idx, torch.where(ok, vals, nan_like(vals)))
     return out
 
 
@@ -163,6 +214,9 @@ def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional
     out = [noise.sum(), v[rows["signal"]].sum()]
     if "signal_deb" in rows:
         out.append(v[rows["signal_deb"]].sum())
+    if "pool" in rows:  # the first measurement of a pool: its own corrected noise
+        pooled = torch.where(v[rows["pool_new"]] > 0.5, noise, v[rows["pool"]])
+        out.append(pooled.sum())
     return torch.stack(out)
 
 
@@ -180,14 +234,21 @@ class SolveShare:
 
     def __init__(self, world: int, rank: int, scale: float, bias_correction: bool,
                  num_samples: int, batch_size: float, hints=None, method: str = "auto",
-                 dof: str = "columns", signal: str = "raw"):
+                 dof: str = "columns", signal: str = "raw", pool: Optional[NoisePool] = None,
+                 grad_scale: float = 1.0, owners: Optional[dict] = None):
         if dof not in ("columns", "gauss-sums"):
             raise ValueError(f"dof: expected 'columns' or 'gauss-sums', got {dof!r}")
         check_signal(signal)
         self.gauss = bool(bias_correction) and dof == "gauss-sums"
         self.dof = dof if bias_correction else None
         self.signal = signal
-        self.rows = share_rows(signal == "debiased", self.gauss)
+        self.pool = pool if bias_correction else None
+        self.grad_scale = float(grad_scale)
+        # with a pool: key -> owner rank, kept across measurements (the pool of a matrix
+        # lives on its owner, so a matrix keeps its owner when DDP rebuilds its buckets)
+        self.sticky = owners if self.pool is not None else None
+        self.pooled_total: Optional[float] = None
+        self.rows = share_rows(signal == "debiased", self.gauss, self.pool is not None)
         self.world = world
         self.rank = rank
         self.scale = scale
@@ -206,11 +267,25 @@ class SolveShare:
         self.failed = False
 
     # ----------------------------------------------------------- assignment
-    def _owners(self, ks: Sequence[int]) -> list:
+    def _owners(self, ks: Sequence[int], keys: Optional[Sequence] = None) -> list:
         """Whether this rank owns each matrix (Gram sides ks): a matrix's noise and signal
         solves go to the same rank (cost 2 k^3), so the Gram of its mean gradient (which
-        both read) is formed on that rank only."""
-        owners = assign_solves([2 * int(k) ** 3 for k in ks], self.loads)
+        both read) is formed on that rank only. With a noise pool a matrix keeps the owner
+        it got first (``sticky``, by key); the others are assigned greedily."""
+        costs = [2 * int(k) ** 3 for k in ks]
+        if self.sticky is None or keys is None:
+            owners = assign_solves(costs, self.loads)
+            return [o == self.rank for o in owners]
+        owners: list = [None] * len(ks)
+        for i, key in enumerate(keys):
+            o = self.sticky.get(key)
+            if o is not None and 0 <= o < self.world:
+                owners[i] = o
+                self.loads[o] += costs[i]
+        free = [i for i in range(len(ks)) if owners[i] is None]
+        for i, o in zip(free, assign_solves([costs[i] for i in free], self.loads)):
+            owners[i] = o
+            self.sticky[keys[i]] = o
         return [o == self.rank for o in owners]
 
     def _run(self, fn: Callable[[], Tensor], like: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -248,11 +323,25 @@ class SolveShare:
                     method=self.method, eig_hints=self.hints, record_hints=False)
 
     # ----------------------------------------------------------- parts
+    def _pool_fold(self, keys: Optional[Sequence], own: Sequence[bool], shapes: Sequence[tuple]):
+        """The pool_fold of solve_part for one part (None without a pool)."""
+        if self.pool is None:
+            return None
+        if keys is None or len(keys) != len(own):
+            raise ValueError(f"keys: a noise pool needs one key per matrix ({len(own)}), got "
+                             f"{None if keys is None else len(keys)}")
+        okeys = [k for k, o in zip(keys, own) if o]
+        oshapes = [sh for sh, o in zip(shapes, own) if o]
+        return lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, oshapes, self.num_samples,
+                                               self.grad_scale, self.method, self.hints)
+
     def add_grads(self, mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
                   shifts: Optional[Sequence[Optional[Tensor]]],
-                  deviations: Optional[Sequence[Tensor]] = None) -> None:
+                  deviations: Optional[Sequence[Tensor]] = None,
+                  keys: Optional[Sequence] = None) -> None:
         """A DDP bucket: mean Grams (k x k), mean shifted gradients D (m x n), shifts, and
-        (dof 'gauss-sums') this rank's deviations d_j = G^j - G (m x n) per matrix."""
+        (dof 'gauss-sums') this rank's deviations d_j = G^j - G (m x n) per matrix; keys:
+        the noise pool's key of each matrix (needed with a pool)."""
         mean_grams, mean_grads = list(mean_grams), list(mean_grads)
         L = len(mean_grams)
         if L == 0:
@@ -261,32 +350,35 @@ class SolveShare:
             raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
                              f"mean gradient for each of the {L} matrices")
         ks = [A.shape[-1] for A in mean_grams]
-        own = self._owners(ks)
+        own = self._owners(ks, keys)
         shapes = [tuple(D.shape) for D in mean_grads]
         self.shapes.extend(shapes)
         dev = mean_grams[0].device
         inputs = [t for l in range(L) if own[l] for t in (mean_grams[l], mean_grads[l])]
         # on the calling stream, before the caller overwrites what the deviations view
         qa = deviation_sums(deviations, dev) if self.gauss else None
+        fold = self._pool_fold(keys, own, shapes)
 
-        def solve(select, signal="raw"):
+        def solve(select, cov_out=None, signal="raw"):
             return nuclear_stats_select(mean_grams, mean_grads, shifts=shifts, select=select,
                                         signal=signal, return_sums=self.gauss and signal == "raw",
-                                        **self._kw())
+                                        cov_out=cov_out, **self._kw())
 
         self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, qa,
-                                                 lambda sel: solve(sel, "debiased")), L, dev),
+                                                 lambda sel: solve(sel, signal="debiased"), fold),
+                              L, dev),
                   mean_grams[0], list(mean_grams) + list(mean_grads) + ([] if qa is None else [qa]))
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
-                  shapes: Sequence[Sequence[int]]) -> None:
-        """An FSDP2 param group: mean Grams, Grams of the mean gradient, parameter shapes."""
+                  shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
+        """An FSDP2 param group: mean Grams, Grams of the mean gradient, parameter shapes;
+        keys: the noise pool's key of each matrix (needed with a pool)."""
         mean_grams, dd = list(mean_grams), list(mean_grad_grams)
         L = len(mean_grams)
         if L == 0:
             return
         ks = [A.shape[-1] for A in mean_grams]
-        own = self._owners(ks)
+        own = self._owners(ks, keys)
         shapes = [tuple(int(d) for d in s) for s in shapes]
         self.shapes.extend(shapes)
         dev = mean_grams[0].device
@@ -296,12 +388,15 @@ class SolveShare:
             raise ValueError("dof: 'gauss-sums' needs each rank's deviation from the full mean "
                              "gradient, which an FSDP2 rank does not hold (only its shard)")
 
-        def solve(select, signal="raw"):
+        fold = self._pool_fold(keys, own, shapes)
+
+        def solve(select, cov_out=None, signal="raw"):
             return nuclear_stats_from_grams_select(mean_grams, dd, shapes=shapes, select=select,
-                                                   signal=signal, **self._kw())
+                                                   signal=signal, cov_out=cov_out, **self._kw())
 
         self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, None,
-                                                 lambda sel: solve(sel, "debiased")), L, dev),
+                                                 lambda sel: solve(sel, signal="debiased"), fold),
+                              L, dev),
                   mean_grams[0], list(mean_grams) + list(dd))
 
     # ----------------------------------------------------------- sharing
@@ -350,6 +445,8 @@ class SolveShare:
         eigensolver report to the hints."""
         deb = self.signal == "debiased"
         if self.reduced is None:
+            if self.pool is not None:
+                self.pooled_total = float("nan")
             return float("nan"), float("nan"), (float("nan") if deb else None)
         if self.future is not None:
             self.future.wait()
@@ -363,4 +460,6 @@ class SolveShare:
         nt = tot.numel()
         if self.hints is not None:
             self.hints.record(self.shapes, [bool(f > 0.5) for f in host[nt:].tolist()])
+        if self.pool is not None:  # the last total (module docstring)
+            self.pooled_total = float(host[nt - 1])
         return float(host[0]), float(host[1]), (float(host[2]) if deb else None)

@@ -92,18 +92,24 @@ class _Measurement:
         self.futures: list = []
         self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
         self.l_deb: dict[int, Tensor] = {}  # bucket index -> float64 debiased l1 signal sum
+        # l1 noise pool: this rank folds its 1/world slice of every measured parameter;
+        # bucket index -> float64 sum of its pooled, corrected ||s||_1 parts
+        self.rank = rank
+        self.l_pool: dict[int, Tensor] = {}
         # nuclear: the ranks share the sqrt-trace solves (_share.py); 'gauss-sums' dof when
         # each sample is one rank's gradient (its deviation from the mean is then known)
         self.dof = state.resolved_nuclear_dof(num_samples, per_sample=micro is None)
         self.share = SolveShare(world, rank, self.scale, state.bias_correction, num_samples,
                                 float(state.batch_size), hints=state.eig_hints,
-                                dof=self.dof or "columns", signal=state.signal)
+                                dof=self.dof or "columns", signal=state.signal,
+                                pool=state.pool, grad_scale=state.grad_scale,
+                                owners=state.pool_owners)
 
-    def solve_nuclear(self, mean_grams, mean_grads, shifts, deviations=None) -> None:
+    def solve_nuclear(self, mean_grams, mean_grads, shifts, deviations=None, keys=None) -> None:
         """A bucket's reduced statistics: this rank solves its share of the bucket's
         sqrt-traces (on CUDA on a side stream); no host synchronization. deviations: this
-        rank's G^j - G per matrix (dof 'gauss-sums')."""
-        self.share.add_grads(mean_grams, mean_grads, shifts, deviations)
+        rank's G^j - G per matrix (dof 'gauss-sums'); keys: the noise pool's keys."""
+        self.share.add_grads(mean_grams, mean_grads, shifts, deviations, keys)
 
     def finish(self, group) -> None:
         """After the last bucket: nuclear -- the share all-reduce is launched (not waited
@@ -113,7 +119,8 @@ class _Measurement:
             self.share.launch(group, dist.all_reduce)
             reader = _ShareReader(self.share)
             st.record_measurement(self.num_samples, None, reader.noise, reader.signal, self.step,
-                                  nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof)
+                                  nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
+                                  noise_pooled=reader.pooled)
         else:
             terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
             total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
@@ -121,7 +128,33 @@ class _Measurement:
                 debs = [self.l_deb[i] for i in sorted(self.l_deb)]
                 deb = torch.stack(debs).sum() if debs else torch.zeros((), dtype=torch.float64)
                 total = torch.cat([total, deb.to(total.device).reshape(1)])
-            st.record_measurement(self.num_samples, total, None, None, self.step)
+            pooled = None
+            if st.pool is not None:
+                pooled = _PooledSum([self.l_pool[i] for i in sorted(self.l_pool)], total.device,
+                                    group if self.world > 1 else None)
+            st.record_measurement(self.num_samples, total, None, None, self.step,
+                                  noise_pooled=pooled)
+
+
+class _PooledSum:
+    """The l1 noise pool's total over the ranks: this rank's partial sums (its slices of
+    the parameters), summed across the ranks by one all-reduce of one float64, launched
+    here (async) and waited for when called (GNSHookState.record_measurement's callable)."""
+
+    def __init__(self, parts: list, device, group):
+        part = (torch.stack(parts).sum() if parts
+                else torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
+        self.value = part
+        self.future = None
+        self.device_type = part.device.type
+        if group is not None:
+            self.future = dist.all_reduce(part, group=group, async_op=True).get_future()
+
+    def __call__(self) -> Tensor:
+        if self.future is not None:
+            self.future.wait()
+            self.future = None
+        return self.value.reshape(())
 
 
 class _ShareReader:
@@ -135,6 +168,7 @@ class _ShareReader:
         self.noise = _Value(self, 0, dev)
         self.signal = _Value(self, 1, dev)
         self.signal_deb = _Value(self, 2, dev) if share.signal == "debiased" else None
+        self.pooled = _Value(self, 3, dev) if share.pool is not None else None
 
 
 class _Value:
@@ -146,7 +180,7 @@ class _Value:
     def __call__(self) -> float:
         r = self.reader
         if r.values is None:
-            r.values = r.share.read()
+            r.values = tuple(r.share.read()) + (r.share.pooled_total,)
         return r.values[self.i]
 
 
@@ -224,6 +258,15 @@ def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) ->
         ctx.l_terms[index] = ops.variance_norms_multi(ds, qs, ctx.scale, shifts if any_shift else None)
         if st.signal == "debiased" and st.geometry == "l1":
             ctx.l_deb[index] = l1_signal_debiased_sum(ds, qs, shifts, ctx.scale, float(st.batch_size))
+        if st.pool is not None:  # this rank's slice of every measured parameter
+            roots = []
+            for (off, n, q, p, s, m), d, sq in zip([e for e in plan if e[5]], ds, qs):
+                lo, hi = ctx.rank * n // ctx.world, (ctx.rank + 1) * n // ctx.world
+                if hi > lo:
+                    roots.append(st.pool.fold_variance(st.pool_key(p), d[lo:hi], sq[lo:hi], ctx.scale,
+                                                       ctx.num_samples, st.grad_scale))
+            if roots:
+                ctx.l_pool[index] = torch.stack(roots).sum()
     if shifted:
         torch._foreach_add_(shifted, shift_vals)  # d + S: the mean gradient
     for (off, n, q, p, s, m), mean in zip(plan, means):
@@ -283,7 +326,8 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: i
                     for off, n, p, s, q, gshape in plan]
         # this rank's share of the solves; non-finite gradients on some rank give nan
         # statistics: this measurement is invalid everywhere
-        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None, devs)
+        keys = [st.pool_key(p) for off, n, p, s, q, gshape in plan] if st.pool is not None else None
+        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None, devs, keys)
         for off, n, p, s, q, gshape in plan:
             st.keep_mean(p, pack[off:off + n])
     buf.copy_(pack[:n_buf])

@@ -245,7 +245,12 @@ class _Measurement:
         self.dof = state.resolved_nuclear_dof(world, per_sample=False)
         self.share = SolveShare(world, rank, self.scale, state.bias_correction, world,
                                 float(state.batch_size), hints=state.eig_hints,
-                                dof=self.dof or "columns", signal=state.signal)
+                                dof=self.dof or "columns", signal=state.signal,
+                                pool=state.pool, grad_scale=state.grad_scale,
+                                owners=state.pool_owners)
+        # l1 noise pool: this rank folds its shard of every measured parameter; the sum of
+        # its pooled, corrected ||s||_1 parts rides in the step's one small all-reduce
+        self.l_pool: Optional[Tensor] = None
 
     def finish(self, group) -> None:
         """After the last param group: the step's one small all-reduce (l1/l2: the four
@@ -257,14 +262,22 @@ class _Measurement:
             width = 5 if (st.signal == "debiased" and st.geometry == "l1") else 4
             terms = self.l_terms if self.l_terms is not None else torch.zeros(
                 width, dtype=torch.float64, device=self.device)
+            if st.pool is not None:  # the pooled part rides last in the same all-reduce
+                part = self.l_pool if self.l_pool is not None else torch.zeros(
+                    (), dtype=torch.float64, device=terms.device)
+                terms = torch.cat([terms, part.to(terms.device).reshape(1)])
             dist.all_reduce(terms, group=group)
-            st.record_measurement(self.world, terms, None, None, self.step)
+            pooled = None
+            if st.pool is not None:
+                pooled, terms = terms[-1], terms[:-1]
+            st.record_measurement(self.world, terms, None, None, self.step, noise_pooled=pooled)
             return
         # nuclear: every param group solved its share after its Gram all-reduce
         self.share.launch(group, dist.all_reduce)
         reader = _ShareReader(self.share)
         st.record_measurement(self.world, None, reader.noise, reader.signal, self.step,
-                              nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof)
+                              nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
+                              noise_pooled=reader.pooled)
 
 
 class GNSReduceScatter:
@@ -384,6 +397,13 @@ class GNSReduceScatter:
             if seg.measured:
                 ds.append(out[seg.offset:seg.offset + seg.numel])
                 qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
+        if ds and st.pool is not None:  # this rank's shard of every measured parameter
+            # g = a d, s2 = a^2 s2(d): the pool folds gradient units (scale a^2)
+            roots = [st.pool.fold_variance(st.pool_key(seg.param), d, q_, ctx.scale * a * a, R,
+                                           st.grad_scale)
+                     for seg, d, q_ in zip([sg for sg in segs if sg.measured], ds, qs)]
+            part = torch.stack(roots).sum()
+            ctx.l_pool = part if ctx.l_pool is None else ctx.l_pool + part
         if ds:
             terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
             if st.signal == "debiased" and st.geometry == "l1":  # this shard's part of the sum
@@ -457,7 +477,8 @@ class GNSReduceScatter:
         dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
         # this rank's share of the group's sqrt-traces; non-finite gradients on some rank
         # give nan statistics: the measurement is invalid everywhere
-        ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats])
+        keys = [ctx.state.pool_key(s_.param) for s_ in mats] if ctx.state.pool is not None else None
+        ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats], keys)
         return work
 
 

@@ -51,7 +51,9 @@ import torch
 
 from .. import ops
 from .. import spectral
+from ._share import SolveShare
 from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
+from .ddp import _ShareReader
 from .state import GNSHookState, _unique
 
 Tensor = torch.Tensor
@@ -78,6 +80,8 @@ class MicroBatchGNS(GNSHookState):
             micro-batch, and its quartic sums ||d_a d_a^T||_F^2 cannot be formed from the
             accumulated Grams without keeping every micro-batch's gradient (A copies).
         signal: "raw" (default) or "debiased", as GNSHookState.
+        pool_beta: the noise pool's EMA factor (default 0.9) or None, as GNSHookState. The
+            pool's parameter order is ``params``' (so ``state_dict()`` keeps it).
 
     ``micro_step()`` must follow every micro-batch's backward: it is what counts the
     micro-batches and optimizer steps. A second backward through the measured parameters
@@ -103,13 +107,15 @@ class MicroBatchGNS(GNSHookState):
         bias_correction: bool = True,
         nuclear_dof: str = "auto",
         signal: str = "raw",
+        pool_beta: Optional[float] = 0.9,
     ):
         if isinstance(params, Tensor):
             raise TypeError("params: expected an iterable of parameters, got a single tensor")
         plist = _unique(params)
         super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
                          params=plist, process_group=process_group,
-                         bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal)
+                         bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
+                         pool_beta=pool_beta)
         self._params = [p for p in plist if self.measures(p)]
         if not self._params:
             what = "2-D parameters" if geometry == "nuclear" else "parameters"
@@ -233,6 +239,21 @@ class MicroBatchGNS(GNSHookState):
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
+            dof = self.resolved_nuclear_dof(A, per_sample=False)
+            if self.pool is not None and live:
+                # the shared-solve path on one rank (no collective): it also folds the
+                # covariances into the noise pool
+                share = SolveShare(1, 0, scale, self.bias_correction, A, float(self._batch_size),
+                                   hints=self.eig_hints, dof="columns", signal=self.signal,
+                                   pool=self.pool, grad_scale=self.grad_scale,
+                                   owners=self.pool_owners)
+                share.add_grads(grams, grads, None, None, [self.pool_key(p) for p in live])
+                share.launch(None, None)
+                reader = _ShareReader(share)
+                self.record_measurement(A, None, reader.noise, reader.signal, self.step,
+                                        nuc_signal_debiased=reader.signal_deb, nuclear_dof=dof,
+                                        noise_pooled=reader.pooled)
+                return
             deb = None
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
@@ -246,7 +267,7 @@ class MicroBatchGNS(GNSHookState):
             else:
                 n = s = float("nan")
             self.record_measurement(A, None, n, s, self.step, nuc_signal_debiased=deb,
-                                    nuclear_dof=self.resolved_nuclear_dof(A, per_sample=False))
+                                    nuclear_dof=dof, noise_pooled=None if self.pool is None else n)
         else:
             qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
             ds = [self._grad(p).view(-1) for p in live]
@@ -255,7 +276,13 @@ class MicroBatchGNS(GNSHookState):
                 deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, float(self._batch_size))
                        if ds else torch.zeros((), dtype=torch.float64))
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
-            self.record_measurement(A, terms, None, None, self.step)
+            pooled = None
+            if self.pool is not None:  # one rank: every coordinate of every parameter
+                roots = [self.pool.fold_variance(self.pool_key(p), d, q, scale, A, self.grad_scale)
+                         for p, d, q in zip(live, ds, qs)]
+                pooled = (torch.stack(roots).sum() if roots
+                          else torch.full((), float("nan"), dtype=torch.float64))
+            self.record_measurement(A, terms, None, None, self.step, noise_pooled=pooled)
 
     def _backward_seen(self) -> None:
         self._backwards += 1

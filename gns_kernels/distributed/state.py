@@ -31,6 +31,27 @@ identical on all ranks. ``shift`` may be
   is; nothing checks it: checking would need a collective);
 - "last": keep the last measured mean gradient of the measured parameters (float32, one
   gradient copy held between measurements: opt-in; the first measurement is unshifted).
+
+Noise pool (``pool_beta``, default 0.9; l1 and nuclear with bias correction): every
+measurement also folds its per-coordinate variances (l1) or per-matrix covariances
+(nuclear) into an EMA with factor ``pool_beta`` and reports the noise of the pooled
+statistics as ``estimate.noise_pooled`` (gns_kernels.pooling): the noise EMA the
+controller needs, without the small-sample bias of square roots taken per measurement
+(docs/fidelity.md). ``gk.AdaptiveBatchSize`` uses it in place of its own noise EMA, so
+``pool_beta`` plays the role of its ``beta_noise`` (keep the two equal; the controller warns
+when they differ). ``pool_beta=None`` turns pooling off (``noise_pooled`` is then None and
+the controller averages ``noise`` itself, as before). Memory: l1 one float32 per measured
+coordinate divided among the ranks (each rank pools its own share of every parameter: DDP
+its 1/R slice, FSDP2 its shard), nuclear one k x k float32 covariance (k the smaller side)
+per measured matrix on the rank that solves it, plus a few numbers per parameter.
+The pool holds this rank's share: ``state_dict()`` carries it keyed by the parameters'
+positions in the state's parameter order (``params``, or ``bind_params``; without one the
+pool is not saved and a warning says so) and tagged with this rank and the world size;
+save and load every rank's state_dict (``load_state_dict`` of another rank's or another
+world size's refuses the pool with a warning and starts it afresh). ``grad_scale`` (settable,
+default 1): the loss scale of the measured backward (a GradScaler's); the pool stores
+statistics divided by its square, so a scale that changes between measurements does not
+mix units (``gk.AdaptiveBatching`` keeps it current).
 """
 from __future__ import annotations
 
@@ -41,9 +62,12 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+import warnings
+
 from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
 from ..estimators import GEOMETRIES
+from ..pooling import NoisePool, check_pool_beta
 from ..spectral.hints import EigHints
 
 Tensor = torch.Tensor
@@ -117,6 +141,13 @@ class GNSHookState:
             the estimate's ``signal`` is then the bias-reduced one, ``signal_raw`` the
             paper's); costs one more sqrt-trace per matrix (nuclear) or one pass over the
             reduced gradient (l1) on measurement steps.
+        pool_beta: the noise pool's EMA factor in [0, 1) (default 0.9, AdaptiveBatchSize's
+            beta_noise) or None (no pool); see the module docstring. Used for l1 and
+            nuclear with ``bias_correction`` (l2 is linear: its noise EMA needs no pool;
+            the paper's raw estimator has none). Costs on measurement steps: l1 a few
+            passes over this rank's share of the reduced gradient and, under DDP, one more
+            all-reduce of one float64; nuclear one more sqrt-trace per matrix (of its pooled
+            covariance), solved by the rank that solves its noise.
     """
 
     # nuclear_dof values this state accepts (the hooks cannot form 'data': it needs
@@ -135,6 +166,7 @@ class GNSHookState:
         bias_correction: bool = True,
         nuclear_dof: str = "auto",
         signal: str = "raw",
+        pool_beta: Optional[float] = 0.9,
     ):
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry: expected one of {GEOMETRIES}, got {geometry!r}")
@@ -160,6 +192,7 @@ class GNSHookState:
             if not self._param_ids:
                 raise ValueError("params: expected at least one parameter, got an empty iterable")
         else:
+            plist = None
             self._param_ids = None
         self.process_group = process_group
         self.bias_correction = bool(bias_correction)
@@ -176,6 +209,18 @@ class GNSHookState:
                                  f"this process group has {world} (use 'auto', which falls back "
                                  "to 'columns' below 3)")
         self.signal = check_signal(signal)
+        self.pool_beta = check_pool_beta(pool_beta)
+        # the noise pool (l1 / nuclear with bias correction); keys: positions in the
+        # parameter order (params / bind_params), else ("id", id(param))
+        self.pool: Optional[NoisePool] = (
+            NoisePool(self.pool_beta) if (self.pool_beta is not None and self.bias_correction
+                                          and geometry != "l2") else None)
+        self._order: Optional[dict[int, int]] = None
+        # nuclear with a pool: pool key -> the rank that solves (and pools) that matrix
+        self.pool_owners: dict = {}
+        if plist is not None:
+            self._order = {id(p): i for i, p in enumerate(plist)}
+        self._grad_scale = 1.0
         self._step = 0
         self._estimate = None
         self._pending = None  # statistics of the last measurement, not yet read
@@ -204,6 +249,54 @@ class GNSHookState:
     @batch_size.setter
     def batch_size(self, value: float) -> None:
         self._batch_size = _check_batch_size(value)
+
+    @property
+    def grad_scale(self) -> float:
+        """The loss scale of the measured backward (settable; 1 without a GradScaler)."""
+        return self._grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0):
+            raise ValueError(f"grad_scale: expected a positive finite loss scale, got {value!r}")
+        self._grad_scale = float(value)
+
+    def bind_params(self, params: Iterable[Tensor]) -> None:
+        """Fix the parameter order that keys the noise pool in ``state_dict()`` (the
+        position of each parameter in ``params``, e.g. the optimizer's param_groups order;
+        a tensor listed twice counts once). ``params=`` at construction does the same.
+        Entries already pooled under another key are re-keyed."""
+        if isinstance(params, Tensor):
+            raise TypeError("params: expected an iterable of parameters, got a single tensor")
+        plist = _unique(params)
+        if not plist:
+            raise ValueError("params: expected at least one parameter, got an empty iterable")
+        order = {id(p): i for i, p in enumerate(plist)}
+        if self.pool is not None and len(self.pool):
+            old_ids = {v: k for k, v in self._order.items()} if self._order else {}
+            remap = {}
+            for key in self.pool.keys():
+                pid = key[1] if isinstance(key, tuple) else old_ids.get(key)
+                new = order.get(pid)
+                remap[key] = new
+            ents = {k: self.pool._entries[k] for k in self.pool.keys()}
+            self.pool.clear()
+            for k, e in ents.items():
+                if remap[k] is not None:
+                    self.pool._entries[remap[k]] = e
+            self.pool_owners = {remap[k]: o for k, o in self.pool_owners.items()
+                                if remap.get(k) is not None}
+        self._order = order
+
+    def pool_key(self, param: Tensor):
+        """The noise pool's key of ``param``: its position in the parameter order, else
+        ("id", id(param)) (not saved by ``state_dict()``)."""
+        if self._order is not None:
+            i = self._order.get(id(param))
+            if i is not None:
+                return i
+        return ("id", id(param))
 
     def is_measurement_step(self, step: Optional[int] = None) -> bool:
         """True when optimizer step k (default: the next one, ``self.step``) measures."""
@@ -280,7 +373,7 @@ class GNSHookState:
 
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
                            nuc_signal, step: int, *, nuc_signal_debiased=None,
-                           nuclear_dof: Optional[str] = None) -> None:
+                           nuclear_dof: Optional[str] = None, noise_pooled=None) -> None:
         """Record the summed statistics of the measurement of optimizer step ``step``:
         ``estimate`` (identical on every rank) is built from them on its first read, and
         ``estimate_step`` = ``step`` now.
@@ -292,7 +385,9 @@ class GNSHookState:
         nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
             (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear);
         nuc_signal_debiased: sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear with
-            ``signal`` "debiased"); nuclear_dof: the dof mode the correction used.
+            ``signal`` "debiased"); nuclear_dof: the dof mode the correction used;
+        noise_pooled: the noise pool's sum (l1: sum of the pooled corrected ||s||_1 parts;
+        nuclear: sum_l of the pooled corrected tr(P_l^{1/2})), None without a pool.
         Each may be a number, a tensor on any device (read, all together, on the first read
         of ``estimate``: the one host synchronization of the measurement) or a callable
         returning one (called then; e.g. one that waits for a collective).
@@ -300,9 +395,9 @@ class GNSHookState:
         """
         host = all(not (isinstance(v, Tensor) and v.device.type != "cpu")
                    and getattr(v, "device_type", "cpu") == "cpu"
-                   for v in (l_terms, nuc_noise, nuc_signal, nuc_signal_debiased))
+                   for v in (l_terms, nuc_noise, nuc_signal, nuc_signal_debiased, noise_pooled))
         self._pending = (num_samples, l_terms, nuc_noise, nuc_signal, step, host,
-                         nuc_signal_debiased, nuclear_dof)
+                         nuc_signal_debiased, nuclear_dof, noise_pooled)
         self.estimate_step = step
 
     @property
@@ -319,9 +414,9 @@ class GNSHookState:
         self._estimate = value
 
     def _materialize(self) -> None:
-        num_samples, l_terms, noise, signal, step, _, deb, dof = self._pending
+        num_samples, l_terms, noise, signal, step, _, deb, dof, pooled = self._pending
         self._pending = None
-        vals = [v() if callable(v) else v for v in (l_terms, noise, signal, deb)]
+        vals = [v() if callable(v) else v for v in (l_terms, noise, signal, deb, pooled)]
         tens = [v for v in vals if isinstance(v, Tensor)]
         if tens:  # one device-to-host copy for everything
             host = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tens]).cpu()
@@ -335,7 +430,7 @@ class GNSHookState:
                 else:
                     out.append(v)
             vals = out
-        self._finish(num_samples, vals[0], vals[1], vals[2], step, vals[3], dof)
+        self._finish(num_samples, vals[0], vals[1], vals[2], step, vals[3], dof, vals[4])
         est = self._estimate
         if est is not None and _HAS_STEP_FIELD:
             self._estimate = dataclasses.replace(est, step=step)
@@ -381,7 +476,7 @@ class GNSHookState:
     # ---------------------------------------------------------------- results
     def _finish(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise, nuc_signal,
                 step: Optional[int] = None, nuc_signal_debiased=None,
-                nuclear_dof: Optional[str] = None) -> None:
+                nuclear_dof: Optional[str] = None, noise_pooled=None) -> None:
         """Turn the summed statistics of one measurement into ``self.estimate``.
 
         l_terms: float64 Tensor[4] = sum over buckets of variance_norms, i.e.
@@ -395,18 +490,39 @@ class GNSHookState:
         self._estimate = estimate_from_sums(
             self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
             self.bias_correction, signal=self.signal, nuc_signal_debiased=nuc_signal_debiased,
-            nuclear_dof=nuclear_dof,
+            nuclear_dof=nuclear_dof, noise_pooled_sum=noise_pooled,
+            pool_beta=self.pool_beta if noise_pooled is not None else None,
         )
         self.estimate_step = self._step if step is None else step
 
     # ---------------------------------------------------------------- checkpoints
+    def _rank_world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        return 0, 1
+
     def state_dict(self) -> dict:
-        """Schedule, configuration and the nuclear eigensolver hints, to resume (the estimate
-        and a 'last' shift are not kept). Reads a measurement not yet read (its hints)."""
+        """Schedule, configuration, the nuclear eigensolver hints and THIS RANK's noise pool,
+        to resume (the estimate and a 'last' shift are not kept). Reads a measurement not yet
+        read (its hints). The pool is saved only with a parameter order (``params`` or
+        ``bind_params``; otherwise a RuntimeWarning says it is left out)."""
         if self._pending is not None:
             self._materialize()
-        return {"step": self._step, "every": self.every, "batch_size": self._batch_size,
-                "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
+        sd = {"step": self._step, "every": self.every, "batch_size": self._batch_size,
+              "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
+        if self.pool is not None:
+            unkeyed = [k for k in self.pool.keys() if isinstance(k, tuple)]
+            if unkeyed:
+                warnings.warn(
+                    f"GNSHookState.state_dict: {len(unkeyed)} noise-pool entries are keyed by "
+                    "object identity (no parameter order: pass params= or call bind_params), so "
+                    "they are not saved; a resumed run starts their pool afresh", RuntimeWarning,
+                    stacklevel=2)
+            rank, world = self._rank_world()
+            pool = self.pool.state_dict(key_map=lambda k: None if isinstance(k, tuple) else k)
+            owners = {k: int(o) for k, o in self.pool_owners.items() if not isinstance(k, tuple)}
+            sd["pool"] = {"rank": rank, "world": world, "owners": owners, **pool}
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Resume from ``state_dict()``. Every entry is checked before anything changes: a
@@ -426,10 +542,44 @@ class GNSHookState:
         # absent in checkpoints written before the hints existed
         hints = type(self.eig_hints)()
         hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
+        pool_sd = sd.get("pool")  # absent before the noise pool existed, or without one
+        use_pool = False
+        if pool_sd is not None and self.pool is not None:
+            if not isinstance(pool_sd, dict) or not {"rank", "world"} <= set(pool_sd):
+                raise ValueError("state_dict: 'pool' must be a dict with rank, world, beta, entries")
+            NoisePool.check_state_dict({k: v for k, v in pool_sd.items() if k in ("beta", "entries")},
+                                       "state_dict: pool")
+            owners = pool_sd.get("owners", {})
+            if not isinstance(owners, dict) or not all(
+                    isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in owners.values()):
+                raise ValueError("state_dict: pool['owners'] must map keys to rank numbers >= 0")
+            rank, world = self._rank_world()
+            if (pool_sd["rank"], pool_sd["world"]) != (rank, world):
+                warnings.warn(
+                    f"GNSHookState.load_state_dict: the noise pool was saved by rank "
+                    f"{pool_sd['rank']} of {pool_sd['world']}, this is rank {rank} of {world}: "
+                    "it is not loaded (each rank pools its own share; save and load every "
+                    "rank's state_dict) and starts afresh", RuntimeWarning, stacklevel=2)
+            elif float(pool_sd["beta"]) != self.pool_beta:
+                warnings.warn(
+                    f"GNSHookState.load_state_dict: the noise pool was saved with pool_beta "
+                    f"{pool_sd['beta']}, this state has {self.pool_beta}: it is not loaded and "
+                    "starts afresh", RuntimeWarning, stacklevel=2)
+            else:
+                use_pool = True
         self.eig_hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
+        if self.pool is not None:
+            if use_pool:
+                self.pool.load_state_dict({k: v for k, v in pool_sd.items() if k in ("beta", "entries")},
+                                          name="state_dict: pool")
+                self.pool_owners = dict(pool_sd.get("owners", {}))
+            else:
+                self.pool.clear()
+                self.pool_owners = {}
         self.every, self._step, self._batch_size = every, step, batch_size
 
     def __repr__(self) -> str:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
                 f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r}, "
-                f"nuclear_dof={self.nuclear_dof!r}, signal={self.signal!r})")
+                f"nuclear_dof={self.nuclear_dof!r}, signal={self.signal!r}, "
+                f"pool_beta={self.pool_beta!r})")

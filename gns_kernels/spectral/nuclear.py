@@ -160,6 +160,7 @@ def nuclear_stats_select(
     record_hints: bool = True,
     signal: str = "raw",
     return_sums: bool = False,
+    cov_out: list | None = None,
 ):
     """nuclear_stats solving only the selected sqrt-traces: (noise[L], signal[L], used64).
 
@@ -177,6 +178,10 @@ def nuclear_stats_select(
       sum_ij s_i s_j / (s_i + s_j), tr C, ||C||_F^2] (0 elsewhere): what a correction with
       a dof known only later needs (bias.nuclear_sqrt_trace_corrected_from_sums; the
       hooks' 'gauss-sums' dof, formed after their share all-reduce).
+    cov_out: None, or a list to which (l, C_l) is appended for every selected noise matrix
+      in ascending l, C_l = scale (mean_gram_l - D_l D_l^T) (k x k, float32, or float64
+      when a Gram is): the covariance the noise solves, for a caller that keeps it (the
+      hooks' noise pool).
     Everything else as nuclear_stats.
     """
     mean_grams = list(mean_grams)
@@ -248,9 +253,21 @@ def nuclear_stats_select(
         for l, G in zip(need_gg, gs):
             gg[l] = G
     shapes = [tuple(D.shape) for D in mean_grads]
+    _covariances(mean_grams, dd, float(scale), want_n, cov_out)
     return _solve(mean_grams, dd, gg, float(scale), others, resolve_method(method, mean_grams[0].device),
                   bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes,
                   want_n, want_s, record_hints, bool(return_sums), debias)
+
+
+def _covariances(mean_grams: list, dd: list, scale: float, want_n: list, cov_out) -> None:
+    """Append (l, scale (mean_grams[l] - dd[l])) for the selected noise matrices to cov_out."""
+    if cov_out is None:
+        return
+    for l, want in enumerate(want_n):
+        if want:
+            A = mean_grams[l].detach()
+            cdt = torch.float64 if A.dtype == torch.float64 or dd[l].dtype == torch.float64 else torch.float32
+            cov_out.append((l, (A.to(cdt) - dd[l].detach().to(cdt)).mul_(scale)))
 
 
 def _check_select(select, L: int) -> tuple[list, list]:
@@ -325,9 +342,10 @@ def nuclear_stats_from_grams_select(
     record_hints: bool = True,
     signal: str = "raw",
     return_sums: bool = False,
+    cov_out: list | None = None,
 ):
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
-    signal[L], used64); select, record_hints, used64, signal and return_sums as
+    signal[L], used64); select, record_hints, used64, signal, return_sums and cov_out as
     nuclear_stats_select."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
@@ -374,6 +392,7 @@ def nuclear_stats_from_grams_select(
             if signal_grams is not None:
                 validate_symmetric(signal_grams[l], f"signal_grams[{l}]")
     gg = signal_grams if signal_grams is not None else mean_grad_grams
+    _covariances(mean_grams, mean_grad_grams, float(scale), want_n, cov_out)
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
                   resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
                   batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints,

@@ -143,16 +143,17 @@ def test_short_two_rank_run(full_run):
         else:
             assert B[k + 1] == B[k], k                     # no measurement or warm-up: frozen
     assert grew and B[-1] > B[0]
-    # the controller's inputs are logged: its EMA of noise and signal (beta 0.9, started at
-    # the first valid measurement) recomputed from them gives the logged gns_ema
+    # the controller's inputs are logged: its EMA of the signal (beta 0.9, started at the
+    # first valid measurement) and the hook's pooled noise (the noise EMA, formed on the
+    # covariances) recomputed from them give the logged gns_ema
     N = M = None
     for r in rows:
         if r["noise"] != "":
             assert r["gns_raw"] != ""
             assert float(r["gns_raw"]) == pytest.approx(float(r["noise"]) / float(r["signal"]),
                                                         rel=1e-6)
-            n, m = float(r["noise"]), float(r["signal"])
-            N, M = (n, m) if N is None else (0.9 * N + 0.1 * n, 0.9 * M + 0.1 * m)
+            n, m = float(r["noise_pooled"]), float(r["signal"])
+            N, M = (n, m) if N is None else (n, 0.9 * M + 0.1 * m)
         else:
             assert r["gns_raw"] == ""
         if N is not None:

@@ -113,7 +113,21 @@ def _est_tuple(e):
     if e is None:
         return None
     return (e.gns, e.noise, e.signal, e.valid, getattr(e, "nuclear_dof", None),
-            getattr(e, "signal_raw", None))
+            getattr(e, "signal_raw", None), getattr(e, "noise_pooled", None))
+
+
+def _pooled_reference(history, geometry, ref_noise):
+    """The noise pool's expected noise_pooled after the measurements in ``history``
+    (gns_kernels.reference.pooled_noise, float64, beta 0.9): l1 (sum of the per-parameter
+    pooled ||s||_1)^2; nuclear (sum of the per-matrix pooled tr P^{1/2})^2, where a matrix
+    without a pair yet (the first measurement) takes the measurement's own corrected
+    noise (ref_noise: gk.estimate's, every matrix new at once)."""
+    vals = gk.reference.pooled_noise(history, geometry, 0.9)[-1]
+    if not vals:
+        return float("nan")
+    if geometry == "nuclear" and all(v != v for v in vals):
+        return ref_noise
+    return sum(vals) ** 2
 
 
 
@@ -154,6 +168,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
     dh.register_comm_hook(state, rec.hook)
     records = []
     last_mean = None
+    history = []  # (rank gradients, B) of every measurement (None: invalid), for the pool
     for k in range(steps):
         for m in (hooked, plain, local):
             for p in m.parameters():
@@ -221,7 +236,12 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
                 ref = repr(exc)
             if shift == "last":
                 last_mean = [p.grad.detach().float().clone() for p in hp]
+        ref_pooled = None
+        if measuring and state.pool is not None and not isinstance(ref, str):
+            history.append((sel, B) if ref.valid else None)
+            ref_pooled = _pooled_reference(history, geometry, ref.noise)
         records.append({
+            "ref_pooled": ref_pooled,
             "step": k,
             "measuring": measuring,
             "state_step": state.step,
@@ -272,9 +292,9 @@ class _LoggingMicroBatchGNS(MicroBatchGNS):
         self.calls.append(("end_sync", self.step))
         super().end_sync()
 
-    def record_measurement(self, num_samples, l_terms, nuc_noise, nuc_signal, step):
+    def record_measurement(self, num_samples, l_terms, nuc_noise, nuc_signal, step, **kwargs):
         self.calls.append(("record_measurement", step, num_samples))
-        super().record_measurement(num_samples, l_terms, nuc_noise, nuc_signal, step)
+        super().record_measurement(num_samples, l_terms, nuc_noise, nuc_signal, step, **kwargs)
 
 
 def _protocol_calls(rank, A=2, steps=3):

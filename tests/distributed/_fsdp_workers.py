@@ -118,7 +118,7 @@ _NUCLEAR_DOF = {"nuclear_dof": "columns"}
 
 
 def _est(e):
-    return None if e is None else (e.gns, e.noise, e.signal, e.valid)
+    return None if e is None else (e.gns, e.noise, e.signal, e.valid, e.noise_pooled)
 
 
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
@@ -157,6 +157,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
     hp = [p for n, p in zip(names, hp_all) if not n.startswith("d.")]  # parameters with a gradient
     plain_params = [q for n, q in zip(names, plain.parameters()) if not n.startswith("d.")]
     records = []
+    history = []  # (rank gradients, B) of every measurement (None: invalid), for the pool
     for k in range(steps):
         nan = nan_at is not None and k == nan_at and rank == world - 1
         for m in (hooked, plain, local):
@@ -205,11 +206,15 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
         # expectation from the gathered local gradients
         rank_grads = _gather(acc)
         idx = [i for i, p in enumerate(hp) if not subset or p.dim() == 2]
-        ref = None
+        ref = ref_pooled = None
         if measuring:
             sel = [[rg[i] for i in idx] for rg in rank_grads]
             ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, bias_correction=bias_correction,
                                    signal=signal, **_NUCLEAR_DOF))
+            if state.pool is not None:
+                from _ddp_scenarios import _pooled_reference
+                history.append((sel, B) if ref[3] else None)
+                ref_pooled = _pooled_reference(history, geometry, ref[1])
         mean64 = [torch.stack([rg[i].double() for rg in rank_grads]).mean(0) for i in range(len(hp))]
         full = [p.grad.full_tensor().double() for p in hp]
         records.append({
@@ -219,6 +224,7 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "estimate_step": state.estimate_step,
             "est": est,
             "ref": ref,
+            "ref_pooled": ref_pooled,
             "ddp": ddp_est,
             "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
                                     for p, q in zip(hp, plain_params)),

@@ -27,8 +27,13 @@ def _gauss(cfg, world):
             and world >= 3 and cfg.get("nuclear_dof", "auto") in ("auto", "gauss-sums"))
 
 
+def _pooled(cfg):
+    """Whether the hook state has a noise pool (the default: l1 / nuclear, corrected)."""
+    return cfg["geometry"] != "l2" and cfg.get("bias_correction", True)
+
+
 def _share_rows(cfg, world):
-    return 3 + (cfg.get("signal") == "debiased") + 5 * _gauss(cfg, world)
+    return 3 + (cfg.get("signal") == "debiased") + 5 * _gauss(cfg, world) + 2 * _pooled(cfg)
 
 SCENARIOS_2 = {
     "l2": dict(geometry="l2"),
@@ -165,6 +170,34 @@ def test_estimate_matches_gathered_gradients(request, world, name):
 
 
 @pytest.mark.parametrize("world,name", list(_cases()))
+def test_noise_pooled_matches_the_float64_pool(request, world, name):
+    """noise_pooled after every measurement equals gns_kernels.reference.pooled_noise on the
+    gathered gradients of all measurements so far (the EMA of the variances / covariances,
+    corrected for the pool's dof); nan at an invalid measurement, which the pool skips; the
+    first nuclear measurement is the measurement's own corrected noise. None without a
+    pool (l2, the raw estimator)."""
+    cfg = _ALL[world][name]
+    ranks = [r[name]["records"] for r in _results(request, world)]
+    tol = {"l1": 1e-5, "nuclear": 1e-3}.get(cfg["geometry"])
+    seen = 0
+    for k, rec in enumerate(ranks[0]):
+        if not rec["measuring"]:
+            continue
+        pooled = rec["est"][6]
+        if not _pooled(cfg):
+            assert pooled is None and rec["ref_pooled"] is None
+            continue
+        for other in ranks[1:]:
+            assert _same([other[k]["est"][6]], [pooled])
+        if cfg.get("nan_at") == k:
+            assert math.isnan(pooled) and math.isnan(rec["ref_pooled"])
+            continue
+        seen += 1
+        assert _rel(pooled, rec["ref_pooled"]) <= tol, (k, pooled, rec["ref_pooled"])
+    assert not _pooled(cfg) or seen >= 2
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
 def test_gradients_equal_plain_ddp(request, world, name):
     cfg = _ALL[world][name]
     res = _results(request, world)
@@ -198,8 +231,9 @@ def _expected_payload(cfg, bucket):
 
 
 def _shares_solves(cfg, world, rec):
-    """A nuclear measurement on several ranks adds the one share all-reduce."""
-    return cfg["geometry"] == "nuclear" and world > 1 and rec["measuring"]
+    """A nuclear measurement on several ranks adds the one share all-reduce; an l1 one with
+    a noise pool the all-reduce of its pooled sum (one float64)."""
+    return (cfg["geometry"] == "nuclear" or _pooled(cfg)) and world > 1 and rec["measuring"]
 
 
 def _n_matrices(rec):
@@ -223,7 +257,9 @@ def test_collectives_one_allreduce_per_bucket(request, world, name):
             assert rec["hooked_seq"] == rec["plain_seq"] + extra, rec
             assert len(payloads) == len(buckets) + extra, (payloads, buckets)
             if extra:
-                assert payloads[-1] == (_share_rows(cfg, world) * _n_matrices(rec), "torch.float64"), payloads
+                want = (_share_rows(cfg, world) * _n_matrices(rec) if cfg["geometry"] == "nuclear"
+                        else 1)
+                assert payloads[-1] == (want, "torch.float64"), payloads
                 payloads = payloads[:-1]
             for b, (numel, dtype) in zip(buckets, payloads):
                 if rec["measuring"]:
@@ -287,5 +323,10 @@ def test_micro_step_failure_on_one_rank_is_invalid_everywhere_then_recovers():
         assert valid is False and math.isnan(gns)  # step 0: invalid on every rank
         assert recs[0]["clean_est"][3] is True
         for rec in recs[1:]:  # later steps: as if nothing had failed
-            assert rec["est"][3] is True and rec["est"] == rec["clean_est"]
+            assert rec["est"][3] is True and rec["est"][:6] == rec["clean_est"][:6]
+        # ... except the noise pool, which skipped the invalid measurement: after it the pool
+        # holds one measurement, whose pooled l1 noise is that measurement's own (c4) noise
+        first = recs[1]["est"]
+        assert abs(first[6] - first[1]) <= 1e-6 * first[1]
+        assert abs(recs[1]["clean_est"][6] - first[1]) > 1e-3 * first[1]
     assert _same(res[0]["records"][0]["est"], res[1]["records"][0]["est"])

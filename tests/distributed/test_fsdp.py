@@ -188,6 +188,7 @@ def test_collectives_counted(request, world, name):
                 assert [c[0] for c in hooked] == ["reduce_scatter", "all_reduce"] * GROUPS + ["all_reduce"]
                 # L matrices = the groups' Gram all-reduces (one weight matrix per group)
                 rows = 4 if kw.get("signal") == "debiased" else 3  # + the debiased signal
+                rows += 2 * _pooled(kw)  # + the pooled value and its 'first' flag
                 assert hooked[-1] == ("all_reduce", rows * (len(ar) - 1), "torch.float64")
                 ar = ar[:-1]
             else:
@@ -205,7 +206,34 @@ def test_collectives_counted(request, world, name):
                 assert sorted(c[1] for c in ar) == sorted(2 * k * k for k in (13, 17, 5))
             else:
                 width = 5 if kw.get("signal") == "debiased" and geometry == "l1" else 4
+                width += _pooled(kw)  # the l1 noise pool's sum rides in the same all-reduce
                 assert ar[0] == ("all_reduce", width, "torch.float64")
+
+
+def _pooled(kw):
+    return kw["geometry"] != "l2" and kw.get("bias_correction", True)
+
+
+@pytest.mark.parametrize("world,name", list(_cases()))
+def test_noise_pooled_matches_the_float64_pool(request, world, name):
+    """FSDP2: noise_pooled equals gns_kernels.reference.pooled_noise on the gathered
+    gradients (each rank pools its shard, l1; the solving rank each matrix, nuclear); nan
+    at an invalid measurement; None without a pool."""
+    kw = _scenario(world, name)
+    geometry = kw["geometry"]
+    tol = TOL[geometry]
+    for rank_res in _results(request, world, name):
+        for rec in rank_res["records"]:
+            if not rec["measuring"]:
+                continue
+            pooled, want = rec["est"][4], rec["ref_pooled"]
+            if not _pooled(kw):
+                assert pooled is None
+                continue
+            if kw.get("nan_at") == rec["step"]:
+                assert math.isnan(pooled) and math.isnan(want)
+                continue
+            assert abs(pooled - want) <= tol * abs(want), (rec["step"], pooled, want)
 
 
 @pytest.mark.parametrize("world,name", list(_cases()))

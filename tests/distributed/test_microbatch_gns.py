@@ -198,22 +198,30 @@ def test_state_measured_subset_and_nuclear_matrices():
     assert st.measures(w) and st.measures(v)
 
 
-def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch):
+@pytest.mark.parametrize("pool_beta", [None, 0.9])
+def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch, pool_beta):
     from gns_kernels import spectral
+    from gns_kernels.distributed import _share
 
     def failing(*args, **kwargs):
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
 
     A, b = 2, 2
     model = _net(3)
-    mb = MicroBatchGNS(model.parameters(), geometry="nuclear", every=1, batch_size=A * b, micro_batches=A)
+    mb = MicroBatchGNS(model.parameters(), geometry="nuclear", every=1, batch_size=A * b, micro_batches=A,
+                       pool_beta=pool_beta)
     xs, ys = _micro_batches(0, A, b)
+    # without a pool the one-process path solves with spectral.nuclear_stats, with one the
+    # shared-solve path (which also folds the pool)
     monkeypatch.setattr(spectral, "nuclear_stats", failing)
+    monkeypatch.setattr(_share, "nuclear_stats_select", failing)
     with pytest.warns(RuntimeWarning, match="marked invalid"):
         for a in range(A):
             (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
             mb.micro_step()
     assert mb.estimate.valid is False and math.isnan(mb.estimate.gns)
+    assert (mb.estimate.noise_pooled is None) == (pool_beta is None)
+    assert pool_beta is None or math.isnan(mb.estimate.noise_pooled)
     assert mb.step == 1
 
 
@@ -381,11 +389,14 @@ def test_nuclear_dof_and_signal_arguments_checked():
     assert st.resolved_nuclear_dof(8, per_sample=False) == "columns"
     with pytest.raises(ValueError, match="nuclear_dof: 'gauss-sums' needs at least 3"):
         GNSHookState("nuclear", batch_size=8, nuclear_dof="gauss-sums").resolved_nuclear_dof(2)
-    # the state_dict is unaffected by the new arguments (no new keys), and round-trips
+    # the state_dict is unaffected by nuclear_dof and signal (no new keys; 'pool' is the
+    # noise pool's, empty before a measurement), and round-trips
     a = GNSHookState("nuclear", batch_size=8, nuclear_dof="columns", signal="debiased")
     a.step = 5
     sd = a.state_dict()
-    assert set(sd) == {"step", "every", "batch_size", "geometry", "eig_float64"}
+    assert set(sd) == {"step", "every", "batch_size", "geometry", "eig_float64", "pool"}
+    assert sd["pool"] == {"rank": 0, "world": 1, "owners": {}, "beta": 0.9, "entries": {}}
+    assert set(GNSHookState("nuclear", batch_size=8, pool_beta=None).state_dict()) == set(sd) - {"pool"}
     b = GNSHookState("nuclear", batch_size=16)
     b.load_state_dict(sd)
     assert b.state_dict() == sd and (b.nuclear_dof, b.signal) == ("auto", "raw")

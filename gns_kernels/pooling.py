@@ -1,0 +1,297 @@
+"""Noise pools: the statistics of successive measurements averaged BEFORE the square roots.
+
+Why. The l1 noise (sum_i s_i)^2 and the nuclear noise (sum_l tr C_l^{1/2})^2 take square
+roots of variances estimated from S samples (ranks, or ranks x micro-batches). A square root
+of a noisy estimate is biased low (Jensen), and on real networks (heavy-tailed per-example
+gradients, covariances of low effective rank) the per-measurement corrections (c4 for l1,
+the Wishart correction for nuclear) remove only part of it: at a local batch of 16 the
+single-measurement noise is 0.90-0.95 (l1) and 0.81-1.01 (nuclear) of the truth at 4 ranks
+(docs/fidelity.md). The controller averages the noise anyway (its EMA, beta_noise); averaging
+the per-coordinate variances s2_i and the per-matrix covariances C_l over the same window
+first and taking the square roots of the averages has the same window but about
+(1 + beta) / (1 - beta) times the degrees of freedom (19 at beta = 0.9), so the bias left
+after the correction shrinks about as much.
+
+What a pool holds, per key (one parameter, or this rank's shard of it):
+
+- l1 (``fold_variance``): P_i, the EMA of s2_i over the measurements (float32, one number
+  per coordinate of the key);
+- nuclear (``fold_covariance``): P, the EMA of the k x k covariance C (float32), and EMAs
+  of two pair moments of successive measurements (below);
+- weights: n, the number of measurements folded, and U = sum_k w_k^2 / (S_k - 1), w_k the
+  EMA weight of measurement k (so 1 / U is the pool's degrees of freedom in samples: a
+  Gaussian variance pooled with these weights behaves like one with 1/U degrees of
+  freedom, Satterthwaite).
+
+The EMA is the controller's: the first valid measurement sets P = x, each later one
+P <- beta P + (1 - beta) x (``gk.AdaptiveBatchSize`` starts its EMAs the same way), so the
+pooled noise IS the noise EMA, formed on the statistics instead of on the noise. A
+measurement whose statistics are not finite is not folded (P, n, U unchanged) and reports
+NaN; the next one continues the pool.
+
+Reported values (units of the measurement's own gradients, x grad_scale, below):
+
+- l1: sum_i sqrt(P_i) / c4(1/U + 1), the pooled ||s||_1 with the c4 correction for the
+  pool's 1/U degrees of freedom (exact for Gaussian rank means; the heavy-tailed residual
+  shrinks with the pooled dof);
+- nuclear: P, and nu_s, the degrees of freedom of one sample of C from the pair moments of
+  successive measurements (distribution-free, nuclear_dof's "pair" estimate against the
+  pool): with the previous pool P' (independent of C at a fixed parameter point),
+      E[tr C tr P' + <C, P'>] = (tr Sigma)^2 + ||Sigma||_F^2,
+      E ||C - P'||_F^2 = ((tr Sigma)^2 + ||Sigma||_F^2) / nu_s * (1/(S - 1) + U'),
+  EMAs of both (from the second measurement on) give nu_s = num / var, and the pool has
+  nu_s / U degrees of freedom: the caller corrects tr P^{1/2} with them
+  (bias._corrected(trace, pair sum, nu_s / U)). nu_s is 0 until a pair exists (the first
+  measurement: the caller then reports that measurement's own corrected noise).
+
+grad_scale: the loss scale of the measured backward (1 without a GradScaler). The pool
+stores statistics divided by grad_scale^2 (a scale that changes between measurements does
+not mix units) and reports them times the current grad_scale^2, in the units of the
+measurement's own (scaled) noise.
+
+Assumption (as the controller's EMA): the noise changes slowly over the window (about
+1 / (1 - beta) measurements). During training the pooled noise estimates the window's
+average noise, like an EMA of per-measurement noises, but without their small-sample bias
+(docs/fidelity.md, "Drift").
+
+Keys: any hashable (the hooks use the parameter's index in ``GNSHookState``'s parameter
+order, else its id()). ``state_dict`` / ``load_state_dict`` keep every entry (tensors and
+floats only).
+"""
+from __future__ import annotations
+
+import math
+from typing import Hashable, Optional
+
+import torch
+
+from .bias import c4_tensor
+
+Tensor = torch.Tensor
+
+__all__ = ["NoisePool", "check_pool_beta"]
+
+
+def check_pool_beta(beta) -> Optional[float]:
+    """None (no pooling) or a float in [0, 1); ValueError / TypeError naming ``pool_beta``."""
+    if beta is None:
+        return None
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise TypeError(f"pool_beta: expected None or a number in [0, 1), got {type(beta).__name__}")
+    b = float(beta)
+    if not (0.0 <= b < 1.0):
+        raise ValueError(f"pool_beta: expected None or a number in [0, 1) (the noise EMA factor, "
+                         f"as AdaptiveBatchSize's beta_noise), got {beta!r}")
+    return b
+
+
+def _check_samples(num_samples) -> int:
+    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 2:
+        raise ValueError(f"num_samples: expected an integer >= 2, got {num_samples!r}")
+    return int(num_samples)
+
+
+def _check_grad_scale(grad_scale) -> float:
+    g = float(grad_scale)
+    if not (math.isfinite(g) and g > 0):
+        raise ValueError(f"grad_scale: expected a positive finite loss scale, got {grad_scale!r}")
+    return g
+
+
+class _Entry:
+    """One key's pool: P, and 0-d float64 device tensors n, U (and, for covariances, the
+    pair-moment EMAs num, var and their count npair)."""
+
+    __slots__ = ("P", "n", "U", "num", "var", "npair")
+
+    def __init__(self, P: Tensor, pair: bool):
+        dev = P.device
+        z = lambda: torch.zeros((), dtype=torch.float64, device=dev)  # noqa: E731
+        self.P, self.n, self.U = P, z(), z()
+        self.num = self.var = self.npair = None
+        if pair:
+            self.num, self.var, self.npair = z(), z(), z()
+
+    def tensors(self) -> dict:
+        out = {"P": self.P, "n": self.n, "U": self.U}
+        if self.num is not None:
+            out.update(num=self.num, var=self.var, npair=self.npair)
+        return out
+
+
+class NoisePool:
+    """EMA pools of per-coordinate variances (l1) and covariances (nuclear); see the module
+    docstring. beta: the EMA factor in [0, 1) (the controller's ``beta_noise``; 0 keeps only
+    the last measurement, i.e. no pooling)."""
+
+    def __init__(self, beta: float = 0.9):
+        b = check_pool_beta(beta)
+        if b is None:
+            raise ValueError("beta: expected a number in [0, 1), got None")
+        self.beta = b
+        self._entries: dict = {}
+
+    # ------------------------------------------------------------------ folding
+    def _entry(self, key: Hashable, like: Tensor, pair: bool) -> _Entry:
+        e = self._entries.get(key)
+        if e is None or e.P.shape != like.shape or (e.num is None) == pair:
+            e = _Entry(torch.zeros(like.shape, dtype=torch.float32, device=like.device), pair)
+            self._entries[key] = e
+        elif e.P.device != like.device:  # e.g. loaded on the CPU, measured on a GPU
+            for name, t in e.tensors().items():
+                setattr(e, name, t.to(like.device))
+        return e
+
+    def _weights(self, e: _Entry, ok: Tensor, num_samples: int) -> Tensor:
+        """Update n and U of one fold (where ok); returns b, the factor of the old pool
+        (0 for the first fold), as a float64 0-d tensor."""
+        b = torch.where(e.n > 0, torch.full_like(e.n, self.beta), torch.zeros_like(e.n))
+        U = b * b * e.U + (1.0 - b) ** 2 / (num_samples - 1)
+        e.U = torch.where(ok, U, e.U)
+        e.n = e.n + ok.to(torch.float64)
+        return b
+
+    def fold_variance(self, key: Hashable, mean: Tensor, mean_sq: Tensor, scale: float,
+                      num_samples: int, grad_scale: float = 1.0) -> Tensor:
+        """Fold one measurement of a key's coordinates; returns its pooled ||s||_1.
+
+        mean, mean_sq: flat tensors of one length (any float dtype), mean_j x^j and
+        mean_j (x^j)^2 of this key's coordinates (x = g - shift: s2 does not depend on the
+        shift); scale = B / (S - 1); num_samples = S. s2 = clamp(scale (mean_sq - mean^2), 0)
+        (float32). Returns a float64 0-d tensor on the inputs' device: grad_scale *
+        sum_i sqrt(P_i) / c4(1/U + 1) after the fold, NaN when s2 is not finite (then
+        nothing is folded). No host synchronization.
+        """
+        S = _check_samples(num_samples)
+        gs = _check_grad_scale(grad_scale)
+        if mean.shape != mean_sq.shape or mean.dim() != 1:
+            raise ValueError(f"mean, mean_sq: expected two flat tensors of one length, got "
+                             f"{tuple(mean.shape)} and {tuple(mean_sq.shape)}")
+        m = mean.detach().float()
+        s2 = (mean_sq.detach().float() - m * m).mul_(float(scale) / (gs * gs)).clamp_min_(0)
+        ok = torch.isfinite(s2.sum(dtype=torch.float64))
+        e = self._entry(key, s2, pair=False)
+        b = self._weights(e, ok, S).float()
+        e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * s2, e.P))
+        root = e.P.sqrt().sum(dtype=torch.float64) / c4_tensor(1.0 / e.U + 1.0)
+        nan = torch.full_like(root, math.nan)
+        return torch.where(ok, root * gs, nan)
+
+    def fold_covariance(self, key: Hashable, C: Tensor, num_samples: int,
+                        grad_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Fold one measurement's covariance C (k x k, any float dtype) of a key.
+
+        Returns (P, nu): P the pooled covariance after the fold (float32 k x k, x
+        grad_scale^2: the measurement's units), nu the pool's degrees of freedom
+        nu_s / U (float64 0-d; 0 before the second valid fold: no pair yet). When C is not
+        finite nothing is folded and nu is NaN. No host synchronization.
+        """
+        S = _check_samples(num_samples)
+        gs = _check_grad_scale(grad_scale)
+        if C.dim() != 2 or C.shape[0] != C.shape[1]:
+            raise ValueError(f"C: expected a square k x k matrix, got {tuple(C.shape)}")
+        x = C.detach().float() / (gs * gs)
+        ok = torch.isfinite(x.sum(dtype=torch.float64))
+        e = self._entry(key, x, pair=True)
+        # the pair moments of this measurement against the pool so far (independent of it)
+        have = ok & (e.n > 0)
+        x64, P64 = x.double(), e.P.double()
+        tr = lambda a: torch.diagonal(a).sum()  # noqa: E731
+        num_k = tr(x64) * tr(P64) + (x64 * P64).sum()
+        d = x64 - P64
+        var_k = (d * d).sum() / (1.0 / (S - 1) + e.U)
+        bp = torch.where(e.npair > 0, torch.full_like(e.npair, self.beta), torch.zeros_like(e.npair))
+        e.num = torch.where(have, bp * e.num + (1.0 - bp) * num_k, e.num)
+        e.var = torch.where(have, bp * e.var + (1.0 - bp) * var_k, e.var)
+        e.npair = e.npair + have.to(torch.float64)
+        b = self._weights(e, ok, S).float()
+        e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * x, e.P))
+        nu_s = torch.where(e.var > 0, e.num.clamp_min(0) / torch.where(e.var > 0, e.var, torch.ones_like(e.var)),
+                           torch.full_like(e.var, math.inf))
+        nu = torch.where(e.npair > 0, nu_s / e.U, torch.zeros_like(nu_s))
+        return e.P * (gs * gs), torch.where(ok, nu, torch.full_like(nu, math.nan))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list:
+        return list(self._entries)
+
+    def count(self, key: Hashable) -> Optional[Tensor]:
+        """n of a key (0-d float64 device tensor; None when the key has no pool)."""
+        e = self._entries.get(key)
+        return None if e is None else e.n
+
+    def drop(self, key: Hashable) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def state_dict(self, key_map=None) -> dict:
+        """{"beta": float, "entries": {key: {"P": tensor, "n": tensor, "U": tensor[, "num",
+        "var", "npair"]}}} (tensors moved to the CPU). key_map(key) -> saved key (default:
+        the key itself); entries it maps to None are left out."""
+        out = {}
+        for k, e in self._entries.items():
+            sk = k if key_map is None else key_map(k)
+            if sk is not None:
+                out[sk] = {name: t.detach().cpu().clone() for name, t in e.tensors().items()}
+        return {"beta": self.beta, "entries": out}
+
+    @staticmethod
+    def check_state_dict(sd, name: str = "pool") -> None:
+        """ValueError / TypeError naming the bad entry of a NoisePool state_dict."""
+        if not isinstance(sd, dict) or "beta" not in sd or "entries" not in sd:
+            raise ValueError(f"{name}: expected a dict with 'beta' and 'entries'")
+        check_pool_beta(sd["beta"])
+        if not isinstance(sd["entries"], dict):
+            raise ValueError(f"{name}['entries']: expected a dict, got {type(sd['entries']).__name__}")
+        for k, ent in sd["entries"].items():
+            where = f"{name}['entries'][{k!r}]"
+            if not isinstance(ent, dict) or not {"P", "n", "U"} <= set(ent):
+                raise ValueError(f"{where}: expected a dict with P, n, U")
+            pair = {"num", "var", "npair"} & set(ent)
+            if pair and pair != {"num", "var", "npair"}:
+                raise ValueError(f"{where}: expected all of num, var, npair or none of them")
+            for t_name, t in ent.items():
+                if t_name not in ("P", "n", "U", "num", "var", "npair"):
+                    raise ValueError(f"{where}: unknown field {t_name!r}")
+                if not isinstance(t, Tensor) or not t.is_floating_point():
+                    raise ValueError(f"{where}[{t_name!r}]: expected a floating tensor")
+                if t_name != "P" and t.dim() != 0:
+                    raise ValueError(f"{where}[{t_name!r}]: expected a 0-d tensor, got shape {tuple(t.shape)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{where}[{t_name!r}]: not finite")
+            P = ent["P"]
+            if P.dim() not in (1, 2) or (P.dim() == 2 and P.shape[0] != P.shape[1]):
+                raise ValueError(f"{where}['P']: expected a flat variance pool or a square "
+                                 f"covariance pool, got shape {tuple(P.shape)}")
+            if (P.dim() == 2) != bool(pair):
+                raise ValueError(f"{where}: a covariance pool (2-D P) carries num, var, npair; "
+                                 "a variance pool (flat P) none")
+            if float(ent["n"]) < 0 or float(ent["U"]) < 0 or (P.dim() == 1 and bool((P < 0).any())):
+                raise ValueError(f"{where}: negative count, weight or variance")
+
+    def load_state_dict(self, sd: dict, device=None, key_map=None, name: str = "pool") -> None:
+        """Replace the entries by those of ``state_dict()`` (checked first: a rejected
+        state_dict changes nothing). key_map(saved key) -> key (None: left out);
+        device: where the tensors go (default: the CPU)."""
+        self.check_state_dict(sd, name)
+        entries = {}
+        for sk, ent in sd["entries"].items():
+            k = sk if key_map is None else key_map(sk)
+            if k is None:
+                continue
+            P = ent["P"].to(device=device, dtype=torch.float32).clone()
+            e = _Entry(P, pair="num" in ent)
+            for t_name in ("n", "U", "num", "var", "npair"):
+                if t_name in ent:
+                    setattr(e, t_name, ent[t_name].to(device=device, dtype=torch.float64).clone())
+            entries[k] = e
+        self.beta = float(sd["beta"])
+        self._entries = entries
+
+    def __repr__(self) -> str:
+        return f"NoisePool(beta={self.beta}, entries={len(self._entries)})"

@@ -1,0 +1,323 @@
+"""gns_kernels.pooling (the hooks' noise pools) against gns_kernels.reference.pooled_noise
+(float64 loops, two-pass variances), and the pool in GNSHookState / MicroBatchGNS /
+AdaptiveBatchSize."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gns_kernels as gk
+from gns_kernels import bias, reference
+from gns_kernels.distributed import GNSHookState, MicroBatchGNS
+from gns_kernels.distributed._share import pooled_sqrt_traces
+from gns_kernels.pooling import NoisePool, check_pool_beta
+
+
+def _sequence(shapes, plan, seed=0, nan_at=None):
+    """Measurements: plan = [(S, B, grad_scale)]; rank gradients with a parameter-dependent
+    spread (gradients carry the loss scale); nan_at: a measurement with a NaN gradient."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t, (S, B, gs) in enumerate(plan):
+        rg = [[gs * (0.3 + i) * torch.randn(sh, generator=g, dtype=torch.float64) + 0.1 * i
+               for i, sh in enumerate(shapes)] for _ in range(S)]
+        if t == nan_at:
+            rg[-1][0] = rg[-1][0].clone()
+            rg[-1][0].view(-1)[0] = float("nan")
+        out.append((rg, B))
+    return out
+
+
+PLAN = [(3, 48, 1.0), (3, 48, 2.0), (5, 80, 2.0), (2, 64, 1.0), (4, 64, 4.0), (3, 96, 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fold_variance_matches_the_float64_pool(dtype):
+    shapes = [(7, 5), (13,), (1,)]
+    meas = _sequence(shapes, PLAN, nan_at=2)
+    pool = NoisePool(0.9)
+    got = []
+    for t, (rg, B) in enumerate(meas):
+        S, gs = len(rg), PLAN[t][2]
+        vals = []
+        for p in range(len(shapes)):
+            x = torch.stack([r[p] for r in rg]).reshape(S, -1)
+            vals.append(float(pool.fold_variance(("p", p), x.mean(0).to(dtype), (x * x).mean(0).to(dtype),
+                                                 B / (S - 1), S, gs)))
+        got.append(vals)
+    want = reference.pooled_noise(meas, "l1", 0.9, [gs for _, _, gs in PLAN])
+    tol = 2e-5 if dtype == torch.float32 else 1e-6  # the pool stores float32
+    for t, (a, b) in enumerate(zip(got, want)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if t == 2 and i == 0:  # the NaN: nan for the parameter it touches, not folded
+                assert math.isnan(x) and math.isnan(y)
+                continue
+            assert abs(x - y) <= tol * y, (t, i, x, y)
+    # the first measurement alone is the c4-corrected ||s||_1 of that measurement
+    rg, B = meas[0]
+    s2 = reference.coordinate_variance([r[0] for r in rg], B)
+    assert got[0][0] == pytest.approx(float(s2.sqrt().sum()) / bias.c4(3), rel=tol)
+
+
+def test_fold_variance_scaled_statistics():
+    """Statistics in units of grad_scale x gradient, folded with that grad_scale: the pool
+    holds unscaled variances (a scale change between measurements mixes nothing) and
+    reports in the measurement's units."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 11, generator=g, dtype=torch.float64) for _ in range(3)]
+    a, b = NoisePool(0.8), NoisePool(0.8)
+    for x, gs in zip(xs, (1.0, 1024.0, 8.0)):
+        ra = a.fold_variance(0, x.mean(0), (x * x).mean(0), 5.0, 4)
+        y = gs * x
+        rb = b.fold_variance(0, y.mean(0), (y * y).mean(0), 5.0, 4, grad_scale=gs)
+        assert float(rb) == pytest.approx(gs * float(ra), rel=1e-6)
+
+
+def test_pooled_l1_is_unbiased_for_gaussian_samples():
+    """E[pooled ||s||_1] = ||sigma||_1 for Gaussian rank means at R = 2 (the single
+    measurement's c4 corrects it too; the pool keeps it unbiased at 1/U dof). 400 runs of
+    30 measurements; margin 4 standard errors."""
+    g = torch.Generator().manual_seed(11)
+    sigma = torch.rand(64, generator=g, dtype=torch.float64) + 0.1
+    R, b = 2, 8
+    vals = []
+    for _ in range(400):
+        pool = NoisePool(0.9)
+        for _ in range(30):
+            x = sigma / math.sqrt(b) * torch.randn(R, 64, generator=g, dtype=torch.float64)
+            v = pool.fold_variance(0, x.mean(0), (x * x).mean(0), R * b / (R - 1), R)
+        vals.append(float(v))
+    v = torch.tensor(vals)
+    se = float(v.std()) / math.sqrt(len(vals))
+    assert abs(float(v.mean()) - float(sigma.sum())) <= 4 * se, (float(v.mean()), float(sigma.sum()), se)
+
+
+@pytest.mark.parametrize("method", ["eigh", "newton"])
+def test_pooled_sqrt_traces_match_the_float64_pool(method):
+    shapes = [(6, 9), (5, 3), (4, 4)]
+    meas = _sequence(shapes, PLAN, seed=5, nan_at=3)
+    pool = NoisePool(0.9)
+    got = []
+    for t, (rg, B) in enumerate(meas):
+        S, gs = len(rg), PLAN[t][2]
+        covs = [reference.row_covariance([r[p] for r in rg], B).float() for p in range(len(shapes))]
+        out = pooled_sqrt_traces(pool, list(range(len(shapes))), covs, shapes, S, gs, method=method)
+        got.append(out)
+    want = reference.pooled_noise(meas, "nuclear", 0.9, [gs for _, _, gs in PLAN])
+    tol = 2e-4 if method == "eigh" else 2e-3
+    assert got[0][1].tolist() == [1.0, 1.0, 1.0] and got[0][0].tolist() == [0.0, 0.0, 0.0]
+    for t in range(1, len(PLAN)):
+        for i, (x, y) in enumerate(zip(got[t][0].tolist(), want[t])):
+            if t == 3 and i == 0:  # the NaN: that matrix skips the measurement
+                assert math.isnan(x) and math.isnan(y)
+                continue
+            assert got[t][1, i] == 0.0
+            assert abs(x - y) <= tol * y, (t, i, x, y)
+
+
+def test_pooled_nuclear_dof_from_pairs_on_a_wishart():
+    """At a fixed point the pair moments estimate one sample's dof: Gaussian rank means
+    with n iid columns of covariance L L^T (the Wishart dof of one sample is n). 30 runs of
+    80 measurements: the mean of nu_s (= nu * U) is n within 4 standard errors (one run's
+    spread is about 20%)."""
+    g = torch.Generator().manual_seed(2)
+    m, n, R = 5, 7, 3
+    L = torch.randn(m, m, generator=g, dtype=torch.float64)
+    vals = []
+    for _ in range(30):
+        pool = NoisePool(0.9)
+        for _ in range(80):
+            xs = [L @ torch.randn(m, n, generator=g, dtype=torch.float64) for _ in range(R)]
+            _, nu = pool.fold_covariance("w", reference.row_covariance(xs, R), R)
+        vals.append(float(nu * pool._entries["w"].U))
+    v = torch.tensor(vals, dtype=torch.float64)
+    se = float(v.std()) / math.sqrt(len(vals))
+    assert abs(float(v.mean()) - n) <= 4 * se, (float(v.mean()), se)
+
+
+def test_state_dict_round_trip_continues_exactly():
+    meas = _sequence([(5, 6), (9,)], PLAN, seed=7)
+    ref_pool, pool = NoisePool(0.85), NoisePool(0.85)
+
+    def fold(p, t):
+        rg, B = meas[t]
+        S = len(rg)
+        out = []
+        for i in range(2):
+            x = torch.stack([r[i] for r in rg])
+            if i == 0:
+                out.append(pooled_sqrt_traces(p, [i], [reference.row_covariance(list(x), B).float()],
+                                              [(5, 6)], S, PLAN[t][2])[0, 0])
+            else:
+                out.append(p.fold_variance(i, x.mean(0), (x * x).mean(0), B / (S - 1), S, PLAN[t][2]))
+        return torch.stack(out)
+
+    for t in range(3):
+        fold(ref_pool, t)
+        fold(pool, t)
+    sd = pool.state_dict()
+    fresh = NoisePool(0.5)
+    fresh.load_state_dict(sd)
+    assert fresh.beta == 0.85 and len(fresh) == 2
+    for t in range(3, 6):
+        assert torch.equal(fold(fresh, t), fold(ref_pool, t))
+
+
+def test_state_dict_checks_name_the_bad_entry():
+    pool = NoisePool(0.9)
+    x = torch.rand(3, 4, dtype=torch.float64)
+    pool.fold_variance(0, x.mean(0), (x * x).mean(0), 2.0, 3)
+    sd = pool.state_dict()
+    bad = {"beta": 1.0, "entries": {}}
+    with pytest.raises(ValueError, match="pool_beta"):
+        NoisePool.check_state_dict(bad)
+    with pytest.raises(ValueError, match=r"pool\['entries'\]\[0\]: expected a dict with P, n, U"):
+        NoisePool.check_state_dict({"beta": 0.9, "entries": {0: {"P": sd["entries"][0]["P"]}}})
+    e = dict(sd["entries"][0], n=torch.tensor(float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\['n'\]: not finite"):
+        NoisePool.check_state_dict({"beta": 0.9, "entries": {0: e}})
+    e = dict(sd["entries"][0], P=-sd["entries"][0]["P"] - 1)
+    with pytest.raises(ValueError, match="negative count, weight or variance"):
+        NoisePool.check_state_dict({"beta": 0.9, "entries": {0: e}})
+    e = dict(sd["entries"][0], num=torch.zeros((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="all of num, var, npair or none"):
+        NoisePool.check_state_dict({"beta": 0.9, "entries": {0: e}})
+    before = pool.state_dict()
+    with pytest.raises(ValueError):
+        pool.load_state_dict({"beta": 0.9, "entries": {0: e}})
+    assert torch.equal(pool.state_dict()["entries"][0]["P"], before["entries"][0]["P"])  # unchanged
+
+
+@pytest.mark.parametrize("bad,err", [(1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+                                     ("0.9", TypeError), (True, TypeError)])
+def test_pool_beta_is_checked(bad, err):
+    with pytest.raises(err, match="pool_beta"):
+        check_pool_beta(bad)
+    with pytest.raises(err, match="pool_beta"):
+        GNSHookState("l1", batch_size=8, pool_beta=bad)
+
+
+def test_fold_arguments_are_checked():
+    pool = NoisePool(0.9)
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="num_samples: expected an integer >= 2"):
+        pool.fold_variance(0, x, x, 1.0, 1)
+    with pytest.raises(ValueError, match="grad_scale: expected a positive finite"):
+        pool.fold_variance(0, x, x, 1.0, 2, grad_scale=0.0)
+    with pytest.raises(ValueError, match="mean, mean_sq: expected two flat tensors"):
+        pool.fold_variance(0, x, torch.zeros(4), 1.0, 2)
+    with pytest.raises(ValueError, match="C: expected a square"):
+        pool.fold_covariance(0, torch.zeros(2, 3), 2)
+
+
+def test_no_pool_without_correction_or_for_l2():
+    assert GNSHookState("l1", batch_size=8).pool is not None
+    assert GNSHookState("nuclear", batch_size=8).pool is not None
+    assert GNSHookState("l2", batch_size=8).pool is None
+    assert GNSHookState("l1", batch_size=8, bias_correction=False).pool is None
+    assert GNSHookState("l1", batch_size=8, pool_beta=None).pool is None
+
+
+# --------------------------------------------------------------------------- in the hooks
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4))
+
+
+def _steps(model, mb, steps, A=3, b=4, seed=0):
+    """Run steps of A micro-batches; returns the per-step micro-batch gradients."""
+    out = []
+    for k in range(steps):
+        g = torch.Generator().manual_seed(seed + k)
+        model.zero_grad(set_to_none=True)
+        samples = []
+        prev = [torch.zeros_like(p) for p in model.parameters()]
+        for a in range(A):
+            x, y = torch.randn(b, 6, generator=g), torch.randn(b, 4, generator=g)
+            (F.mse_loss(model(x), y) / A).backward()
+            cur = [p.grad.detach().clone() for p in model.parameters()]
+            samples.append([A * (c - q) for c, q in zip(cur, prev)])
+            prev = cur
+            mb.micro_step()
+        out.append(samples)
+    return out
+
+
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+def test_microbatch_pool_matches_reference_and_resumes(geometry):
+    A, b, steps = 3, 4, 5
+    model = _net()
+    mb = MicroBatchGNS(model.parameters(), geometry=geometry, every=1, batch_size=A * b, micro_batches=A)
+    pooled = []
+    samples = []
+    for k in range(steps):
+        samples += _steps(model, mb, 1, A, b, seed=100 * k)
+        pooled.append(mb.estimate.noise_pooled)
+        assert mb.estimate.pool_beta == 0.9
+        if k == 2:
+            sd = mb.state_dict()
+    hist = [([[t.double() for t in s] for s in smp], A * b) for smp in samples]
+    want = reference.pooled_noise(hist, geometry, 0.9)
+    tol = 1e-5 if geometry == "l1" else 1e-3
+    for k in range(1, steps):
+        assert pooled[k] == pytest.approx(sum(want[k]) ** 2, rel=tol)
+    # a resumed state (from step 3's state_dict) continues exactly
+    model2 = _net()
+    mb2 = MicroBatchGNS(model2.parameters(), geometry=geometry, every=1, batch_size=A * b, micro_batches=A)
+    mb2.load_state_dict(sd)
+    model2.load_state_dict(model.state_dict())
+    for k in range(3, steps):
+        _steps(model2, mb2, 1, A, b, seed=100 * k)
+        assert mb2.estimate.noise_pooled == pytest.approx(pooled[k], rel=1e-12)
+
+
+def test_pool_is_not_mixed_across_ranks_or_unbound_orders():
+    model = _net()
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=12, micro_batches=3)
+    _steps(model, mb, 2)
+    sd = mb.state_dict()
+    assert sd["pool"]["rank"] == 0 and sd["pool"]["world"] == 1 and len(sd["pool"]["entries"]) == 4
+    other = dict(sd, pool=dict(sd["pool"], rank=1, world=2))
+    mb2 = MicroBatchGNS(_net().parameters(), geometry="l1", every=1, batch_size=12, micro_batches=3)
+    with pytest.warns(RuntimeWarning, match="saved by rank 1 of 2, this is rank 0 of 1"):
+        mb2.load_state_dict(other)
+    assert len(mb2.pool) == 0
+    with pytest.warns(RuntimeWarning, match="saved with pool_beta 0.9, this state has 0.5"):
+        MicroBatchGNS(_net().parameters(), geometry="l1", every=1, batch_size=12, micro_batches=3,
+                      pool_beta=0.5).load_state_dict(sd)
+    # a state without a parameter order cannot key its pool for a checkpoint: it says so
+    st = GNSHookState("l1", batch_size=8)
+    p = torch.nn.Parameter(torch.zeros(3))
+    x = torch.rand(2, 3)
+    st.pool.fold_variance(st.pool_key(p), x.mean(0), (x * x).mean(0), 8.0, 2)
+    with pytest.warns(RuntimeWarning, match="keyed by object identity"):
+        assert st.state_dict()["pool"]["entries"] == {}
+    st.bind_params([torch.nn.Parameter(torch.zeros(1)), p])  # re-keyed by position
+    assert st.pool.keys() == [1] and list(st.state_dict()["pool"]["entries"]) == [1]
+
+
+def test_controller_uses_the_pooled_noise(caplog):
+    def est(noise, pooled, beta=0.9, valid=True):
+        return gk.GNSEstimate(noise / 10, noise, 10.0, valid, None, "l1", 2, 16.0, True,
+                              noise_pooled=pooled, pool_beta=beta)
+
+    ctrl = gk.AdaptiveBatchSize(initial_batch_size=16, theta=1.0, every=1)
+    ctrl.update(0, est(100.0, 120.0))
+    assert ctrl.noise_ema == 120.0 and ctrl.signal_ema == 10.0 and ctrl.batch_size == 16
+    ctrl.update(1, est(300.0, 330.0))
+    assert ctrl.noise_ema == 330.0 and ctrl.signal_ema == 10.0 and ctrl.batch_size == 33
+    # a pooled noise that is not a number >= 0 makes the measurement invalid (skipped)
+    ctrl.update(2, est(300.0, float("nan")))
+    assert ctrl.num_skipped == 1 and ctrl.noise_ema == 330.0
+    # without a pooled noise the controller averages noise itself, as before
+    ctrl.update(3, est(430.0, None))
+    assert ctrl.noise_ema == pytest.approx(0.9 * 330.0 + 0.1 * 430.0)
+    # a pool with another beta: warned once
+    with caplog.at_level(logging.WARNING, logger="gns_kernels.controller"):
+        ctrl.update(4, est(100.0, 50.0, beta=0.5))
+        ctrl.update(5, est(100.0, 50.0, beta=0.5))
+    assert sum("pool_beta 0.5" in r.getMessage() for r in caplog.records) == 1
