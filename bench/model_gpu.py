@@ -31,6 +31,10 @@ Terms of the nuclear measurement (per rank, per measurement):
   of 2 m^3 each, float64 at the FP64 tensor-core rate; shared by ranks like the solves.
 - dof (R >= 3, the default 'gauss-sums' degrees of freedom): the Gram d d^T of this rank's
   deviation d = G^j - G per matrix (2 m^2 n FLOPs) and its Frobenius norms.
+- pool (the noise pool, on by default: gns_kernels.pooling): per owned matrix the EMA update
+  of its pooled covariance P and the pair moments against it (elementwise over m^2: read C
+  and P twice, write P; float64 moments; ~6 m^2 x 4 bytes), then one more sqrt-trace of P
+  (a Newton solve as above) and its pair sum (the bias term's matmuls again).
 - launch floor: the kernels the solves issue (per chunk of 16 matrices per iteration:
   ~10 launches) times a per-launch host cost; the solve term is max(GPU time, floor).
 - host syncs: 1 per measurement (the estimate is materialized when read).
@@ -98,6 +102,7 @@ class Solver:
     pair_fp32_matmuls: int = 8  # bias correction per noise matrix: qhat(W) Horner + S = Y qhat
     pair_fp64_matmuls: int = 27  # F_0 Taylor (4), S^2 (1), K = pair_nodes(1e-6) = 22 squarings
     dof_grams: bool = True  # the 'gauss-sums' deviation Gram at R >= 3
+    pool: bool = True  # the noise pool (GNSHookState's default pool_beta = 0.9)
     precision: str = "fp32"  # matmul precision of the solves
     gram_precision: str = "fp32"  # matmul precision of the Grams
 
@@ -202,16 +207,32 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     else:
         t.flops["dof"] = 0
         t.seconds["dof"] = 0.0
+    # noise pool: the owned matrices' pool update, one more sqrt-trace and pair sum each
+    if s.pool:
+        solve = sum(newton_flops(ms[i], s) for i in owned)
+        t.bytes["pool"] = sum(ms[i] ** 2 for i in owned) * 24
+        t.flops["pool"] = int(solve + per32 + per64)
+        t.seconds["pool"] = ((solve + per32) / hw.matmul_rate(s.precision)
+                             + per64 / hw.matmul_rate("fp64") + t.bytes["pool"] / hw.copy_rate())
+    else:
+        t.bytes["pool"] = t.flops["pool"] = 0
+        t.seconds["pool"] = 0.0
     return t
 
 
 def l_step(shapes: list, ranks: int, hw: Hardware = Hardware(), grad_itemsize: int = 4,
-           bf16_grad_half: bool = False) -> Terms:
+           bf16_grad_half: bool = False, pool: bool = False) -> Terms:
     """Predicted added cost of one l1/l2 measurement on one rank: square_pack_multi (read
     the gradient, write [x, x^2] float32), the extra all-reduce bytes over plain DDP, and
     variance_norms_multi (read both halves). bf16_grad_half: the gradient half travels in
-    the bucket's bf16 (the squares stay float32)."""
+    the bucket's bf16 (the squares stay float32). pool: the l1 noise pool on this rank's 1/R
+    slice (read both halves, s2 written and read, the pool read and written, its sqrt read:
+    ~32 bytes per element of the slice, eager) and one more small all-reduce (latency)."""
     t = Terms()
+    n_all = sum(a * b for a, b in shapes)
+    t.bytes["pool"] = (n_all // max(ranks, 1)) * 32 if pool else 0
+    t.seconds["pool"] = (t.bytes["pool"] / hw.copy_rate()
+                         + (hw.coll_latency if pool and ranks > 1 else 0.0))
     n = sum(a * b for a, b in shapes)
     t.bytes["pack"] = n * (grad_itemsize + 8)
     t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
@@ -226,8 +247,9 @@ def l_step(shapes: list, ranks: int, hw: Hardware = Hardware(), grad_itemsize: i
 def table(hw: Hardware = Hardware(), ranks=(1, 2, 8)) -> str:
     """Markdown table of the predictions (nuclear: fp32 and TF32 matmuls; l1/l2)."""
     rows = ["| model | R | path | pack ms | Grams ms | extra collective ms | solves ms | bias ms "
-            "| dof ms | total ms (prediction) | dominant | extra bytes sent | solve+bias TFLOP/rank | host syncs |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| dof ms | pool ms | total ms (prediction) | dominant | extra bytes sent | solve+bias+pool TFLOP/rank "
+            "| host syncs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, (layers, per_layer) in MODELS.items():
         shapes = per_layer * layers
         for r in ranks:
@@ -238,17 +260,19 @@ def table(hw: Hardware = Hardware(), ranks=(1, 2, 8)) -> str:
                 rows.append(
                     f"| {name} | {r} | S1 Newton, {prec} matmuls | {ms['pack']:.2f} | {ms['grams']:.2f} "
                     f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {ms['dof']:.2f} "
-                    f"| {t.total_s * 1e3:.1f} "
+                    f"| {ms['pool']:.1f} | {t.total_s * 1e3:.1f} "
                     f"| {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
-                    f"| {(t.flops['solves'] + t.flops['bias']) / 1e12:.2f} | {t.host_syncs} |")
-            t = l_step(shapes, r, hw)
-            ms = {k: v * 1e3 for k, v in t.seconds.items()}
-            rows.append(
-                f"| {name} | {r} | l1/l2 (float32 pack) | {ms['pack']:.2f} | - | {ms['collective']:.2f} "
-                f"| - | - | - | {t.total_s * 1e3:.2f} | {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
-                f"| 0 | {t.host_syncs} |")
+                    f"| {(t.flops['solves'] + t.flops['bias'] + t.flops['pool']) / 1e12:.2f} | {t.host_syncs} |")
+            for pool in (False, True):
+                t = l_step(shapes, r, hw, pool=pool)
+                ms = {k: v * 1e3 for k, v in t.seconds.items()}
+                what = "l1 (pool)" if pool else "l1/l2 (float32 pack)"
+                rows.append(
+                    f"| {name} | {r} | {what} | {ms['pack']:.2f} | - | {ms['collective']:.2f} "
+                    f"| - | - | - | {ms['pool']:.2f} | {t.total_s * 1e3:.2f} | {t.dominant()} "
+                    f"| {t.bytes['collective'] / 1e6:.0f} MB | 0 | {t.host_syncs} |")
             if name == "160M":
-                rows.append(f"| {name} | {r} | S1 eigh (old path, quoted, not modelled) | | | | | | | "
+                rows.append(f"| {name} | {r} | S1 eigh (old path, quoted, not modelled) | | | | | | | | "
                             f"{OLD_PATH_S[0] * 1e3:.0f}-{OLD_PATH_S[1] * 1e3:.0f} | cuSOLVER latency "
                             f"| | | one per matrix and bucket |")
     return "\n".join(rows)
@@ -263,7 +287,7 @@ def main(argv=None) -> int:
     print(f"assumed: {hw}")
     print(f"solver: iters={s.iters} x {s.matmuls_per_iter} matmuls + {s.correction_matmuls} "
           f"correction matmuls of 2 m^3 FLOPs; bias correction {s.pair_fp32_matmuls} fp32 + "
-          f"{s.pair_fp64_matmuls} fp64 matmuls per noise matrix")
+          f"{s.pair_fp64_matmuls} fp64 matmuls per noise matrix; noise pool {'on' if s.pool else 'off'}")
     print(table(hw))
     for prec in ("fp32", "tf32"):
         t = nuclear_step(SHAPES_160M * 12, 8, hw, replace(s, precision=prec, gram_precision=prec))

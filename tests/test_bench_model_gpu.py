@@ -16,7 +16,8 @@ _spec.loader.exec_module(mg)
 # round numbers: 1 byte/s of copy, 1 FLOP/s of matmul, 1000 bytes/s of bus, no latency
 HW = mg.Hardware(hbm_bw=1.0, hbm_eff=1.0, fp32_flops=1.0, fp32_eff=1.0, fp64_flops=0.5, fp64_eff=1.0,
                  bus_bw=1000.0, coll_latency=0.0, launch_s=0.0)
-S = mg.Solver(iters=2, matmuls_per_iter=3, correction_matmuls=1, pair_fp32_matmuls=1, pair_fp64_matmuls=2)
+S = mg.Solver(iters=2, matmuls_per_iter=3, correction_matmuls=1, pair_fp32_matmuls=1, pair_fp64_matmuls=2,
+              pool=False)
 
 
 def test_gram_and_newton_flops():
@@ -90,3 +91,24 @@ def test_l_step_bytes():
     assert t.bytes["collective"] == 6 * 8 - 6 * 2  # float32 pack instead of the bf16 bucket
     half = mg.l_step([(2, 3)], 2, HW, grad_itemsize=2, bf16_grad_half=True)
     assert half.bytes["collective"] == 6 * 4  # only the float32 squares are extra
+
+
+def test_nuclear_step_pool_term():
+    """The noise pool: per owned matrix one more sqrt-trace and pair sum (the solve and
+    bias terms again) plus ~6 m^2 float32 reads/writes of the pool update."""
+    from dataclasses import replace
+
+    t = mg.nuclear_step([(2, 3)], 1, HW, replace(S, pool=True))
+    off = mg.nuclear_step([(2, 3)], 1, HW, S)
+    assert off.seconds["pool"] == 0.0 and off.flops["pool"] == 0
+    assert t.flops["pool"] == 112 + 48 and t.bytes["pool"] == 4 * 24
+    assert t.seconds["pool"] == pytest.approx(112 + 16 + 64 + 96)
+    assert t.total_s == pytest.approx(off.total_s + t.seconds["pool"])
+    # the pool is on by default, as the package's (GNSHookState(pool_beta=0.9))
+    assert mg.Solver().pool is True
+
+
+def test_l_step_pool_term():
+    t = mg.l_step([(4, 4)], 2, HW, pool=True)
+    assert t.bytes["pool"] == 8 * 32 and t.seconds["pool"] == pytest.approx(8 * 32)
+    assert mg.l_step([(4, 4)], 2, HW).seconds["pool"] == 0.0

@@ -321,3 +321,33 @@ def test_controller_uses_the_pooled_noise(caplog):
         ctrl.update(4, est(100.0, 50.0, beta=0.5))
         ctrl.update(5, est(100.0, 50.0, beta=0.5))
     assert sum("pool_beta 0.5" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_adaptive_batching_binds_the_order_and_the_grad_scale():
+    class Scaler:
+        def __init__(self):
+            self.scale = 1024.0
+
+        def get_scale(self):
+            return self.scale
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = GNSHookState("l1", every=1, batch_size=8)
+    scaler = Scaler()
+    coord = gk.AdaptiveBatching(st, opt, micro_batch_size=4, initial_batch_size=8, world_size=2, rank=0,
+                                grad_scaler=scaler)
+    assert [st.pool_key(p) for p in model.parameters()] == [0, 1, 2, 3]
+    assert st.grad_scale == 1024.0
+    # a measurement carrying a pooled noise: the coordinator divides it by scale^2 like the
+    # noise, and the controller takes it as its noise EMA
+    est = gk.GNSEstimate(2.0, 1024.0 ** 2 * 3.0, 1024.0 ** 2 * 1.5, True, None, "l1", 2, 8.0, True,
+                         step=0, noise_pooled=1024.0 ** 2 * 4.0, pool_beta=0.9)
+    st.record_measurement(2, None, None, None, 0)
+    st.estimate = est
+    st.estimate_step = 0
+    st.advance_step()
+    coord.step()
+    assert coord.metrics()["noise_pooled"] == pytest.approx(4.0)
+    assert coord.controller.noise_ema == pytest.approx(4.0)
+    assert coord.controller.signal_ema == pytest.approx(1.5)

@@ -187,10 +187,13 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
         deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
         out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
     if pool_fold is not None and covs:
-        idx = torch.tensor([l for l, _ in covs], device=device)
         vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
+        vals = torch.where(ok, vals, nan_like(vals))
+        cols = [out[rows["pool"]:rows["pool"] + 2, l] for l in range(L)]  # zeros (not owned)
+        for j, (l, _) in enumerate(covs):  # device ops only (no index tensor from the host)
+            cols[l] = vals[:, j]
         p = rows["pool"]
-        out[p:p + 2].index_copy_(1, idx, torch.where(ok, vals, nan_like(vals)))
+        out[p:p + 2] = torch.stack(cols, dim=1)
     return out
 
 

@@ -203,7 +203,9 @@ def test_resume_continues_same_trajectory(full_run, stopped_run, tmp_path):
     _, full = _rows(full_run)
     assert len(resumed) == len(full)
     for a, b in zip(resumed, full):
-        for key in ("step", "samples", "batch_size", "lr", "gns_raw", "gns_ema", "train_loss", "val_loss"):
+        # noise_pooled: every rank's share of the noise pool is in the checkpoint
+        for key in ("step", "samples", "batch_size", "lr", "gns_raw", "gns_ema", "train_loss", "val_loss",
+                    "noise_pooled"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
