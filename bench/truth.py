@@ -48,6 +48,8 @@ distributed._share.pooled_sqrt_traces); reports E[noise_pooled] / truth after 1,
 and 40 measurements (independent sequences; 40 is the steady state: the first measurement's
 weight is 0.9^39 = 0.016) and the CV at 40:
     OMP_NUM_THREADS=1 python bench/truth.py --pooled --arch mlp,cnn,transformer,rnn,diabetes --seqs 200
+and during training (R:b:measurements:SGD steps between them):
+    OMP_NUM_THREADS=1 python bench/truth.py --pooled --drift 4:16:40:10 --arch mlp,transformer --seqs 100
 
 Usage (one thread, nice'd; about 10 minutes per architecture on a shared 2-core machine):
     OMP_NUM_THREADS=1 python bench/truth.py --arch mlp,cnn,transformer --trials 600
@@ -561,6 +563,70 @@ def pooled_run(pool, layout, R, b, seqs, seed):
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
 
 
+def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
+    """The hooks' noise pool during training: one measurement per snapshot (every `every`
+    SGD steps) per sequence, folded in order; at the end E[noise_pooled] against the truth
+    at the last snapshot and against the EMA of the truths with the pool's weights (what
+    the controller's noise EMA targets), beside the EMA of the per-measurement default
+    estimates (what the controller averages without a pool)."""
+    from gns_kernels.distributed._share import pooled_sqrt_traces
+    from gns_kernels.pooling import NoisePool
+
+    model, X, Y, loss_fn, lr = make_arch(arch, seed)
+    train(model, X, Y, loss_fn, lr, steps, 64, seed)
+    B = R * b
+    scale = B / (R - 1)
+    gen = torch.Generator().manual_seed(seed + 17)
+    pools = [NoisePool(beta) for _ in range(seqs)]
+    ema = {"l1": [None] * seqs, "nuc": [None] * seqs}
+    pooled = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
+    truths = []
+    for snap in range(snapshots):
+        if snap:
+            train(model, X, Y, loss_fn, lr, every, 64, seed + snap)
+        pool, layout = per_example_pool(model, X, Y, loss_fn)
+        truths.append(truth(pool, layout)[0])
+        mats = [(i, off, num, mat) for i, (k, shape, off, num, mat) in enumerate(layout) if mat is not None]
+        xs = rank_means(pool, seqs, R, b, gen)  # one measurement per sequence
+        for q in range(seqs):
+            x = xs[q]
+            mean, msq = x.mean(0).float(), (x * x).mean(0).float()
+            l1 = sum(float(pools[q].fold_variance(("l1", i), mean[off:off + num], msq[off:off + num], scale, R))
+                     for i, (k, shape, off, num, mat) in enumerate(layout))
+            covs, shapes = [], []
+            for i, off, num, (m, n) in mats:
+                xm = x[:, off:off + num].reshape(R, m, n)
+                if m > n:
+                    xm = xm.mT
+                d = xm - xm.mean(0, keepdim=True)
+                covs.append((B / (R * (R - 1)) * (d @ d.mT).sum(0)).float())
+                shapes.append((m, n))
+            vals = pooled_sqrt_traces(pools[q], [("nuc", i) for i, *_ in mats], covs, shapes, R, 1.0, method="eigh")
+            rank_grads = [[x[j, off:off + num].reshape(mat) if mat is not None else x[j, off:off + num]
+                           for k, shape, off, num, mat in layout] for j in range(R)]
+            single = {"l1": gk.estimate(rank_grads, B, geometry="l1").noise,
+                      "nuc": gk.estimate(rank_grads, B, geometry="nuclear").noise}
+            pooled["l1"][q] = l1 * l1
+            pooled["nuc"][q] = single["nuc"] if snap == 0 else float(vals[0].sum()) ** 2
+            for g in ("l1", "nuc"):
+                ema[g][q] = single[g] if ema[g][q] is None else beta * ema[g][q] + (1 - beta) * single[g]
+        del pool
+    w = [beta ** (snapshots - 1)] + [(1 - beta) * beta ** (snapshots - 1 - t) for t in range(1, snapshots)]
+    print(f"\n### Drift: {arch}, R = {R}, b = {b}, {snapshots} measurements {every} SGD steps apart "
+          f"(steps {steps}..{steps + every * (snapshots - 1)}), {seqs} sequences, beta {beta}\n")
+    print("truth (nuclear, l1) at the first / last snapshot: "
+          f"{truths[0]['nuclear']:.4g}/{truths[0]['l1']:.4g}, {truths[-1]['nuclear']:.4g}/{truths[-1]['l1']:.4g}")
+    print("\n| geometry | estimate | E / truth at the last snapshot | E / EMA of the truths (the pool's weights) |")
+    print("|---|---|---|---|")
+    for g, tk in (("l1", "l1"), ("nuc", "nuclear")):
+        last = truths[-1][tk]
+        ema_truth = sum(wt * t[tk] for wt, t in zip(w, truths))
+        for name, v in (("noise_pooled (the hooks' default)", pooled[g]),
+                        ("EMA of the per-measurement noise (no pool)", ema[g])):
+            v = torch.tensor(v, dtype=torch.float64)
+            print(f"| {'nuclear' if g == 'nuc' else 'l1'} | {name} | {fmt(ratio(v, last))} | {fmt(ratio(v, ema_truth))} |")
+
+
 def main_pooled(args) -> None:
     configs = [(int(R), int(b)) for R in args.R.split(",") for b in args.b.split(",")]
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
@@ -608,6 +674,11 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=200, help="--pooled: independent sequences per configuration")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.pooled and args.drift:
+        R, b, K, every = (int(v) for v in args.drift.split(":"))
+        for arch in args.arch.split(","):
+            drift_pooled(arch, R, b, args.seqs, K, every, args.steps, args.seed)
+        return
     if args.pooled:
         main_pooled(args)
         return

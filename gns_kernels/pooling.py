@@ -25,9 +25,11 @@ What a pool holds, per key (one parameter, or this rank's shard of it):
 
 The EMA is the controller's: the first valid measurement sets P = x, each later one
 P <- beta P + (1 - beta) x (``gk.AdaptiveBatchSize`` starts its EMAs the same way), so the
-pooled noise IS the noise EMA, formed on the statistics instead of on the noise. A
-measurement whose statistics are not finite is not folded (P, n, U unchanged) and reports
-NaN; the next one continues the pool.
+pooled noise IS the noise EMA, formed on the statistics instead of on the noise.
+Validity is per key: a key whose statistics in a measurement are not finite does not fold
+it (its P, n, U unchanged) and reports NaN, so that measurement's pooled noise is NaN (and
+the measurement itself invalid); keys whose statistics are finite fold it (each key keeps
+its own n and U, so its correction stays exact). The next measurement continues every pool.
 
 Reported values (units of the measurement's own gradients, x grad_scale, below):
 
@@ -41,8 +43,9 @@ Reported values (units of the measurement's own gradients, x grad_scale, below):
       E ||C - P'||_F^2 = ((tr Sigma)^2 + ||Sigma||_F^2) / nu_s * (1/(S - 1) + U'),
   EMAs of both (from the second measurement on) give nu_s = num / var, and the pool has
   nu_s / U degrees of freedom: the caller corrects tr P^{1/2} with them
-  (bias._corrected(trace, pair sum, nu_s / U)). nu_s is 0 until a pair exists (the first
-  measurement: the caller then reports that measurement's own corrected noise).
+  (bias._corrected(trace, pair sum, nu_s / U)). Until a pair exists (the first valid
+  measurement of a key) there is no nu: ``fold_covariance`` flags it and the caller reports
+  that measurement's own corrected noise.
 
 grad_scale: the loss scale of the measured backward (1 without a GradScaler). The pool
 stores statistics divided by grad_scale^2 (a scale that changes between measurements does
@@ -61,6 +64,7 @@ floats only).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Hashable, Optional
 
 import torch
@@ -72,21 +76,25 @@ Tensor = torch.Tensor
 __all__ = ["NoisePool", "check_pool_beta"]
 
 
-def check_pool_beta(beta) -> Optional[float]:
-    """None (no pooling) or a float in [0, 1); ValueError / TypeError naming ``pool_beta``."""
-    if beta is None:
+def check_pool_beta(beta, name: str = "pool_beta", allow_none: bool = True) -> Optional[float]:
+    """None (no pooling, when allowed) or a float in [0, 1); ValueError / TypeError naming
+    ``name``."""
+    if beta is None and allow_none:
         return None
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"pool_beta: expected None or a number in [0, 1), got {type(beta).__name__}")
+        what = "None or a number" if allow_none else "a number"
+        raise TypeError(f"{name}: expected {what} in [0, 1), got {type(beta).__name__}")
     b = float(beta)
     if not (0.0 <= b < 1.0):
-        raise ValueError(f"pool_beta: expected None or a number in [0, 1) (the noise EMA factor, "
-                         f"as AdaptiveBatchSize's beta_noise), got {beta!r}")
+        what = "None or a number" if allow_none else "a number"
+        raise ValueError(f"{name}: expected {what} in [0, 1) (the noise EMA factor, as "
+                         f"AdaptiveBatchSize's beta_noise), got {beta!r}")
     return b
 
 
 def _check_samples(num_samples) -> int:
-    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 2:
+    if (isinstance(num_samples, bool) or not isinstance(num_samples, (int, float))
+            or int(num_samples) != num_samples or num_samples < 2):
         raise ValueError(f"num_samples: expected an integer >= 2, got {num_samples!r}")
     return int(num_samples)
 
@@ -125,30 +133,54 @@ class NoisePool:
     the last measurement, i.e. no pooling)."""
 
     def __init__(self, beta: float = 0.9):
-        b = check_pool_beta(beta)
-        if b is None:
-            raise ValueError("beta: expected a number in [0, 1), got None")
-        self.beta = b
+        self.beta = check_pool_beta(beta, "beta", allow_none=False)
         self._entries: dict = {}
+        self._warned_reset = False
+        # CUDA: the stream the last fold ran on (a nuclear fold runs on its measurement's
+        # side stream); the next measurement's stream waits for it (gns_kernels.distributed)
+        self.stream = None
 
     # ------------------------------------------------------------------ folding
     def _entry(self, key: Hashable, like: Tensor, pair: bool) -> _Entry:
         e = self._entries.get(key)
-        if e is None or e.P.shape != like.shape or (e.num is None) == pair:
+        if e is not None and (e.P.shape != like.shape or (e.num is None) == pair):
+            if not self._warned_reset:  # e.g. a parameter order that changed between runs
+                self._warned_reset = True
+                warnings.warn(f"gns_kernels: the noise pool of key {key!r} held shape "
+                              f"{tuple(e.P.shape)}, the measurement has {tuple(like.shape)}: that "
+                              "pool starts afresh", RuntimeWarning, stacklevel=3)
+            e = None
+        if e is None:
             e = _Entry(torch.zeros(like.shape, dtype=torch.float32, device=like.device), pair)
             self._entries[key] = e
-        elif e.P.device != like.device:  # e.g. loaded on the CPU, measured on a GPU
-            for name, t in e.tensors().items():
-                setattr(e, name, t.to(like.device))
+        elif e.P.device != like.device:  # not moved by to() (see there)
+            self._move(e, like.device)
         return e
 
+    @staticmethod
+    def _move(e: _Entry, device) -> None:
+        for name, t in e.tensors().items():
+            setattr(e, name, t.to(device))
+
+    def to(self, device) -> "NoisePool":
+        """Move every entry to ``device`` (a checkpoint loads on the CPU; the hooks call this
+        where a measurement starts, outside any collective's callback). No-op for entries
+        already there."""
+        dev = torch.device(device)
+        for e in self._entries.values():
+            if e.P.device != dev:
+                self._move(e, dev)
+        return self
+
     def _weights(self, e: _Entry, ok: Tensor, num_samples: int) -> Tensor:
-        """Update n and U of one fold (where ok); returns b, the factor of the old pool
-        (0 for the first fold), as a float64 0-d tensor."""
+        """Update n and U of one fold in place (where ok); returns b, the factor of the old
+        pool (0 for the first fold), as a float64 0-d tensor. In place: the state tensors
+        are never reallocated, so a fold on one CUDA stream and the next on another do not
+        race the caching allocator."""
         b = torch.where(e.n > 0, torch.full_like(e.n, self.beta), torch.zeros_like(e.n))
         U = b * b * e.U + (1.0 - b) ** 2 / (num_samples - 1)
-        e.U = torch.where(ok, U, e.U)
-        e.n = e.n + ok.to(torch.float64)
+        e.U.copy_(torch.where(ok, U, e.U))
+        e.n.add_(ok.to(torch.float64))
         return b
 
     def fold_variance(self, key: Hashable, mean: Tensor, mean_sq: Tensor, scale: float,
@@ -178,13 +210,14 @@ class NoisePool:
         return torch.where(ok, root * gs, nan)
 
     def fold_covariance(self, key: Hashable, C: Tensor, num_samples: int,
-                        grad_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+                        grad_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """Fold one measurement's covariance C (k x k, any float dtype) of a key.
 
-        Returns (P, nu): P the pooled covariance after the fold (float32 k x k, x
+        Returns (P, nu, first): P the pooled covariance after the fold (float32 k x k, x
         grad_scale^2: the measurement's units), nu the pool's degrees of freedom
-        nu_s / U (float64 0-d; 0 before the second valid fold: no pair yet). When C is not
-        finite nothing is folded and nu is NaN. No host synchronization.
+        nu_s / U (float64 0-d), first a 0-d bool tensor, True while no pair of measurements
+        exists (the first valid fold: nu is then 0 and meaningless). When C is not finite
+        nothing is folded and nu is NaN. No host synchronization.
         """
         S = _check_samples(num_samples)
         gs = _check_grad_scale(grad_scale)
@@ -201,15 +234,16 @@ class NoisePool:
         d = x64 - P64
         var_k = (d * d).sum() / (1.0 / (S - 1) + e.U)
         bp = torch.where(e.npair > 0, torch.full_like(e.npair, self.beta), torch.zeros_like(e.npair))
-        e.num = torch.where(have, bp * e.num + (1.0 - bp) * num_k, e.num)
-        e.var = torch.where(have, bp * e.var + (1.0 - bp) * var_k, e.var)
-        e.npair = e.npair + have.to(torch.float64)
+        e.num.copy_(torch.where(have, bp * e.num + (1.0 - bp) * num_k, e.num))
+        e.var.copy_(torch.where(have, bp * e.var + (1.0 - bp) * var_k, e.var))
+        e.npair.add_(have.to(torch.float64))
         b = self._weights(e, ok, S).float()
         e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * x, e.P))
         nu_s = torch.where(e.var > 0, e.num.clamp_min(0) / torch.where(e.var > 0, e.var, torch.ones_like(e.var)),
                            torch.full_like(e.var, math.inf))
-        nu = torch.where(e.npair > 0, nu_s / e.U, torch.zeros_like(nu_s))
-        return e.P * (gs * gs), torch.where(ok, nu, torch.full_like(nu, math.nan))
+        first = e.npair == 0
+        nu = torch.where(first, torch.zeros_like(nu_s), nu_s / e.U)
+        return e.P * (gs * gs), torch.where(ok, nu, torch.full_like(nu, math.nan)), first
 
     # ------------------------------------------------------------------ bookkeeping
     def __len__(self) -> int:
@@ -237,7 +271,7 @@ class NoisePool:
         for k, e in self._entries.items():
             sk = k if key_map is None else key_map(k)
             if sk is not None:
-                out[sk] = {name: t.detach().cpu().clone() for name, t in e.tensors().items()}
+                out[sk] = {name: t.detach().to("cpu", copy=True) for name, t in e.tensors().items()}
         return {"beta": self.beta, "entries": out}
 
     @staticmethod
@@ -245,7 +279,7 @@ class NoisePool:
         """ValueError / TypeError naming the bad entry of a NoisePool state_dict."""
         if not isinstance(sd, dict) or "beta" not in sd or "entries" not in sd:
             raise ValueError(f"{name}: expected a dict with 'beta' and 'entries'")
-        check_pool_beta(sd["beta"])
+        check_pool_beta(sd["beta"], f"{name}['beta']", allow_none=False)
         if not isinstance(sd["entries"], dict):
             raise ValueError(f"{name}['entries']: expected a dict, got {type(sd['entries']).__name__}")
         for k, ent in sd["entries"].items():
@@ -273,11 +307,14 @@ class NoisePool:
                                  "a variance pool (flat P) none")
             if float(ent["n"]) < 0 or float(ent["U"]) < 0 or (P.dim() == 1 and bool((P < 0).any())):
                 raise ValueError(f"{where}: negative count, weight or variance")
+            if float(ent["n"]) >= 1 and not float(ent["U"]) > 0:
+                raise ValueError(f"{where}: a pool with n >= 1 measurements needs a weight U > 0")
 
     def load_state_dict(self, sd: dict, device=None, key_map=None, name: str = "pool") -> None:
         """Replace the entries by those of ``state_dict()`` (checked first: a rejected
         state_dict changes nothing). key_map(saved key) -> key (None: left out);
-        device: where the tensors go (default: the CPU)."""
+        device: where the tensors go (default: where they are, the CPU for a loaded
+        checkpoint; ``to()`` moves them later)."""
         self.check_state_dict(sd, name)
         entries = {}
         for sk, ent in sd["entries"].items():

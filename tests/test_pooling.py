@@ -132,7 +132,7 @@ def test_pooled_nuclear_dof_from_pairs_on_a_wishart():
         pool = NoisePool(0.9)
         for _ in range(80):
             xs = [L @ torch.randn(m, n, generator=g, dtype=torch.float64) for _ in range(R)]
-            _, nu = pool.fold_covariance("w", reference.row_covariance(xs, R), R)
+            _, nu, _ = pool.fold_covariance("w", reference.row_covariance(xs, R), R)
         vals.append(float(nu * pool._entries["w"].U))
     v = torch.tensor(vals, dtype=torch.float64)
     se = float(v.std()) / math.sqrt(len(vals))
@@ -173,8 +173,10 @@ def test_state_dict_checks_name_the_bad_entry():
     pool.fold_variance(0, x.mean(0), (x * x).mean(0), 2.0, 3)
     sd = pool.state_dict()
     bad = {"beta": 1.0, "entries": {}}
-    with pytest.raises(ValueError, match="pool_beta"):
+    with pytest.raises(ValueError, match=r"pool\['beta'\]: expected a number in \[0, 1\)"):
         NoisePool.check_state_dict(bad)
+    with pytest.raises(TypeError, match=r"pool\['beta'\]: expected a number"):
+        NoisePool.check_state_dict({"beta": None, "entries": {}})
     with pytest.raises(ValueError, match=r"pool\['entries'\]\[0\]: expected a dict with P, n, U"):
         NoisePool.check_state_dict({"beta": 0.9, "entries": {0: {"P": sd["entries"][0]["P"]}}})
     e = dict(sd["entries"][0], n=torch.tensor(float("nan"), dtype=torch.float64))
@@ -351,3 +353,43 @@ def test_adaptive_batching_binds_the_order_and_the_grad_scale():
     assert coord.metrics()["noise_pooled"] == pytest.approx(4.0)
     assert coord.controller.noise_ema == pytest.approx(4.0)
     assert coord.controller.signal_ema == pytest.approx(1.5)
+
+
+def test_owners_are_one_assignment_for_every_rank():
+    """The matrix -> solving rank map is global: a state loading another rank's state_dict
+    refuses that rank's pool but takes its owners (all ranks then agree); bind_params
+    re-keys owners even when this rank's pool is empty."""
+    st = GNSHookState("nuclear", batch_size=8)
+    p, q = torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(2, 5))
+    st.bind_params([p, q])
+    sd = st.state_dict()
+    sd["pool"] = dict(sd["pool"], rank=1, world=1, owners={0: 0, 1: 0})
+    with pytest.raises(ValueError, match=r"pool\['rank'\] must be an int"):
+        GNSHookState("nuclear", batch_size=8).load_state_dict(dict(sd, pool=dict(sd["pool"], rank="1")))
+    with pytest.raises(ValueError, match="names a rank >= the saved world size 1"):
+        GNSHookState("nuclear", batch_size=8).load_state_dict(dict(sd, pool=dict(sd["pool"], owners={0: 1})))
+    other = GNSHookState("nuclear", batch_size=8)
+    with pytest.warns(RuntimeWarning, match="saved by rank 1 of 1"):
+        other.load_state_dict(sd)
+    assert other.pool_owners == {0: 0, 1: 0} and len(other.pool) == 0
+    # a loaded pool keyed by positions, bound afterwards: positions stay (no old order)
+    other.bind_params([p, q])
+    assert other.pool_owners == {0: 0, 1: 0}
+    # re-binding in another order moves the owners with their parameters
+    other.bind_params([q, p])
+    assert other.pool_owners == {1: 0, 0: 0} and other.pool_key(q) == 0
+
+
+def test_first_flag_is_not_inferred_from_nu():
+    """A pool that started from a zero covariance (a parameter without gradient yet) has
+    nu = 0 at its first pair (the pair moment tr C tr P' + <C, P'> is 0): it still has a
+    pair, so its pooled value is reported, not the measurement's own."""
+    pool = NoisePool(0.9)
+    zero, eye = torch.zeros(3, 3), torch.eye(3)
+    _, nu, first = pool.fold_covariance(0, zero, 2)
+    assert bool(first)
+    _, nu, first = pool.fold_covariance(0, eye, 2)
+    assert not bool(first) and float(nu) == 0.0
+    fresh = NoisePool(0.9)
+    assert pooled_sqrt_traces(fresh, [0], [zero], [(3, 3)], 2, 1.0)[1, 0] == 1.0
+    assert pooled_sqrt_traces(fresh, [0], [eye], [(3, 3)], 2, 1.0)[1, 0] == 0.0

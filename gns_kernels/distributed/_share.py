@@ -108,19 +108,20 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     in one call; no host synchronization."""
     L = len(covs)
     dev = covs[0].device
-    Ps, nus = [], []
+    Ps, nus, firsts = [], [], []
     for key, C in zip(keys, covs):
-        P, nu = pool.fold_covariance(key, C, num_samples, grad_scale)
+        P, nu, first = pool.fold_covariance(key, C, num_samples, grad_scale)
         Ps.append(P)
         nus.append(nu)
+        firsts.append(first)
     nu = torch.stack(nus).to(dev)
+    new = torch.stack(firsts).to(dev)
     zeros = [torch.zeros_like(P) for P in Ps]
     _, _, _, sums = nuclear_stats_from_grams_select(
         Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
         eig_hints=hints, record_hints=False, return_sums=True)
     sums = sums.to(device=dev, dtype=torch.float64)
     value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, torch.ones_like(nu)))
-    new = (nu == 0)
     value = torch.where(new, torch.zeros_like(value), value)
     value = torch.where(torch.isnan(nu), torch.full_like(value, float("nan")), value)
     return torch.stack([value, new.to(torch.float64)])
@@ -298,6 +299,12 @@ class SolveShare:
         if like.device.type == "cuda":
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=like.device)
+                if self.pool is not None:
+                    # the pool's state was last updated on an earlier measurement's stream
+                    # (whose estimate may never have been read): order after it
+                    if self.pool.stream is not None:
+                        self.stream.wait_stream(self.pool.stream)
+                    self.pool.stream = self.stream
             self.stream.wait_stream(torch.cuda.current_stream(like.device))
             with torch.cuda.stream(self.stream):
                 part = fn()

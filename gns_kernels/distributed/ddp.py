@@ -96,6 +96,7 @@ class _Measurement:
         # bucket index -> float64 sum of its pooled, corrected ||s||_1 parts
         self.rank = rank
         self.l_pool: dict[int, Tensor] = {}
+        self.device = None  # the buckets' device (set by the hook)
         # nuclear: the ranks share the sqrt-trace solves (_share.py); 'gauss-sums' dof when
         # each sample is one rank's gradient (its deviation from the mean is then known)
         self.dof = state.resolved_nuclear_dof(num_samples, per_sample=micro is None)
@@ -130,7 +131,8 @@ class _Measurement:
                 total = torch.cat([total, deb.to(total.device).reshape(1)])
             pooled = None
             if st.pool is not None:
-                pooled = _PooledSum([self.l_pool[i] for i in sorted(self.l_pool)], total.device,
+                pooled = _PooledSum([self.l_pool[i] for i in sorted(self.l_pool)],
+                                    self.device if self.device is not None else total.device,
                                     group if self.world > 1 else None)
             st.record_measurement(self.num_samples, total, None, None, self.step,
                                   noise_pooled=pooled)
@@ -352,6 +354,9 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
             samples = world * (micro.count if micro is not None else 1)
             if state.accepts_samples(samples):
                 ctx = _Measurement(state, world, samples, dist.get_rank(group=group), micro=micro)
+                ctx.device = buf.device
+                if state.pool is not None:  # a loaded pool moves here, not in a callback
+                    state.pool.to(buf.device)
         state.begin_sync(ctx)
     ctx: Optional[_Measurement] = state.sync_context
     if ctx is None:

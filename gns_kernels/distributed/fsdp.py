@@ -368,6 +368,8 @@ class GNSReduceScatter:
         x = inp.view(R, chunk)
         if ctx.device is None:
             ctx.device = inp.device
+            if st.pool is not None:  # a loaded pool moves here (the first group of the step)
+                st.pool.to(inp.device)
         if st.geometry == "nuclear":
             return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
 

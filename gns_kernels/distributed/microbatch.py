@@ -236,6 +236,9 @@ class MicroBatchGNS(GNSHookState):
             raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
         scale = float(self._batch_size) / (A - 1)
         live = [p for p in self._params if p.grad is not None]
+        self._read_host_pending()  # an unread CPU measurement reports its eigensolver hints first
+        if self.pool is not None and live:
+            self.pool.to(live[0].device)
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
@@ -249,6 +252,11 @@ class MicroBatchGNS(GNSHookState):
                                    owners=self.pool_owners)
                 share.add_grads(grams, grads, None, None, [self.pool_key(p) for p in live])
                 share.launch(None, None)
+                if share.stream is not None:
+                    # CUDA: the solves read .grad on a side stream; later in-place changes of
+                    # .grad (unscale, clipping, zero_grad) must wait for them (device order,
+                    # no host synchronization)
+                    torch.cuda.current_stream(share.stream.device).wait_stream(share.stream)
                 reader = _ShareReader(share)
                 self.record_measurement(A, None, reader.noise, reader.signal, self.step,
                                         nuc_signal_debiased=reader.signal_deb, nuclear_dof=dof,

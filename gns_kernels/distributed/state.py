@@ -273,20 +273,25 @@ class GNSHookState:
         if not plist:
             raise ValueError("params: expected at least one parameter, got an empty iterable")
         order = {id(p): i for i, p in enumerate(plist)}
+        old_ids = {v: k for k, v in self._order.items()} if self._order is not None else None
+
+        def remap(key):
+            """The key under the new order: ("id", id) -> its position; a position of the
+            old order -> the same parameter's new position; with no old order (e.g. a pool
+            loaded from a checkpoint before any order was bound) positions stay."""
+            if isinstance(key, tuple):
+                return order.get(key[1])
+            if old_ids is None:
+                return key
+            return order.get(old_ids.get(key))
+
         if self.pool is not None and len(self.pool):
-            old_ids = {v: k for k, v in self._order.items()} if self._order else {}
-            remap = {}
-            for key in self.pool.keys():
-                pid = key[1] if isinstance(key, tuple) else old_ids.get(key)
-                new = order.get(pid)
-                remap[key] = new
             ents = {k: self.pool._entries[k] for k in self.pool.keys()}
             self.pool.clear()
             for k, e in ents.items():
-                if remap[k] is not None:
-                    self.pool._entries[remap[k]] = e
-            self.pool_owners = {remap[k]: o for k, o in self.pool_owners.items()
-                                if remap.get(k) is not None}
+                if remap(k) is not None:
+                    self.pool._entries[remap(k)] = e
+        self.pool_owners = {remap(k): o for k, o in self.pool_owners.items() if remap(k) is not None}
         self._order = order
 
     def pool_key(self, param: Tensor):
@@ -547,6 +552,10 @@ class GNSHookState:
         if pool_sd is not None and self.pool is not None:
             if not isinstance(pool_sd, dict) or not {"rank", "world"} <= set(pool_sd):
                 raise ValueError("state_dict: 'pool' must be a dict with rank, world, beta, entries")
+            for name, lo in (("rank", 0), ("world", 1)):
+                v = pool_sd[name]
+                if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                    raise ValueError(f"state_dict: pool[{name!r}] must be an int >= {lo}, got {v!r}")
             NoisePool.check_state_dict({k: v for k, v in pool_sd.items() if k in ("beta", "entries")},
                                        "state_dict: pool")
             owners = pool_sd.get("owners", {})
@@ -554,6 +563,9 @@ class GNSHookState:
                     isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in owners.values()):
                 raise ValueError("state_dict: pool['owners'] must map keys to rank numbers >= 0")
             rank, world = self._rank_world()
+            if any(o >= pool_sd["world"] for o in owners.values()):
+                raise ValueError(f"state_dict: pool['owners'] names a rank >= the saved world "
+                                 f"size {pool_sd['world']}")
             if (pool_sd["rank"], pool_sd["world"]) != (rank, world):
                 warnings.warn(
                     f"GNSHookState.load_state_dict: the noise pool was saved by rank "
@@ -572,10 +584,13 @@ class GNSHookState:
             if use_pool:
                 self.pool.load_state_dict({k: v for k, v in pool_sd.items() if k in ("beta", "entries")},
                                           name="state_dict: pool")
-                self.pool_owners = dict(pool_sd.get("owners", {}))
             else:
                 self.pool.clear()
-                self.pool_owners = {}
+            # which rank solves (and pools) each matrix is one global assignment: every rank
+            # takes the saved one whenever the world size matches (also when its own pool
+            # is refused), so all ranks agree on it
+            same_world = pool_sd is not None and pool_sd.get("world") == self._rank_world()[1]
+            self.pool_owners = dict(pool_sd.get("owners", {})) if same_world else {}
         self.every, self._step, self._batch_size = every, step, batch_size
 
     def __repr__(self) -> str:
