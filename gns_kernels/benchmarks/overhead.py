@@ -12,6 +12,8 @@ side by side in the same process group, one per configuration (``--configs``):
     py        DDP + torch's Python ``allreduce_hook`` (what any Python comm hook costs)
     l1        DDP + gk.ddp_gns_hook, GNSHookState(geometry="l1")
     s1        DDP + gk.ddp_gns_hook, GNSHookState(geometry="nuclear") (all 2-D weights)
+    l1_np     l1 without the noise pool (pool_beta=None): l1 - l1_np is the pool's cost
+    s1_np     s1 without the noise pool
 ``--parallel fsdp2`` (``fully_shard`` on every transformer block and the root):
     base      plain FSDP2 (default Shard(0))
     l1        + gk.attach_fsdp_gns(model, GNSHookState("l1"))
@@ -55,14 +57,16 @@ QUICK = dict(every=10, rounds=1, f1_block=2, f1_rounds=1, warmup=1, breakdown=Fa
 LABELS = {
     "ddp": {"base": "DDP (built-in C++ all-reduce)", "cpp": "DDP + torch's built-in C++ ALLREDUCE hook",
             "py": "DDP + torch's Python allreduce_hook",
-            "l1": "DDP + ddp_gns_hook l1", "s1": "DDP + ddp_gns_hook S1"},
+            "l1": "DDP + ddp_gns_hook l1", "s1": "DDP + ddp_gns_hook S1",
+            "l1_np": "DDP + ddp_gns_hook l1, no noise pool", "s1_np": "DDP + ddp_gns_hook S1, no noise pool"},
     "fsdp2": {"base": "FSDP2 (Shard(0))", "l1": "FSDP2 + attach_fsdp_gns l1", "s1": "FSDP2 + attach_fsdp_gns S1",
               "base_p": "FSDP2 (fsdp_gns_shard_placement)",
               "s1_p": "FSDP2 (fsdp_gns_shard_placement) + attach_fsdp_gns S1"},
 }
 BASELINE_OF = {"base": "base", "cpp": "base", "py": "base", "l1": "base", "s1": "base",
-               "base_p": "base_p", "s1_p": "base_p"}
-COST_LABELS = {"l1": "l1", "s1": "S1", "s1_p": "S1 (Shard(1) placement)"}
+               "l1_np": "base", "s1_np": "base", "base_p": "base_p", "s1_p": "base_p"}
+COST_LABELS = {"l1": "l1", "s1": "S1", "s1_p": "S1 (Shard(1) placement)",
+               "l1_np": "l1, no pool", "s1_np": "S1, no pool"}
 DEFAULT_CONFIGS = {"ddp": "base,l1,s1", "fsdp2": "base,l1,s1,base_p,s1_p"}
 NO_F_ROWS = ("base_p", "s1_p")  # FSDP2 placement configurations: F = 1 rows only
 
@@ -145,7 +149,8 @@ def _build_ddp(names, cfg, world):
 
             d.register_comm_hook(None, allreduce_hook)
         elif name != "base":
-            st = gk.GNSHookState("l1" if name == "l1" else "nuclear", every=cfg["every"], batch_size=B)
+            st = gk.GNSHookState("l1" if name.startswith("l1") else "nuclear", every=cfg["every"],
+                                 batch_size=B, pool_beta=None if name.endswith("_np") else 0.9)
             d.register_comm_hook(st, gk.ddp_gns_hook)
             states[name] = st
         models[name], plain[name] = d, m

@@ -25,7 +25,12 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   default at R >= 3 ranks; not with micro-batch samples) each rank also computes
   ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
   all-reduce, the same all-reduce carries them (8L float64 in all) and the corrected noise
-  is formed after it on every rank; signal='debiased' adds L more (``_share.py``).
+  is formed after it on every rank; signal='debiased' adds L more (``_share.py``); the
+  noise pool (default) 2L more: the solving rank folds the matrix's covariance into the
+  pool and shares the pooled, corrected sqrt-trace (gns_kernels.pooling).
+- l1 with the noise pool (default): each rank folds its 1/R slice of every measured
+  parameter's s2 into the pool (``_unpack_l``) and after the last bucket ONE all-reduce of
+  one float64 sums the ranks' pooled parts (R > 1 only).
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP

@@ -28,7 +28,8 @@ Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 
   ``ops.variance_norms_multi`` on the shard (measured parameters only; padding is zero
   in both halves and contributes nothing) gives the shard's partial
   [||s||_1, ||g||_1, sum s2, ||g||_2^2]; these are sums over coordinates, so once every
-  group of the backward is reduced ONE all-reduce of 4 float64 numbers per step turns
+  group of the backward is reduced ONE all-reduce of 4 float64 numbers (5 with the l1
+  noise pool: this rank's part of the pooled noise, from its shard) per step turns
   the per-rank partials into the totals (paper Algorithm 2 all-reduces two scalars).
 - nuclear -- for each measured 2-D parameter G (m x n) the Gram side is the one
   ``gk.estimate`` and ``ddp_gns_hook`` use: the smaller side (row G G^T when m <= n,
@@ -87,9 +88,11 @@ gradient half is reduced in float32 and rounded once to bf16 (plain FSDP2 reduce
 bf16), so they can differ by bf16 rounding (they are closer to the exact mean).
 
 Collectives of a measurement step: one reduce-scatter per param group (as plain FSDP2,
-larger payload) plus, l1/l2: one all-reduce of 4 float64 per step; nuclear: one
+larger payload) plus, l1/l2: one all-reduce of 4 float64 per step (5 with the l1 noise
+pool); nuclear: one
 all-reduce of the group's Grams per param group with measured matrices, and one
-all-reduce of 3L float64 (4L with signal='debiased') per step (L measured matrices; the
+all-reduce of 3L float64 (4L with signal='debiased', +2L with the noise pool) per step
+(L measured matrices; the
 nuclear correction uses the 'columns' dof here: the default 'gauss-sums' one needs each
 rank's deviation from the full mean gradient, which a rank holding a shard does not have):
 every rank holds all the reduced
