@@ -522,38 +522,68 @@ def drift(arch, R, b, trials, snapshots, every, steps, seed):
 POOL_AT = (1, 3, 10, 20, 40)  # measurements after which the pooled noise is reported
 
 
+def setup_arch(arch, args):
+    """Train `arch`, freeze it, pool its per-example gradients: (pool, layout, truth noise,
+    truth signal), with one line describing it."""
+    t0 = time.time()
+    model, X, Y, loss_fn, lr = make_arch(arch, args.seed)
+    loss = train(model, X, Y, loss_fn, lr, args.steps, 64, args.seed)
+    pool, layout = per_example_pool(model, X, Y, loss_fn)
+    tn, ts = truth(pool, layout)
+    mats = [(k, mat) for k, _, _, _, mat in layout if mat is not None]
+    print(f"## {arch}: N = {pool.shape[0]}, P = {pool.shape[1]}, loss {loss:.3f} after "
+          f"{args.steps} steps, matrices {mats}; truth l2 {tn['l2']:.4g} l1 {tn['l1']:.4g} "
+          f"nuclear {tn['nuclear']:.4g}; setup {time.time() - t0:.0f}s", flush=True)
+    return pool, layout, tn, ts
+
+
+def rank_gradients(x, layout):
+    """gk.estimate's rank_grads from rank means x (R, P): per rank, every parameter (conv
+    kernels as their nuclear matrices)."""
+    return [[x[j, off:off + num].reshape(mat) if mat is not None else x[j, off:off + num]
+             for k, shape, off, num, mat in layout] for j in range(x.shape[0])]
+
+
+def fold_measurement(npool, x, layout, R, b):
+    """One measurement (rank means x, (R, P) float64) folded into a NoisePool through the
+    hooks' calls: (pooled l1 ||s||_1 total, pooled_sqrt_traces rows [value, new] per matrix)."""
+    from gns_kernels.distributed._share import pooled_sqrt_traces
+
+    B = R * b
+    mean, msq = x.mean(0).float(), (x * x).mean(0).float()  # the reduced halves, float32
+    l1 = sum(float(npool.fold_variance(("l1", i), mean[off:off + num], msq[off:off + num], B / (R - 1), R))
+             for i, (k, shape, off, num, mat) in enumerate(layout))
+    covs, shapes, keys = [], [], []
+    for i, (k, shape, off, num, mat) in enumerate(layout):
+        if mat is None:
+            continue
+        m, n = mat
+        xm = x[:, off:off + num].reshape(R, m, n)
+        if m > n:
+            xm = xm.mT
+        d = xm - xm.mean(0, keepdim=True)
+        covs.append((B / (R * (R - 1)) * (d @ d.mT).sum(0)).float())
+        shapes.append((m, n))
+        keys.append(("nuc", i))
+    return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method="eigh")
+
+
 def pooled_run(pool, layout, R, b, seqs, seed):
     """The hooks' noise pool on independent sequences of len POOL_AT[-1] measurements:
     {("l1" | "nuc", t): tensor[seqs] of the pooled noise after t measurements}."""
-    from gns_kernels.distributed._share import pooled_sqrt_traces
     from gns_kernels.pooling import NoisePool
 
     gen = torch.Generator().manual_seed(seed)
     B = R * b
-    scale = B / (R - 1)
-    mats = [(i, off, num, mat) for i, (k, shape, off, num, mat) in enumerate(layout) if mat is not None]
     out = {(g, t): [] for g in ("l1", "nuc") for t in POOL_AT}
     for _ in range(seqs):
         npool = NoisePool(0.9)
         xs = rank_means(pool, POOL_AT[-1], R, b, gen)  # (T, R, P) float64
         for t in range(POOL_AT[-1]):
             x = xs[t]
-            mean, msq = x.mean(0).float(), (x * x).mean(0).float()  # the reduced halves, float32
-            l1 = sum(float(npool.fold_variance(("l1", i), mean[off:off + num], msq[off:off + num], scale, R))
-                     for i, (k, shape, off, num, mat) in enumerate(layout))
-            covs, shapes = [], []
-            for i, off, num, (m, n) in mats:
-                xm = x[:, off:off + num].reshape(R, m, n)
-                if m > n:
-                    xm = xm.mT
-                d = xm - xm.mean(0, keepdim=True)
-                covs.append((B / (R * (R - 1)) * (d @ d.mT).sum(0)).float())
-                shapes.append((m, n))
-            vals = pooled_sqrt_traces(npool, [("nuc", i) for i, *_ in mats], covs, shapes, R, 1.0, method="eigh")
+            l1, vals = fold_measurement(npool, x, layout, R, b)
             if t == 0:  # every matrix is new: the measurement's own corrected noise (gk.estimate's default)
-                rank_grads = [[x[j, off:off + num].reshape(mat) if mat is not None else x[j, off:off + num]
-                               for k, shape, off, num, mat in layout] for j in range(R)]
-                nuc = gk.estimate(rank_grads, B, geometry="nuclear").noise
+                nuc = gk.estimate(rank_gradients(x, layout), B, geometry="nuclear").noise
             else:
                 assert float(vals[1].sum()) == 0.0
                 nuc = float(vals[0].sum()) ** 2
@@ -569,13 +599,11 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
     at the last snapshot and against the EMA of the truths with the pool's weights (what
     the controller's noise EMA targets), beside the EMA of the per-measurement default
     estimates (what the controller averages without a pool)."""
-    from gns_kernels.distributed._share import pooled_sqrt_traces
     from gns_kernels.pooling import NoisePool
 
     model, X, Y, loss_fn, lr = make_arch(arch, seed)
     train(model, X, Y, loss_fn, lr, steps, 64, seed)
     B = R * b
-    scale = B / (R - 1)
     gen = torch.Generator().manual_seed(seed + 17)
     pools = [NoisePool(beta) for _ in range(seqs)]
     ema = {"l1": [None] * seqs, "nuc": [None] * seqs}
@@ -586,24 +614,11 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
             train(model, X, Y, loss_fn, lr, every, 64, seed + snap)
         pool, layout = per_example_pool(model, X, Y, loss_fn)
         truths.append(truth(pool, layout)[0])
-        mats = [(i, off, num, mat) for i, (k, shape, off, num, mat) in enumerate(layout) if mat is not None]
         xs = rank_means(pool, seqs, R, b, gen)  # one measurement per sequence
         for q in range(seqs):
             x = xs[q]
-            mean, msq = x.mean(0).float(), (x * x).mean(0).float()
-            l1 = sum(float(pools[q].fold_variance(("l1", i), mean[off:off + num], msq[off:off + num], scale, R))
-                     for i, (k, shape, off, num, mat) in enumerate(layout))
-            covs, shapes = [], []
-            for i, off, num, (m, n) in mats:
-                xm = x[:, off:off + num].reshape(R, m, n)
-                if m > n:
-                    xm = xm.mT
-                d = xm - xm.mean(0, keepdim=True)
-                covs.append((B / (R * (R - 1)) * (d @ d.mT).sum(0)).float())
-                shapes.append((m, n))
-            vals = pooled_sqrt_traces(pools[q], [("nuc", i) for i, *_ in mats], covs, shapes, R, 1.0, method="eigh")
-            rank_grads = [[x[j, off:off + num].reshape(mat) if mat is not None else x[j, off:off + num]
-                           for k, shape, off, num, mat in layout] for j in range(R)]
+            l1, vals = fold_measurement(pools[q], x, layout, R, b)
+            rank_grads = rank_gradients(x, layout)
             single = {"l1": gk.estimate(rank_grads, B, geometry="l1").noise,
                       "nuc": gk.estimate(rank_grads, B, geometry="nuclear").noise}
             pooled["l1"][q] = l1 * l1
@@ -632,15 +647,7 @@ def main_pooled(args) -> None:
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
     rows = []
     for arch in args.arch.split(","):
-        t0 = time.time()
-        model, X, Y, loss_fn, lr = make_arch(arch, args.seed)
-        loss = train(model, X, Y, loss_fn, lr, args.steps, 64, args.seed)
-        pool, layout = per_example_pool(model, X, Y, loss_fn)
-        tn, ts = truth(pool, layout)
-        mats = [(k, mat) for k, _, _, _, mat in layout if mat is not None]
-        print(f"## {arch}: N = {pool.shape[0]}, P = {pool.shape[1]}, loss {loss:.3f} after "
-              f"{args.steps} steps, matrices {mats}; truth l1 {tn['l1']:.4g} nuclear {tn['nuclear']:.4g}; "
-              f"setup {time.time() - t0:.0f}s", flush=True)
+        pool, layout, tn, ts = setup_arch(arch, args)
         for R, b in configs:
             t1 = time.time()
             o = pooled_run(pool, layout, R, b, args.seqs, args.seed + 1000 * R + b)
@@ -691,15 +698,7 @@ def main(argv=None):
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
     noise_rows, root_rows, dof_rows, cv_rows, sig_rows = [], [], [], [], []
     for arch in args.arch.split(","):
-        t0 = time.time()
-        model, X, Y, loss_fn, lr = make_arch(arch, args.seed)
-        loss = train(model, X, Y, loss_fn, lr, args.steps, 64, args.seed)
-        pool, layout = per_example_pool(model, X, Y, loss_fn)
-        tn, ts = truth(pool, layout)
-        mats = [(k, mat) for k, _, _, _, mat in layout if mat is not None]
-        print(f"## {arch}: N = {pool.shape[0]}, P = {pool.shape[1]}, loss {loss:.3f} after "
-              f"{args.steps} steps, matrices {mats}; truth l2 {tn['l2']:.4g} l1 {tn['l1']:.4g} "
-              f"nuclear {tn['nuclear']:.4g}; setup {time.time() - t0:.0f}s", flush=True)
+        pool, layout, tn, ts = setup_arch(arch, args)
         for R, b in configs:
             t1 = time.time()
             o = simulate(pool, layout, R, b, args.trials, args.seed + 1000 * R + b, check=args.check)
