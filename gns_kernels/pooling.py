@@ -41,7 +41,9 @@ Reported values (units of the measurement's own gradients, x grad_scale, below):
   pool): with the previous pool P' (independent of C at a fixed parameter point),
       E[tr C tr P' + <C, P'>] = (tr Sigma)^2 + ||Sigma||_F^2,
       E ||C - P'||_F^2 = ((tr Sigma)^2 + ||Sigma||_F^2) / nu_s * (1/(S - 1) + U'),
-  EMAs of both (from the second measurement on) give nu_s = num / var, and the pool has
+  EMAs of both (from the second measurement on) give nu_s = max(num / var, 1) (a sample
+  carries at least one degree of freedom; the floor bounds the over-correction a fast
+  drifting covariance, early in training, would cause), and the pool has
   nu_s / U degrees of freedom: the caller corrects tr P^{1/2} with them
   (bias._corrected(trace, pair sum, nu_s / U)). Until a pair exists (the first valid
   measurement of a key) there is no nu: ``fold_covariance`` flags it and the caller reports
@@ -73,7 +75,13 @@ from .bias import c4_tensor
 
 Tensor = torch.Tensor
 
-__all__ = ["NoisePool", "check_pool_beta"]
+__all__ = ["NoisePool", "check_pool_beta", "NU_S_MIN"]
+
+# The floor of one sample's estimated dof: a sample (a rank's or micro-batch's mean gradient)
+# carries at least one degree of freedom (a rank-one deviation has exactly one). A drifting
+# covariance (early training) inflates the pair moment ||C - P'||^2 and would drive the
+# estimate below that, over-correcting the pool; the floor bounds it.
+NU_S_MIN = 1.0
 
 
 def check_pool_beta(beta, name: str = "pool_beta", allow_none: bool = True) -> Optional[float]:
@@ -240,7 +248,7 @@ class NoisePool:
         b = self._weights(e, ok, S).float()
         e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * x, e.P))
         nu_s = torch.where(e.var > 0, e.num.clamp_min(0) / torch.where(e.var > 0, e.var, torch.ones_like(e.var)),
-                           torch.full_like(e.var, math.inf))
+                           torch.full_like(e.var, math.inf)).clamp_min(NU_S_MIN)
         first = e.npair == 0
         nu = torch.where(first, torch.zeros_like(nu_s), nu_s / e.U)
         return e.P * (gs * gs), torch.where(ok, nu, torch.full_like(nu, math.nan)), first

@@ -273,7 +273,7 @@ def pooled_noise(
     per parameter in the units of that measurement's gradients:
       l1:      sum_i sqrt(P_i) / c4(1/U + 1)  (P the EMA of s2_i; U = sum_k w_k^2 / (S_k - 1));
       nuclear: per 2-D parameter the corrected tr(P^{1/2}) for nu_s / U degrees of freedom,
-               nu_s = num / var from the EMAs (from the second measurement) of
+               nu_s = max(num / var, 1) from the EMAs (from the second measurement) of
                tr C tr P' + <C, P'> and ||C - P'||_F^2 / (1/(S - 1) + U'), P' and U' the pool
                before the fold; nan for the first measurement (no pair yet).
     EMA: the first folded measurement sets the pool, each later one P <- beta P + (1-beta) x.
@@ -324,7 +324,7 @@ def pooled_noise(
             elif st["npair"] == 0:
                 vals.append(math.nan)
             else:
-                nu_s = st["num"] / st["var"] if st["var"] > 0 else math.inf
+                nu_s = max(st["num"] / st["var"], 1.0) if st["var"] > 0 else math.inf
                 vals.append(gs * _pooled_sqrt_trace(st["P"], nu_s / st["U"]))
         out.append(vals)
     return out

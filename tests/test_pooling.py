@@ -381,15 +381,33 @@ def test_owners_are_one_assignment_for_every_rank():
 
 
 def test_first_flag_is_not_inferred_from_nu():
-    """A pool that started from a zero covariance (a parameter without gradient yet) has
-    nu = 0 at its first pair (the pair moment tr C tr P' + <C, P'> is 0): it still has a
-    pair, so its pooled value is reported, not the measurement's own."""
+    """A pool that started from a zero covariance (a parameter without gradient yet) has a
+    zero pair moment tr C tr P' + <C, P'> at its first pair, so its dof estimate sits at
+    the floor of one per sample (nu = 1 / U); it has a pair, so its pooled value is
+    reported, not the measurement's own."""
+    from gns_kernels.pooling import NU_S_MIN
+
     pool = NoisePool(0.9)
     zero, eye = torch.zeros(3, 3), torch.eye(3)
     _, nu, first = pool.fold_covariance(0, zero, 2)
     assert bool(first)
     _, nu, first = pool.fold_covariance(0, eye, 2)
-    assert not bool(first) and float(nu) == 0.0
+    assert not bool(first) and float(nu) == pytest.approx(NU_S_MIN / float(pool._entries[0].U))
     fresh = NoisePool(0.9)
     assert pooled_sqrt_traces(fresh, [0], [zero], [(3, 3)], 2, 1.0)[1, 0] == 1.0
     assert pooled_sqrt_traces(fresh, [0], [eye], [(3, 3)], 2, 1.0)[1, 0] == 0.0
+
+
+def test_nuclear_dof_floor_bounds_a_drifting_pool():
+    """A covariance that shrinks tenfold from one measurement to the next (early training)
+    makes ||C - P'||^2 large against the pair moment: the dof estimate is held at one per
+    sample instead of collapsing towards 0 (which would apply the largest correction)."""
+    from gns_kernels.pooling import NU_S_MIN
+
+    pool = NoisePool(0.9)
+    eye = torch.eye(4)
+    pool.fold_covariance(0, 100.0 * eye, 2)
+    _, nu, _ = pool.fold_covariance(0, 1.0 * eye, 2)
+    e = pool._entries[0]
+    raw = float(e.num) / float(e.var)
+    assert raw < NU_S_MIN and float(nu) == pytest.approx(NU_S_MIN / float(e.U))
