@@ -220,3 +220,57 @@ def _sync_error():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
+def test_cuda_pooled_measurements_have_no_host_sync(geometry):
+    """The hooks' defaults (bias correction and the noise pool on): MicroBatchGNS under DDP
+    (NCCL, one rank, 3 micro-batches), 4 measurement steps, every synchronized backward
+    under set_sync_debug_mode('error'); the pooled noise read after each step matches
+    reference.pooled_noise (float64) on the micro-batch gradients."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from gns_kernels import reference
+
+    dev = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}",
+                                rank=0, world_size=1)
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(23, 40), torch.nn.Tanh(),
+                                        torch.nn.Linear(40, 13)).to(dev)
+            ddp = DDP(model, bucket_cap_mb=0.001)
+            A, b, steps = 3, 8, 4
+            mb = gk.MicroBatchGNS(list(model.parameters()), geometry=geometry, every=1,
+                                  batch_size=A * b, micro_batches=A)
+            ddp.register_comm_hook(mb, gk.ddp_gns_hook)
+            hist, pooled = [], []
+            for k in range(steps):
+                model.zero_grad(set_to_none=True)
+                xs = torch.randn(A, b, 23, device=dev)
+                ys = torch.randn(A, b, 13, device=dev)
+                prev = [torch.zeros_like(p) for p in model.parameters()]
+                samples = []
+                for a in range(A):
+                    sync = a == A - 1
+                    guard = _sync_error() if sync else contextlib.nullcontext()
+                    with (ddp.no_sync() if not sync else contextlib.nullcontext()), guard:
+                        loss = torch.nn.functional.mse_loss(ddp(xs[a]), ys[a]) / A
+                        loss.backward()
+                    torch.cuda.synchronize()
+                    cur = [p.grad.detach().double().clone() for p in model.parameters()]
+                    samples.append([A * (c - q) for c, q in zip(cur, prev)])
+                    prev = cur
+                    mb.micro_step()
+                hist.append((samples, A * b))
+                est = mb.estimate
+                assert est.valid
+                pooled.append(est.noise_pooled)
+            want = reference.pooled_noise(hist, geometry, 0.9)
+            for k in range(1, steps):
+                assert pooled[k] == pytest.approx(sum(want[k]) ** 2, rel=1e-3), k
+        finally:
+            dist.destroy_process_group()
