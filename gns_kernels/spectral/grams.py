@@ -87,7 +87,9 @@ def gram_list(xs: list[Tensor], col: bool) -> list[Tensor]:
     stacked batch through gram_batched."""
     if xs[0].device.type == "cpu":
         return _gram_cpu(xs, col)
-    return list(gram_batched(torch.stack(xs), col).unbind(0))
+    # a custom op's outputs may not alias each other: one tensor per Gram (gram() itself
+    # calls gram_batched on such devices and takes views of its result, no copy)
+    return [G.clone() for G in gram_batched(torch.stack(xs), col).unbind(0)]
 
 
 @gram_list.register_fake
@@ -150,10 +152,11 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
     side: 'auto' (the smaller side: row when m <= n), 'row' or 'col'.
     Any floating dtype (bf16/fp16/fp32/fp64 gradients); the result is float32, accumulated
     in float32 (float64 inputs are rounded to float32 first). Tensors of equal shape, dtype
-    and device go to one batched op call (torch.ops.gns_kernels.gram_list): on CPU without
+    and device go to one batched op call: on CPU torch.ops.gns_kernels.gram_list, without
     stacking them, one matrix per single-threaded worker, only upper-triangle strips
-    multiplied and mirrored; on CUDA stacked, a Triton kernel computing only upper-triangle
-    tiles. A zero-size side gives a 0 x 0 Gram; an empty reduction dimension a zero Gram.
+    multiplied and mirrored; on CUDA torch.ops.gns_kernels.gram_batched on the stacked
+    batch, a Triton kernel computing only upper-triangle tiles (the Grams are views of its
+    result). A zero-size side gives a 0 x 0 Gram; an empty reduction dimension a zero Gram.
     Returns a list in input order.
     """
     tensors = list(tensors)
@@ -169,7 +172,11 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
         groups.setdefault((tuple(g.shape), g.dtype, g.device, s), []).append(i)
     out: list[Tensor | None] = [None] * len(tensors)
     for (_, _, _, s), idx in groups.items():
-        res = torch.ops.gns_kernels.gram_list([tensors[i].detach() for i in idx], s == "col")
+        xs = [tensors[i].detach() for i in idx]
+        if xs[0].device.type == "cpu":
+            res = torch.ops.gns_kernels.gram_list(xs, s == "col")
+        else:  # one stacked batch; the Grams are views of its result
+            res = torch.ops.gns_kernels.gram_batched(torch.stack(xs), s == "col").unbind(0)
         for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]

@@ -30,6 +30,26 @@ def test_opcheck(gen):
     opcheck(torch.ops.gns_kernels.newton_sqrt_trace, (A.double(), 22, 1e-4, A.new_ones(2), False))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_opcheck_cuda(gen):
+    """The ops on CUDA tensors (the Triton Gram, the stacked Newton path). On an H100
+    (2026-11-25) gram_list returned views of one stacked result there, which a custom op
+    may not (outputs aliasing each other): gk.gram and the hooks' Grams failed on CUDA."""
+    from torch.library import opcheck
+
+    x = randn(gen, 3, 37, 70, dtype=torch.float32).cuda()
+    opcheck(torch.ops.gns_kernels.gram_batched, (x, False))
+    opcheck(torch.ops.gns_kernels.gram_list, (list(x.unbind(0)), False))
+    opcheck(torch.ops.gns_kernels.gram_list, ([x[0].bfloat16(), x[1].bfloat16()], True))
+    got = torch.ops.gns_kernels.gram_list(list(x.unbind(0)), True)
+    for xi, G in zip(x.unbind(0), got):
+        want = xi.double().T @ xi.double()
+        assert float((G.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    A = torch.stack([rand_psd(gen, 9, 1e3, torch.float32) for _ in range(2)]).cuda()
+    opcheck(torch.ops.gns_kernels.newton_sqrt_trace, (A, 25, 1e-6, None, True))
+
+
 def test_torch_compile_fullgraph(gen):
     R, B = 2, 16
     layers = samples(gen, R, SHAPES[:3])
