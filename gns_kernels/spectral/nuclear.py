@@ -399,6 +399,15 @@ def nuclear_stats_from_grams_select(
                   bool(return_sums), _debias(signal, scale, batch_size))
 
 
+def _run_of(t: Tensor, idx: Sequence[int]) -> Tensor:
+    """t[idx] for consecutive indices idx, as a view (basic slicing: no index tensor, so no
+    host-to-device copy and no host sync)."""
+    a = idx[0]
+    if list(idx) != list(range(a, a + len(idx))):
+        raise AssertionError(f"_run_of: indices not consecutive: {list(idx)}")
+    return t[a:a + len(idx)]
+
+
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
@@ -443,6 +452,10 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     for k, items in by_k.items():
         if not items:
             continue
+        # noise matrices first, then signal ones: each kind is a contiguous run of the
+        # stacked batch below, taken as a slice (a list index would copy the index to the
+        # device: a host sync inside the hooks' collective callbacks)
+        items.sort(key=lambda it: it[0] != "n")
         if meth == "eigh":
             # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
             lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
@@ -487,14 +500,14 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         n_idx = [i for i, (w, _) in enumerate(items) if w == "n"]
         s_idx = [i for i, (w, _) in enumerate(items) if w != "n"]
         if s_idx and debias is not None:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[s_idx], it, ep, None, True)
+            res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, s_idx), it, ep, None, True)
             for j, i in enumerate(s_idx):
                 signal[items[i][1]] = res[j]
             s_idx = []
         if not (correct or sums):
             idx = n_idx + s_idx
             if idx:
-                res = torch.ops.gns_kernels.newton_sqrt_trace(mats[idx], it, ep, ref[idx], False)
+                res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, idx), it, ep, _run_of(ref, idx), False)
                 for j, i in enumerate(idx):
                     w, l = items[i]
                     (noise if w == "n" else signal)[l] = res[j]
@@ -502,14 +515,15 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         # bias correction without eigenvalues: the noise matrices also give the pair sum
         # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum), the signal matrices only the trace
         if s_idx:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[s_idx], it, ep, ref[s_idx], False)
+            res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, s_idx), it, ep, _run_of(ref, s_idx),
+                                                       False)
             for j, i in enumerate(s_idx):
                 signal[items[i][1]] = res[j]
         if n_idx:
             from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
             tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
-                mats[n_idx], it, ep, ref[n_idx], False, "ieee", "float64")
+                _run_of(mats, n_idx), it, ep, _run_of(ref, n_idx), False, "ieee", "float64")
             for j, i in enumerate(n_idx):
                 l = items[i][1]
                 if sums:
