@@ -352,7 +352,7 @@ def _resolve(backend: Optional[str], device: torch.device, op_name: str, probe=N
             # the CUDA kernel is our Triton launcher: call it directly (same function, no
             # dispatcher) for plain tensors, except while torch.compile traces, which must
             # see the torch op (probe: the call's first tensor)
-            if (probe is not None and _plain(probe) and not torch.compiler.is_compiling()
+            if (probe is not None and not torch.compiler.is_compiling() and _plain(probe)
                     and _triton_registered(op_name)):
                 return "triton"
             return "cpp"
