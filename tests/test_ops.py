@@ -826,6 +826,29 @@ def test_extension_loads_from_another_cwd(tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "[0.0, 3.0, 0.0, 3.0]"
 
 
+@pytest.mark.skipif(not ops.cpp_available(), reason="no C++ extension")
+def test_extension_errors_with_numbers_raise_instead_of_crashing():
+    """A C++ kernel's argument error whose message formats an integer raises a Python
+    ValueError. Measured on a GPU machine (2026-11-25): an extension linked through a
+    compiler wrapper that put a static libstdc++ in it (no libstdc++.so.6 among its NEEDED
+    entries) died with SIGSEGV on exactly these errors, while string-only messages worked;
+    the same sources built with the system g++ raise. Run in a subprocess, so such a build
+    fails this test instead of killing the suite."""
+    calls = ["torch.ops.gns_kernels.square_pack_multi([x, x], [torch.zeros(8)], [])"]
+    want = ["ValueError outs: expected 2 tensors like grads, got 1"]
+    if torch.cuda.is_available():
+        calls.append("torch.ops.gns_kernels.variance_norms(x.cuda(), torch.ones(5, device='cuda'), 1.0)")
+        want.append("ValueError mean_sq: expected 4 elements (like mean_grad), got 5")
+    for call, w in zip(calls, want):
+        code = ("import torch, gns_kernels\nx = torch.ones(4)\ntry:\n    " + call +
+                "\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, (
+            f"{call} crashed (exit {res.returncode}): the extension cannot throw C++ errors; "
+            f"rebuild it with the system compiler (CXX=/usr/bin/g++). {res.stderr[-500:]}")
+        assert res.stdout.strip().splitlines()[-1].startswith(w), res.stdout
+
+
 def test_registered_triton_kernel_is_called_without_the_dispatcher_for_plain_tensors(monkeypatch):
     """On CUDA, when the op's CUDA kernel is the Triton launcher, the face calls the launcher
     directly (one validation, no dispatcher) for plain tensors only: a FakeTensor (or any
