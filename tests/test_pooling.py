@@ -119,6 +119,27 @@ def test_pooled_sqrt_traces_match_the_float64_pool(method):
             assert abs(x - y) <= tol * y, (t, i, x, y)
 
 
+def test_pooled_newton_is_the_positive_part_when_the_pool_has_rounding_negatives(gen):
+    """Covariances with small negative eigenvalues (the rounding of scale * (mean Gram -
+    D D^T), at 1e-4 of ||C||): the pooled Newton value equals the eigenvalue path's (which
+    clamps them) within the Newton tolerance and is finite. The shifted iteration, whose
+    shift is relative to ||P||_F, gave an infinite or NaN pair sum here."""
+    k = 48
+    Q, _ = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))
+    out = {}
+    for method in ("eigh", "newton"):
+        pool = NoisePool(0.9)
+        g = torch.Generator().manual_seed(3)
+        for t in range(4):
+            lam = torch.logspace(0, -4, k, dtype=torch.float64) * (1 + 0.1 * torch.rand(k, generator=g, dtype=torch.float64))
+            lam[-3:] = -1e-4
+            C = ((Q * lam) @ Q.T).float()
+            res = pooled_sqrt_traces(pool, ["w"], [C], [(k, 3 * k)], 4, 1.0, method=method)
+        out[method] = float(res[0, 0])
+    assert math.isfinite(out["newton"]) and out["eigh"] > 0
+    assert abs(out["newton"] - out["eigh"]) <= 2e-3 * out["eigh"], out
+
+
 def test_pooled_nuclear_dof_from_pairs_on_a_wishart():
     """At a fixed point the pair moments estimate one sample's dof: Gaussian rank means
     with n iid columns of covariance L L^T (the Wishart dof of one sample is n). 30 runs of

@@ -105,7 +105,10 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     the pool has no pair yet: the caller uses the measurement's own corrected noise there;
     the value is then 0). NaN values where a covariance is not finite. The sqrt-traces and
     pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
-    in one call; no host synchronization."""
+    in one call, of their positive parts (Newton: the sign-step projection; a pool averages
+    covariances whose rounding negatives the per-measurement shift no longer absorbs; the
+    shifted iteration loses the pair sum then: the likely cause of the NaN pooled noise of
+    a demo run on an H100); no host synchronization."""
     L = len(covs)
     dev = covs[0].device
     Ps, nus, firsts = [], [], []
@@ -119,7 +122,7 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     zeros = [torch.zeros_like(P) for P in Ps]
     _, _, _, sums = nuclear_stats_from_grams_select(
         Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
-        eig_hints=hints, record_hints=False, return_sums=True)
+        eig_hints=hints, record_hints=False, return_sums=True, project=True)
     sums = sums.to(device=dev, dtype=torch.float64)
     value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, torch.ones_like(nu)))
     value = torch.where(new, torch.zeros_like(value), value)

@@ -343,10 +343,17 @@ def nuclear_stats_from_grams_select(
     signal: str = "raw",
     return_sums: bool = False,
     cov_out: list | None = None,
+    project: bool = False,
 ):
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
     signal[L], used64); select, record_hints, used64, signal, return_sums and cov_out as
-    nuclear_stats_select."""
+    nuclear_stats_select. project: on the Newton path, the noise matrices' sqrt-trace and
+    pair sum of their positive part (the sign-step projection) instead of the shift
+    relative to ||scale * mean_grams[l]||_F. Use it when C = scale (mean_grams - D D^T)
+    carries rounding from a larger operand than its own inputs show (an average of
+    covariances, like the noise pool's): the shift then no longer absorbs the negative
+    rounding eigenvalues and the iteration loses the pair sum (inf / NaN measured at a
+    negative eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grad_grams is None:
@@ -396,7 +403,7 @@ def nuclear_stats_from_grams_select(
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
                   resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
                   batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints,
-                  bool(return_sums), _debias(signal, scale, batch_size))
+                  bool(return_sums), _debias(signal, scale, batch_size), bool(project))
 
 
 def _run_of(t: Tensor, idx: Sequence[int]) -> Tensor:
@@ -411,7 +418,8 @@ def _run_of(t: Tensor, idx: Sequence[int]) -> Tensor:
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
-           record_hints: bool, sums: bool = False, debias: float | None = None):
+           record_hints: bool, sums: bool = False, debias: float | None = None,
+           project: bool = False):
     """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
     Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call.
     Only the sqrt-traces selected by want_n / want_s are solved (the others are 0).
@@ -419,7 +427,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     noise matrices' [tr C^{1/2}, pair sum, tr C, ||C||_F^2] is returned as well (0 where
     not selected), for a correction formed later (the hooks' 'gauss-sums' dof).
     debias: None, or c = scale / B: the signal is tr((G G^T - C / B)_+^{1/2}) of the
-    indefinite gg - c (mean_grams - dd) instead of ||G||_S1.
+    indefinite gg - c (mean_grams - dd) instead of ||G||_S1. project: Newton path, the
+    noise matrices through the positive-part projection (nuclear_stats_from_grams_select).
     Returns (noise, signal, used64) as nuclear_stats_select (plus the sums when sums)."""
     from ..bias import _pair_sum
 
@@ -507,7 +516,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         if not (correct or sums):
             idx = n_idx + s_idx
             if idx:
-                res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, idx), it, ep, _run_of(ref, idx), False)
+                res = torch.ops.gns_kernels.newton_sqrt_trace(
+                    _run_of(mats, idx), it, ep, None if project else _run_of(ref, idx), project)
                 for j, i in enumerate(idx):
                     w, l = items[i]
                     (noise if w == "n" else signal)[l] = res[j]
@@ -523,7 +533,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
             tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
-                _run_of(mats, n_idx), it, ep, _run_of(ref, n_idx), False, "ieee", "float64")
+                _run_of(mats, n_idx), it, ep, None if project else _run_of(ref, n_idx), project,
+                "ieee", "float64")
             for j, i in enumerate(n_idx):
                 l = items[i][1]
                 if sums:
