@@ -1,0 +1,104 @@
+"""One rank's share of an S1 (nuclear) measurement through the hooks' solver, per rank.
+
+The paper's 160M Llama-3 shapes (84 matrices: 12 x q,k,v,o 768x768, gate/up 2048x768, down
+768x2048), R simulated ranks (default 8) on one device: each rank's
+``SolveShare.add_grads`` + ``launch`` + ``read`` as the DDP hook runs them with its defaults
+('gauss-sums' dof, bias correction, Newton on CUDA), with and without the noise pool
+(pool_beta 0.9), float32 matmuls with TF32 off and on. The share all-reduce is replaced by
+a completed future (one device plays every rank), so the times are the solves plus the
+host work, not the network. Wall time per rank measurement (synchronized before and after),
+median over --reps measurements after 2 warm-up ones; the pool's owners are one global
+assignment, as in the hooks.
+
+    python bench/bench_share_gpu.py                       # a GPU
+    python bench/bench_share_gpu.py --device cpu --tiny   # self-check of the script
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gns_kernels.distributed._share import SolveShare
+from gns_kernels.pooling import NoisePool
+
+LLAMA = ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12
+
+
+class _Done:
+    """A finished all-reduce: the hook's share vector, unchanged."""
+
+    def __init__(self, t):
+        self.f = torch.futures.Future()
+        self.f.set_result([t])
+
+    def get_future(self):
+        return self.f
+
+
+def _all_reduce(t, group=None, async_op=True):
+    return _Done(t)
+
+
+def _gram(x):
+    return x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+
+
+def _inputs(shapes, seed, dev):
+    """(mean Grams, mean gradients, this rank's deviations) of one measurement."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    Ds = [torch.randn(m, n, generator=g, device=dev) / n ** 0.5 for m, n in shapes]
+    devs = [0.3 * torch.randn(m, n, generator=g, device=dev) / n ** 0.5 for m, n in shapes]
+    return [_gram(D) + _gram(d) for D, d in zip(Ds, devs)], Ds, devs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="small shapes (a self-check of the script)")
+    a = p.parse_args()
+    dev, R = a.device, a.ranks
+    shapes = [(16, 16), (32, 16), (16, 32)] * 2 if a.tiny else LLAMA
+    B = 8 * R
+    scale = B / (R - 1)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sets = [_inputs(shapes, s, dev) for s in range(3)]
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"# {name}, torch {torch.__version__}; {len(shapes)} matrices, R = {R}")
+    print("| TF32 | pool | per-rank median ms (ranks 0..R-1) | busiest | mean |")
+    print("|---|---|---|---:|---:|")
+    for tf32 in ((False, True) if dev == "cuda" else (False,)):
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            for pooled in (False, True):
+                owners: dict = {}
+                pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
+                times: dict[int, list[float]] = {r: [] for r in range(R)}
+                for rep in range(a.reps + 2):
+                    mg, Ds, devs = sets[rep % 3]
+                    for r in range(R):
+                        sync()
+                        t0 = time.perf_counter()
+                        sh = SolveShare(R, r, scale, True, R, float(B), dof="gauss-sums", pool=pools[r],
+                                        owners=owners if pooled else None)
+                        sh.add_grads(mg, Ds, None, devs, list(range(len(shapes))))
+                        sh.launch(None, _all_reduce)
+                        sh.read()
+                        sync()
+                        if rep >= 2:
+                            times[r].append(time.perf_counter() - t0)
+                med = [statistics.median(times[r]) * 1e3 for r in range(R)]
+                print(f"| {'on' if tf32 else 'off'} | {'on' if pooled else 'off'} | "
+                      f"{' '.join(f'{x:.1f}' for x in med)} | {max(med):.1f} | {statistics.mean(med):.1f} |",
+                      flush=True)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+
+
+if __name__ == "__main__":
+    main()
