@@ -150,67 +150,54 @@ def test_cuda_hook_measurement_has_no_host_sync(geometry):
     share all-reduce of a 2-rank assignment on the same group; the estimate read after
     it matches gk.estimate on the micro-batch gradients (float64)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}",
-                                rank=0, world_size=1)
-        try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(37, 64), torch.nn.Tanh(),
-                                        torch.nn.Linear(64, 21)).to(dev)
-            ddp = DDP(model, bucket_cap_mb=0.001)
-            A, b = 2, 8
-            mb = gk.MicroBatchGNS(list(model.parameters()), geometry=geometry, every=1,
-                                  batch_size=A * b, micro_batches=A, bias_correction=False)
-            ddp.register_comm_hook(mb, gk.ddp_gns_hook)
-            xs = torch.randn(A, b, 37, device=dev)
-            ys = torch.randn(A, b, 21, device=dev)
-            samples, prev = [], None
-            for a in range(A):
-                sync = a == A - 1
-                guard = contextlib.nullcontext() if not sync else _sync_error()
-                with (ddp.no_sync() if not sync else contextlib.nullcontext()), guard:
-                    loss = torch.nn.functional.mse_loss(ddp(xs[a]), ys[a]) / A
-                    loss.backward()
-                if not sync:
-                    mb.micro_step()
-                    prev = [p.grad.detach().clone() for p in model.parameters()]
-                    samples.append([A * g.double() for g in prev])
-            torch.cuda.synchronize()
-            local = [p.grad.detach().double() * A - s for p, s in zip(model.parameters(), samples[0])]
-            samples.append(local)
-            mb.micro_step()
-            est = mb.estimate
-            mats = [[s[i] for i in range(len(s)) if s[i].dim() == 2 or geometry != "nuclear"]
-                    for s in samples]
-            ref = gk.estimate(mats, batch_size=A * b, geometry=geometry, bias_correction=False)
-            assert est.valid and ref.valid
-            for a_, b_ in ((est.noise, ref.noise), (est.signal, ref.signal)):
-                assert abs(a_ - b_) <= 1e-3 * abs(b_)
+    A, b = 2, 8
+    with _one_rank_micro(geometry, (37, 64, 21), A, b, bias_correction=False) as (model, ddp, mb):
+        xs = torch.randn(A, b, 37, device=dev)
+        ys = torch.randn(A, b, 21, device=dev)
+        samples, prev = [], None
+        for a in range(A):
+            sync = a == A - 1
+            guard = contextlib.nullcontext() if not sync else _sync_error()
+            with (ddp.no_sync() if not sync else contextlib.nullcontext()), guard:
+                loss = torch.nn.functional.mse_loss(ddp(xs[a]), ys[a]) / A
+                loss.backward()
+            if not sync:
+                mb.micro_step()
+                prev = [p.grad.detach().clone() for p in model.parameters()]
+                samples.append([A * g.double() for g in prev])
+        torch.cuda.synchronize()
+        local = [p.grad.detach().double() * A - s for p, s in zip(model.parameters(), samples[0])]
+        samples.append(local)
+        mb.micro_step()
+        est = mb.estimate
+        mats = [[s[i] for i in range(len(s)) if s[i].dim() == 2 or geometry != "nuclear"]
+                for s in samples]
+        ref = gk.estimate(mats, batch_size=A * b, geometry=geometry, bias_correction=False)
+        assert est.valid and ref.valid
+        for a_, b_ in ((est.noise, ref.noise), (est.signal, ref.signal)):
+            assert abs(a_ - b_) <= 1e-3 * abs(b_)
 
-            # the share path of a 2-rank assignment: solves on the side stream, the share
-            # all-reduce on it, nothing read on the host until read()
-            grads = [torch.randn(48, 70, device=dev), torch.randn(30, 20, device=dev)]
-            grams = [g @ g.T + torch.eye(g.shape[0], device=dev) if g.shape[0] <= g.shape[1]
-                     else g.T @ g + torch.eye(g.shape[1], device=dev) for g in grads]
-            share = SolveShare(2, 0, 1.0, False, 2, 2.0, hints=None)
-            with _sync_error():
-                share.add_grads(grams, grads, None)
-                share.launch(dist.group.WORLD, dist.all_reduce)
-            noise, signal, _ = share.read()
-            # C_l = mean Gram - D D^T = I (k_l x k_l): noise_l = k_l; signal_l = ||G_l||_S1;
-            # rank 0 holds the sum of its own share (the other rank's entries are 0)
-            ks = [min(g.shape) for g in grads]
-            owners = assign_solves([2 * k ** 3 for k in ks], [0, 0])  # noise + signal together
-            want_n = sum(k for k, o in zip(ks, owners) if o == 0)
-            want_s = sum(float(torch.linalg.svdvals(g.double()).sum())
-                         for g, o in zip(grads, owners) if o == 0)
-            assert abs(noise - want_n) <= 1e-3 * max(want_n, 1)
-            assert abs(signal - want_s) <= 1e-3 * max(want_s, 1)
-        finally:
-            dist.destroy_process_group()
+        # the share path of a 2-rank assignment: solves on the side stream, the share
+        # all-reduce on it, nothing read on the host until read()
+        grads = [torch.randn(48, 70, device=dev), torch.randn(30, 20, device=dev)]
+        grams = [g @ g.T + torch.eye(g.shape[0], device=dev) if g.shape[0] <= g.shape[1]
+                 else g.T @ g + torch.eye(g.shape[1], device=dev) for g in grads]
+        share = SolveShare(2, 0, 1.0, False, 2, 2.0, hints=None)
+        with _sync_error():
+            share.add_grads(grams, grads, None)
+            share.launch(dist.group.WORLD, dist.all_reduce)
+        noise, signal, _ = share.read()
+        # C_l = mean Gram - D D^T = I (k_l x k_l): noise_l = k_l; signal_l = ||G_l||_S1;
+        # rank 0 holds the sum of its own share (the other rank's entries are 0)
+        ks = [min(g.shape) for g in grads]
+        owners = assign_solves([2 * k ** 3 for k in ks], [0, 0])  # noise + signal together
+        want_n = sum(k for k, o in zip(ks, owners) if o == 0)
+        want_s = sum(float(torch.linalg.svdvals(g.double()).sum())
+                     for g, o in zip(grads, owners) if o == 0)
+        assert abs(noise - want_n) <= 1e-3 * max(want_n, 1)
+        assert abs(signal - want_s) <= 1e-3 * max(want_s, 1)
 
 
 @contextlib.contextmanager
@@ -222,6 +209,30 @@ def _sync_error():
         torch.cuda.set_sync_debug_mode(0)
 
 
+@contextlib.contextmanager
+def _one_rank_micro(geometry: str, sizes: tuple, A: int, b: int, **kw):
+    """(model, ddp, mb) on cuda: a Linear-Tanh-Linear model of `sizes` under DDP over NCCL
+    with one rank (tiny buckets), MicroBatchGNS(A micro-batches of b) as its comm hook."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}",
+                                rank=0, world_size=1)
+        try:
+            torch.manual_seed(0)
+            d_in, d_hid, d_out = sizes
+            model = torch.nn.Sequential(torch.nn.Linear(d_in, d_hid), torch.nn.Tanh(),
+                                        torch.nn.Linear(d_hid, d_out)).to("cuda")
+            ddp = DDP(model, bucket_cap_mb=0.001)
+            mb = gk.MicroBatchGNS(list(model.parameters()), geometry=geometry, every=1,
+                                  batch_size=A * b, micro_batches=A, **kw)
+            ddp.register_comm_hook(mb, gk.ddp_gns_hook)
+            yield model, ddp, mb
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("geometry", ["l1", "nuclear"])
@@ -230,47 +241,33 @@ def test_cuda_pooled_measurements_have_no_host_sync(geometry):
     (NCCL, one rank, 3 micro-batches), 4 measurement steps, every synchronized backward
     under set_sync_debug_mode('error'); the pooled noise read after each step matches
     reference.pooled_noise (float64) on the micro-batch gradients."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from gns_kernels import reference
 
     dev = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}",
-                                rank=0, world_size=1)
-        try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(23, 40), torch.nn.Tanh(),
-                                        torch.nn.Linear(40, 13)).to(dev)
-            ddp = DDP(model, bucket_cap_mb=0.001)
-            A, b, steps = 3, 8, 4
-            mb = gk.MicroBatchGNS(list(model.parameters()), geometry=geometry, every=1,
-                                  batch_size=A * b, micro_batches=A)
-            ddp.register_comm_hook(mb, gk.ddp_gns_hook)
-            hist, pooled = [], []
-            for k in range(steps):
-                model.zero_grad(set_to_none=True)
-                xs = torch.randn(A, b, 23, device=dev)
-                ys = torch.randn(A, b, 13, device=dev)
-                prev = [torch.zeros_like(p) for p in model.parameters()]
-                samples = []
-                for a in range(A):
-                    sync = a == A - 1
-                    guard = _sync_error() if sync else contextlib.nullcontext()
-                    with (ddp.no_sync() if not sync else contextlib.nullcontext()), guard:
-                        loss = torch.nn.functional.mse_loss(ddp(xs[a]), ys[a]) / A
-                        loss.backward()
-                    torch.cuda.synchronize()
-                    cur = [p.grad.detach().double().clone() for p in model.parameters()]
-                    samples.append([A * (c - q) for c, q in zip(cur, prev)])
-                    prev = cur
-                    mb.micro_step()
-                hist.append((samples, A * b))
-                est = mb.estimate
-                assert est.valid
-                pooled.append(est.noise_pooled)
-            want = reference.pooled_noise(hist, geometry, 0.9)
-            for k in range(1, steps):
-                assert pooled[k] == pytest.approx(sum(want[k]) ** 2, rel=1e-3), k
-        finally:
-            dist.destroy_process_group()
+    A, b, steps = 3, 8, 4
+    with _one_rank_micro(geometry, (23, 40, 13), A, b) as (model, ddp, mb):
+        hist, pooled = [], []
+        for k in range(steps):
+            model.zero_grad(set_to_none=True)
+            xs = torch.randn(A, b, 23, device=dev)
+            ys = torch.randn(A, b, 13, device=dev)
+            prev = [torch.zeros_like(p) for p in model.parameters()]
+            samples = []
+            for a in range(A):
+                sync = a == A - 1
+                guard = _sync_error() if sync else contextlib.nullcontext()
+                with (ddp.no_sync() if not sync else contextlib.nullcontext()), guard:
+                    loss = torch.nn.functional.mse_loss(ddp(xs[a]), ys[a]) / A
+                    loss.backward()
+                torch.cuda.synchronize()
+                cur = [p.grad.detach().double().clone() for p in model.parameters()]
+                samples.append([A * (c - q) for c, q in zip(cur, prev)])
+                prev = cur
+                mb.micro_step()
+            hist.append((samples, A * b))
+            est = mb.estimate
+            assert est.valid
+            pooled.append(est.noise_pooled)
+        want = reference.pooled_noise(hist, geometry, 0.9)
+        for k in range(1, steps):
+            assert pooled[k] == pytest.approx(sum(want[k]) ** 2, rel=1e-3), k
