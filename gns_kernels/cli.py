@@ -103,12 +103,24 @@ def _show_bare_defaults(parser: argparse.ArgumentParser) -> None:
             action.help = "(default: %(default)s)"
 
 
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set:
+    """The destinations of the options of ``parser`` that argv names (``--x v``, ``--x=v``
+    or a prefix argparse accepts): what the user set, as opposed to a default."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+
+    def named(o: str) -> bool:
+        return o in given or (o.startswith("--") and any(
+            g.startswith("--") and len(g) > 2 and o.startswith(g) for g in given))
+    return {a.dest for a in parser._actions if any(named(o) for o in a.option_strings)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command named in argv; no command (or a group without its sub-command)
     prints that level's help and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    args._explicit = explicit_dests(args._parser, argv)
     if getattr(args, "_module", None) is None:
         args._parser.print_help()
         return 2

@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", action="store_true",
                    help="constant small, constant large, adaptive l2, adaptive in the optimizer's geometry")
     g.add_argument("--preset", default=None, choices=["paper-cpu"],
-                   help="fixed options of a named experiment (see docs/demo.md); with --compare, "
-                        "paper-cpu runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, "
-                        "3 seeds)")
+                   help="fixed options of a named experiment (see docs/demo.md; an option given "
+                        "on the command line wins over the preset's); with --compare, paper-cpu "
+                        "runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, 3 seeds)")
     g.add_argument("--jobs", type=int, default=1,
                    help="--compare --preset: runs at a time (each run's process gets "
                         "OMP_NUM_THREADS threads, else cpu_count // jobs)")
@@ -88,6 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--stop-at-step", type=int, default=None,
                    help="stop after this many steps as if interrupted: writes checkpoint.pt and "
                         "interrupted.json; continue with --resume")
+
+
+# command-line destinations whose DemoConfig field has another name
+_FIELD_OF_DEST = {"raw_gns": "bias_correction", "lr_min": "lr_min_ratio", "constant": "adaptive"}
+
+
+def explicit_fields(args: argparse.Namespace) -> set:
+    """The DemoConfig fields the user set on the command line (args._explicit: the option
+    destinations given, recorded by the CLI); empty when unknown."""
+    return {_FIELD_OF_DEST.get(d, d) for d in getattr(args, "_explicit", ())}
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:

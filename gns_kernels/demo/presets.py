@@ -132,11 +132,14 @@ class Protocol:
 PROTOCOLS = {"paper-cpu": Protocol()}
 
 
-def apply_preset(cfg: DemoConfig, name: str) -> DemoConfig:
-    """cfg with the preset's options; DemoError for an unknown name."""
+def apply_preset(cfg: DemoConfig, name: str, keep=()) -> DemoConfig:
+    """cfg with the preset's options, except the DemoConfig fields named in keep (the ones
+    the user set explicitly: an explicit flag wins over the preset); DemoError for an
+    unknown name."""
     if name not in PRESETS:
         raise DemoError(f"unknown --preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
-    return replace(cfg, **PRESETS[name])
+    keep = set(keep)
+    return replace(cfg, **{k: v for k, v in PRESETS[name].items() if k not in keep})
 
 
 def steps_to_reach(metrics: dict, target: float) -> int | None:

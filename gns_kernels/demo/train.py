@@ -45,7 +45,7 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-from .args import add_arguments, config_from_args
+from .args import add_arguments, config_from_args, explicit_fields
 from .compare import compare_table, run_compare
 from .config import (COMPARE_SAMPLES, COMPOSITES, DEFAULT_LR, GEOMETRIES, METRIC_COLUMNS,
                      OPTIMIZERS, DemoConfig, DemoError, config_from_dict, validate)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                           micro_batches=args.micro_batches or (2 if world == 1 else 1))
         if getattr(args, "preset", None):
             from .presets import PROTOCOLS, apply_preset, run_paper
-            cfg = apply_preset(cfg, args.preset)
+            cfg = apply_preset(cfg, args.preset, keep=explicit_fields(args))
             if getattr(args, "compare", False):
                 if world is not None:
                     raise DemoError("--preset with --compare starts its own processes; "

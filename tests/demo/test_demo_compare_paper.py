@@ -140,6 +140,26 @@ def test_apply_preset_and_unknown_name():
         apply_preset(DemoConfig(), "nope")
 
 
+@pytest.mark.parametrize("flag", [["--max-batch-size", "256"], ["--max-batch-size=256"], ["--max-batch", "256"]])
+def test_command_line_options_win_over_the_preset(flag):
+    """--preset with an explicit option keeps the option (it was silently replaced by the
+    preset's value); the preset's other options apply; --raw-gns maps to bias_correction."""
+    from gns_kernels.cli import build_parser, explicit_dests
+    from gns_kernels.demo.args import config_from_args, explicit_fields
+
+    argv = ["demo", "--preset", "paper-cpu", "--dim", "48", "--every=7"] + flag
+    args = build_parser(argv).parse_args(argv)
+    args._explicit = explicit_dests(args._parser, argv)
+    cfg = apply_preset(config_from_args(args), "paper-cpu", keep=explicit_fields(args))
+    assert (cfg.max_batch_size, cfg.dim, cfg.every) == (256, 48, 7)
+    assert (cfg.layers, cfg.samples, cfg.micro_batches) == (1, 200000, 2)  # the preset's
+    assert explicit_fields(args) >= {"max_batch_size", "dim", "every"}
+    argv = ["demo", "--raw-gns", "--lr-min", "0.1"]
+    args = build_parser(argv).parse_args(argv)
+    args._explicit = explicit_dests(args._parser, argv)
+    assert explicit_fields(args) == {"bias_correction", "lr_min_ratio"}
+
+
 def test_cli_rejects_unknown_preset(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["demo", "--compare", "--preset", "nope", "--out", str(tmp_path / "o")])
