@@ -12,10 +12,14 @@ assignment, as in the hooks.
 
     python bench/bench_share_gpu.py                       # a GPU
     python bench/bench_share_gpu.py --device cpu --tiny   # self-check of the script
+    python bench/bench_share_gpu.py --device cpu --tiny --count-ops
+        # the aten ops one rank's share runs per measurement (they do not depend on the
+        # matrices' sides: the host-side cost the H100 run found the step bound by)
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -60,13 +64,19 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="small shapes (a self-check of the script)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the torch ops of one rank's warm measurement instead of timing")
     a = p.parse_args()
     dev, R = a.device, a.ranks
-    shapes = [(16, 16), (32, 16), (16, 32)] * 2 if a.tiny else LLAMA
+    # --tiny: the 84 matrices at 1/32 of their sides (the same owners, the same op count)
+    shapes = [(m // 32, n // 32) for m, n in LLAMA] if a.tiny else LLAMA
     B = 8 * R
     scale = B / (R - 1)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     sets = [_inputs(shapes, s, dev) for s in range(3)]
+    if a.count_ops:
+        _count_ops(shapes, sets, R, B, scale)
+        return
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}; {len(shapes)} matrices, R = {R}")
     print("| TF32 | pool | per-rank median ms (ranks 0..R-1) | busiest | mean |")
@@ -98,6 +108,36 @@ def main() -> None:
                       flush=True)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _count_ops(shapes, sets, R, B, scale) -> None:
+    """torch.profiler's aten op counts (nested calls included, as in the GPU profile of
+    bench/RESULTS.md) of rank 1's third measurement, with and without the pool, on the
+    Newton path (CUDA's default) whatever the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for pooled in (False, True):
+        owners: dict = {}
+        pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
+        for rep in range(3):
+            mg, Ds, devs = sets[rep % 3]
+            for r in range(R):
+                def one():
+                    sh = SolveShare(R, r, scale, True, R, float(B), method="newton",
+                                    dof="gauss-sums", pool=pools[r],
+                                    owners=owners if pooled else None)
+                    sh.add_grads(mg, Ds, None, devs, list(range(len(shapes))))
+                    sh.launch(None, _all_reduce)
+                    sh.read()
+                if rep == 2 and r == 1:
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        one()
+                    counts = collections.Counter({e.key: e.count for e in prof.key_averages()
+                                                  if e.key.startswith("aten::")})
+                    top = ", ".join(f"{k[6:]} {v}" for k, v in counts.most_common(8))
+                    print(f"pool {'on' if pooled else 'off'}: {sum(counts.values())} aten ops ({top})")
+                else:
+                    one()
 
 
 if __name__ == "__main__":
