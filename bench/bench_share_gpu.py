@@ -58,6 +58,25 @@ def _inputs(shapes, seed, dev):
     return [_gram(D) + _gram(d) for D, d in zip(Ds, devs)], Ds, devs
 
 
+class _Ranks:
+    """R simulated ranks of one configuration: each rank's noise pool (or none) and the one
+    matrix -> owner assignment, kept across measurements as the hooks keep them."""
+
+    def __init__(self, R: int, B: int, scale: float, pooled: bool, method: str = "auto"):
+        self.R, self.B, self.scale, self.method = R, B, scale, method
+        self.owners = {} if pooled else None
+        self.pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
+
+    def measure(self, r: int, inputs) -> None:
+        """Rank r's share of one measurement: add_grads, launch, read (the hooks' calls)."""
+        mg, Ds, devs = inputs
+        sh = SolveShare(self.R, r, self.scale, True, self.R, float(self.B), method=self.method,
+                        dof="gauss-sums", pool=self.pools[r], owners=self.owners)
+        sh.add_grads(mg, Ds, None, devs, list(range(len(mg))))
+        sh.launch(None, _all_reduce)
+        sh.read()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +94,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     sets = [_inputs(shapes, s, dev) for s in range(3)]
     if a.count_ops:
-        _count_ops(shapes, sets, R, B, scale)
+        _count_ops(sets, R, B, scale)
         return
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}; {len(shapes)} matrices, R = {R}")
@@ -86,19 +105,13 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
             for pooled in (False, True):
-                owners: dict = {}
-                pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
+                ranks = _Ranks(R, B, scale, pooled)
                 times: dict[int, list[float]] = {r: [] for r in range(R)}
                 for rep in range(a.reps + 2):
-                    mg, Ds, devs = sets[rep % 3]
                     for r in range(R):
                         sync()
                         t0 = time.perf_counter()
-                        sh = SolveShare(R, r, scale, True, R, float(B), dof="gauss-sums", pool=pools[r],
-                                        owners=owners if pooled else None)
-                        sh.add_grads(mg, Ds, None, devs, list(range(len(shapes))))
-                        sh.launch(None, _all_reduce)
-                        sh.read()
+                        ranks.measure(r, sets[rep % 3])
                         sync()
                         if rep >= 2:
                             times[r].append(time.perf_counter() - t0)
@@ -110,34 +123,25 @@ def main() -> None:
             torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _count_ops(shapes, sets, R, B, scale) -> None:
+def _count_ops(sets, R, B, scale) -> None:
     """torch.profiler's aten op counts (nested calls included, as in the GPU profile of
     bench/RESULTS.md) of rank 1's third measurement, with and without the pool, on the
     Newton path (CUDA's default) whatever the device."""
     from torch.profiler import ProfilerActivity, profile
 
     for pooled in (False, True):
-        owners: dict = {}
-        pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
+        ranks = _Ranks(R, B, scale, pooled, method="newton")
         for rep in range(3):
-            mg, Ds, devs = sets[rep % 3]
             for r in range(R):
-                def one():
-                    sh = SolveShare(R, r, scale, True, R, float(B), method="newton",
-                                    dof="gauss-sums", pool=pools[r],
-                                    owners=owners if pooled else None)
-                    sh.add_grads(mg, Ds, None, devs, list(range(len(shapes))))
-                    sh.launch(None, _all_reduce)
-                    sh.read()
                 if rep == 2 and r == 1:
                     with profile(activities=[ProfilerActivity.CPU]) as prof:
-                        one()
+                        ranks.measure(r, sets[rep])
                     counts = collections.Counter({e.key: e.count for e in prof.key_averages()
                                                   if e.key.startswith("aten::")})
                     top = ", ".join(f"{k[6:]} {v}" for k, v in counts.most_common(8))
                     print(f"pool {'on' if pooled else 'off'}: {sum(counts.values())} aten ops ({top})")
                 else:
-                    one()
+                    ranks.measure(r, sets[rep])
 
 
 if __name__ == "__main__":

@@ -89,12 +89,11 @@ def check_pool_beta(beta, name: str = "pool_beta", allow_none: bool = True) -> O
     ``name``."""
     if beta is None and allow_none:
         return None
+    what = "None or a number" if allow_none else "a number"
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        what = "None or a number" if allow_none else "a number"
         raise TypeError(f"{name}: expected {what} in [0, 1), got {type(beta).__name__}")
     b = float(beta)
     if not (0.0 <= b < 1.0):
-        what = "None or a number" if allow_none else "a number"
         raise ValueError(f"{name}: expected {what} in [0, 1) (the noise EMA factor, as "
                          f"AdaptiveBatchSize's beta_noise), got {beta!r}")
     return b

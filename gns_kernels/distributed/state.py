@@ -289,9 +289,11 @@ class GNSHookState:
             ents = {k: self.pool._entries[k] for k in self.pool.keys()}
             self.pool.clear()
             for k, e in ents.items():
-                if remap(k) is not None:
-                    self.pool._entries[remap(k)] = e
-        self.pool_owners = {remap(k): o for k, o in self.pool_owners.items() if remap(k) is not None}
+                new = remap(k)
+                if new is not None:
+                    self.pool._entries[new] = e
+        owners = ((remap(k), o) for k, o in self.pool_owners.items())
+        self.pool_owners = {k: o for k, o in owners if k is not None}
         self._order = order
 
     def pool_key(self, param: Tensor):

@@ -406,15 +406,6 @@ def nuclear_stats_from_grams_select(
                   bool(return_sums), _debias(signal, scale, batch_size), bool(project))
 
 
-def _run_of(t: Tensor, idx: Sequence[int]) -> Tensor:
-    """t[idx] for consecutive indices idx, as a view (basic slicing: no index tensor, so no
-    host-to-device copy and no host sync)."""
-    a = idx[0]
-    if list(idx) != list(range(a, a + len(idx))):
-        raise AssertionError(f"_run_of: indices not consecutive: {list(idx)}")
-    return t[a:a + len(idx)]
-
-
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
@@ -506,18 +497,21 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         ref = torch.stack([
             scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
             else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
+        # items are sorted noise first: the noise matrices are mats[:nn], the signal ones
+        # mats[nn:] (slices, no index tensor)
         n_idx = [i for i, (w, _) in enumerate(items) if w == "n"]
         s_idx = [i for i, (w, _) in enumerate(items) if w != "n"]
+        nn = len(n_idx)
         if s_idx and debias is not None:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, s_idx), it, ep, None, True)
+            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[nn:], it, ep, None, True)
             for j, i in enumerate(s_idx):
                 signal[items[i][1]] = res[j]
             s_idx = []
         if not (correct or sums):
-            idx = n_idx + s_idx
+            idx = n_idx + s_idx  # a prefix of items: mats[:len(idx)]
             if idx:
                 res = torch.ops.gns_kernels.newton_sqrt_trace(
-                    _run_of(mats, idx), it, ep, None if project else _run_of(ref, idx), project)
+                    mats[:len(idx)], it, ep, None if project else ref[:len(idx)], project)
                 for j, i in enumerate(idx):
                     w, l = items[i]
                     (noise if w == "n" else signal)[l] = res[j]
@@ -525,16 +519,14 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         # bias correction without eigenvalues: the noise matrices also give the pair sum
         # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum), the signal matrices only the trace
         if s_idx:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(_run_of(mats, s_idx), it, ep, _run_of(ref, s_idx),
-                                                       False)
+            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[nn:], it, ep, ref[nn:], False)
             for j, i in enumerate(s_idx):
                 signal[items[i][1]] = res[j]
         if n_idx:
             from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
             tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
-                _run_of(mats, n_idx), it, ep, None if project else _run_of(ref, n_idx), project,
-                "ieee", "float64")
+                mats[:nn], it, ep, None if project else ref[:nn], project, "ieee", "float64")
             for j, i in enumerate(n_idx):
                 l = items[i][1]
                 if sums:
