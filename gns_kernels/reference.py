@@ -105,7 +105,10 @@ def row_covariance(
 
     C = B/(R-1) * (mean_j G^j G^jT - G G^T) = B/(R(R-1)) * sum_j (G^j - G)(G^j - G)^T
     for side 'row' (m x m); the same with transposes (n x n) for side 'col'.
-    'auto' takes the smaller side; tr(C^{1/2}) is the same on both sides.
+    'auto' takes the smaller side (the package's convention). tr(C^{1/2}) is the nuclear
+    norm of the deviations stacked side by side, [D_1 .. D_R] (m x Rn) for 'row' and
+    [D_1; ..; D_R] (Rm x n) for 'col', times sqrt(B/(R(R-1))): the two sides agree at
+    R = 2 (D_2 = -D_1) and differ in general for R > 2.
     samples: R >= 2 tensors of one shape (m, n). Returns a PSD matrix in ``dtype``.
     """
     x = _stack(samples, dtype)

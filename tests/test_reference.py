@@ -89,6 +89,22 @@ def test_row_covariance_two_samples():
     assert float(row) == pytest.approx(want, rel=1e-13) and float(col) == pytest.approx(want, rel=1e-13)
 
 
+def test_row_covariance_sides_at_three_samples():
+    # R = 3: tr(C^{1/2}) is the nuclear norm of the deviations stacked along the other
+    # side, times sqrt(B/(R(R-1))); the row and col sides are different numbers
+    a, b, c = t([1.0, 0.0], [2.0, 1.0], [0.0, 3.0]), t([0.0, 1.0], [1.0, 1.0], [2.0, 0.0]), \
+        t([1.0, 1.0], [0.0, 0.0], [0.0, 1.0])
+    mean = (a + b + c) / 3
+    dev = [a - mean, b - mean, c - mean]
+    k = math.sqrt(4.0 / 6.0)  # B = 4, R = 3
+    want_row = k * float(torch.linalg.svdvals(torch.cat(dev, dim=1)).sum())  # 3 x 6
+    want_col = k * float(torch.linalg.svdvals(torch.cat(dev, dim=0)).sum())  # 9 x 2
+    row = float(ref.sqrt_trace(ref.row_covariance([a, b, c], 4, "row")))
+    col = float(ref.sqrt_trace(ref.row_covariance([a, b, c], 4, "col")))
+    assert row == pytest.approx(want_row, rel=1e-12) and col == pytest.approx(want_col, rel=1e-12)
+    assert abs(row - col) > 0.01 * row  # 3.3% apart here
+
+
 def test_variance_norms_closed_form():
     d, q = t(1.0, 2.0), t(2.0, 5.0)  # s2 = 2 * (2 - 1, 5 - 4) = (2, 2)
     got = ref.variance_norms(d, q, 2.0)
