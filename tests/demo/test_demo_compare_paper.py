@@ -103,6 +103,10 @@ def test_seed_rows_and_table_arithmetic():
                            "1.7000]", "1.5600", "[1.4800,", "1.6500]", "0.00", "60.00"]
     detail = [l for l in table.splitlines() if l.startswith("signum") and l.split()[1] == "1"][0]
     assert detail.split()[2:4] == ["1.6000", "5"] and "-/" in detail
+    # paired gaps (run final - baseline final): l2 -0.01, +0.08, 0.00 -> mean +0.0233;
+    # geometry -0.02, +0.03, +0.01 -> mean +0.0067
+    gap = table.splitlines()[-1].split()
+    assert gap == ["signum", "+0.0233", "[-0.0100,", "+0.0800]", "+0.0067", "[-0.0200,", "+0.0300]"]
 
 
 def test_closeness_to_the_seed_spread_and_at_final_loss():
