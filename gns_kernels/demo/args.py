@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None, choices=["paper-cpu"],
                    help="fixed options of a named experiment (see docs/demo.md; an option given "
                         "on the command line wins over the preset's); with --compare, paper-cpu "
-                        "runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, 3 seeds)")
+                        "runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, 3 seeds; "
+                        "with --optimizer, that optimizer alone)")
     g.add_argument("--jobs", type=int, default=1,
                    help="--compare --preset: runs at a time (each run's process gets "
                         "OMP_NUM_THREADS threads, else cpu_count // jobs)")

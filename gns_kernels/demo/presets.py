@@ -86,7 +86,7 @@ class Protocol:
     seeds: tuple = (0, 1, 2)
     grid: tuple = (16, 32, 64)
     grids: tuple = (("muon", (8, 16, 32)),)
-    lrs: tuple = (("signum", (4e-3, 8e-3)), ("muon", (0.005, 0.01)))
+    lrs: tuple = (("signum", (4e-3, 8e-3)), ("muon", (0.005, 0.01)), ("signsgd", (4e-3, 8e-3)))
     select: str = "all"
 
     def lrs_for(self, optimizer: str) -> tuple:
@@ -438,11 +438,17 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
         raise DemoError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if jobs > 1 and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
-    top = check_out_dir(top)
     t0 = time.time()
     per_opt, grid_res, curves = {}, {}, {}
     base_cfgs = {opt: replace(cfg, optimizer=opt, geometry=None, theta=None, lr=None)
                  for opt in protocol.optimizers}
+    for opt, bc in base_cfgs.items():
+        validate(bc)
+        if bc.resolved_geometry() == "l2":
+            raise DemoError(f"--optimizer {opt}: its GNS geometry is l2, so the protocol's "
+                            "geometry-matched run would be a second l2 run; use an optimizer "
+                            "with an l1 or nuclear geometry (signum, signsgd, adamw, muon, specsgd)")
+    top = check_out_dir(top)
     lrs = {opt: protocol.lrs_for(opt) for opt in protocol.optimizers}
     first = protocol.seeds[0]
     sel = protocol.select_seeds()

@@ -80,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
                 top = cfg.out or default_out("paper-")
                 if not overwrite and os.path.isdir(top) and os.listdir(top):
                     print(f"{top} is not empty: finished runs with the same options are reused")
-                run_paper(cfg, PROTOCOLS[args.preset], top, log=lambda m: print(m, flush=True),
+                protocol = PROTOCOLS[args.preset]
+                if "optimizer" in explicit_fields(args):  # the protocol for that optimizer alone
+                    protocol = replace(protocol, optimizers=(cfg.optimizer,))
+                run_paper(cfg, protocol, top, log=lambda m: print(m, flush=True),
                           jobs=getattr(args, "jobs", 1))
                 return 0
         if getattr(args, "compare", False):

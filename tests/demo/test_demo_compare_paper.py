@@ -164,6 +164,29 @@ def test_command_line_options_win_over_the_preset(flag):
     assert explicit_fields(args) == {"bias_correction", "lr_min_ratio"}
 
 
+@pytest.mark.parametrize("extra, want", [([], ("signum", "muon")), (["--optimizer", "signsgd"], ("signsgd",)),
+                                         (["--optimizer=muon"], ("muon",))])
+def test_optimizer_option_picks_the_protocol_optimizer(monkeypatch, tmp_path, extra, want):
+    """--compare --preset with --optimizer runs the protocol for that optimizer alone (it was
+    silently ignored: the preset's two optimizers ran)."""
+    from gns_kernels.demo import presets
+
+    seen = []
+    monkeypatch.setattr(presets, "run_paper", lambda cfg, protocol, top, **kw: seen.append(protocol))
+    assert main(["demo", "--compare", "--preset", "paper-cpu", "--out", str(tmp_path / "o")] + extra) == 0
+    assert seen[0].optimizers == want
+    assert seen[0].seeds == (0, 1, 2) and seen[0].select == "all"
+
+
+@pytest.mark.parametrize("opt", ["sgd", "msgd"])
+def test_protocol_refuses_an_l2_optimizer(capsys, tmp_path, opt):
+    out = tmp_path / "o"
+    assert main(["demo", "--compare", "--preset", "paper-cpu", "--optimizer", opt, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--optimizer {opt}: its GNS geometry is l2" in err
+    assert not out.exists()
+
+
 def test_cli_rejects_unknown_preset(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["demo", "--compare", "--preset", "nope", "--out", str(tmp_path / "o")])
