@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 
-from .config import DemoConfig, DemoError, validate
+from .config import OPTIMIZERS, DemoConfig, DemoError, validate
 from .plots import finish_figure
 
 # options the preset fixes (every other DemoConfig field keeps its default). Why these:
@@ -445,9 +445,10 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
     for opt, bc in base_cfgs.items():
         validate(bc)
         if bc.resolved_geometry() == "l2":
+            usable = [o for o in OPTIMIZERS if replace(bc, optimizer=o).resolved_geometry() != "l2"]
             raise DemoError(f"--optimizer {opt}: its GNS geometry is l2, so the protocol's "
                             "geometry-matched run would be a second l2 run; use an optimizer "
-                            "with an l1 or nuclear geometry (signum, signsgd, adamw, muon, specsgd)")
+                            f"with an l1 or nuclear geometry ({', '.join(usable)})")
     top = check_out_dir(top)
     lrs = {opt: protocol.lrs_for(opt) for opt in protocol.optimizers}
     first = protocol.seeds[0]

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                           micro_batches=args.micro_batches or (2 if world == 1 else 1))
         if getattr(args, "preset", None):
             from .presets import PROTOCOLS, apply_preset, run_paper
-            cfg = apply_preset(cfg, args.preset, keep=explicit_fields(args))
+            explicit = explicit_fields(args)
+            cfg = apply_preset(cfg, args.preset, keep=explicit)
             if getattr(args, "compare", False):
                 if world is not None:
                     raise DemoError("--preset with --compare starts its own processes; "
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 if not overwrite and os.path.isdir(top) and os.listdir(top):
                     print(f"{top} is not empty: finished runs with the same options are reused")
                 protocol = PROTOCOLS[args.preset]
-                if "optimizer" in explicit_fields(args):  # the protocol for that optimizer alone
+                if "optimizer" in explicit:  # the protocol for that optimizer alone
                     protocol = replace(protocol, optimizers=(cfg.optimizer,))
                 run_paper(cfg, protocol, top, log=lambda m: print(m, flush=True),
                           jobs=getattr(args, "jobs", 1))
