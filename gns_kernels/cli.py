@@ -105,13 +105,29 @@ def _show_bare_defaults(parser: argparse.ArgumentParser) -> None:
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set:
     """The destinations of the options of ``parser`` that argv names (``--x v``, ``--x=v``
-    or a prefix argparse accepts): what the user set, as opposed to a default."""
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    or an abbreviation argparse accepts): what the user set, as opposed to a default.
 
-    def named(o: str) -> bool:
-        return o in given or (o.startswith("--") and any(
-            g.startswith("--") and len(g) > 2 and o.startswith(g) for g in given))
-    return {a.dest for a in parser._actions if any(named(o) for o in a.option_strings)}
+    Each token is matched as argparse matches it: an exact option string names that option
+    alone (``--lr`` is ``--lr``, not an abbreviation of ``--lr-min`` or ``--lr-warmup``);
+    otherwise a ``--`` token names the one long option it abbreviates (argparse has already
+    refused an ambiguous one). Tokens after a bare ``--`` are positional."""
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    dests = set()
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("-") or token == "-":
+            continue
+        name = token.split("=", 1)[0]
+        if name in by_option:
+            dests.add(by_option[name])
+        elif name.startswith("--"):
+            hits = {by_option[o] for o in by_option if o.startswith("--") and o.startswith(name)}
+            if len(hits) == 1:
+                dests |= hits
+        elif name[:2] in by_option:  # a short option with its value attached: -x5
+            dests.add(by_option[name[:2]])
+    return dests
 
 
 def main(argv: list[str] | None = None) -> int:
