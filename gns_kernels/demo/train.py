@@ -98,12 +98,35 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# the options that apply to a resumed run (every other one comes from its config.json)
+RESUME_OPTIONS = frozenset({"resume", "quiet", "stop_at_step", "timeout"})
+
+
+def given_options(args: argparse.Namespace) -> set:
+    """The option destinations the user gave: ``args._explicit`` (recorded by the CLI from
+    argv), else, for a namespace built in code, those whose value differs from the
+    parser's default."""
+    explicit = getattr(args, "_explicit", None)
+    if explicit is not None:
+        return set(explicit)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
 def _resume(args) -> int:
     """--resume DIR: config.json and checkpoint.pt of DIR, checked to belong together."""
     from .checkpoint import CHECKPOINT, check_belongs, load_checkpoint
 
     if getattr(args, "overwrite", False):
         raise DemoError("--resume and --overwrite exclude each other (--overwrite starts a new run)")
+    ignored = sorted(given_options(args) - RESUME_OPTIONS - {"overwrite"})
+    if ignored:
+        names = ", ".join("--" + d.replace("_", "-") for d in ignored)
+        raise DemoError(f"--resume continues the saved run with the options in its config.json; "
+                        f"{names} cannot be changed on resume (only --quiet, --stop-at-step and "
+                        "--timeout apply): drop them, or start a new run to change them")
     folder = os.path.abspath(args.resume)
     ckpt = os.path.join(folder, CHECKPOINT)
     conf = os.path.join(folder, "config.json")
