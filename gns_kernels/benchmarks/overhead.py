@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,6 +49,7 @@ import sys
 import time
 
 import torch
+from torch.multiprocessing.spawn import ProcessException
 
 from . import harness
 from .harness import launch_ranks
@@ -115,8 +117,11 @@ def _validate(args) -> list:
         raise ValueError(f"--context: expected 1..128 (the model's context), got {args.context}")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
-    if args.bucket_cap_mb <= 0:
+    if not args.bucket_cap_mb > 0:
         raise ValueError(f"--bucket-cap-mb: expected > 0, got {args.bucket_cap_mb}")
+    timeout = getattr(args, "timeout", 1800.0)
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"--timeout: expected a finite number of seconds > 0, got {timeout}")
     parallel = getattr(args, "parallel", "ddp")
     text = args.configs if args.configs is not None else DEFAULT_CONFIGS[parallel]
     configs = [c.strip() for c in text.split(",") if c.strip()]
@@ -303,7 +308,16 @@ def run(args) -> int:
                warmup=args.warmup, bucket_cap_mb=args.bucket_cap_mb, breakdown=args.breakdown,
                memory=args.memory, gradient_as_bucket_view=args.gradient_as_bucket_view)
     t0 = time.time()
-    res = launch_ranks(_rank_main, cfg, args.ranks, args.timeout)
+    try:
+        res = launch_ranks(_rank_main, cfg, args.ranks, args.timeout)
+    except TimeoutError as exc:  # the ranks did not finish in --timeout: one line, exit 1
+        print(f"gns-kernels bench overhead: error: {exc}", file=sys.stderr)
+        return 1
+    except ProcessException as exc:  # a rank failed: its traceback, then one line, exit 1
+        print(str(exc).rstrip(), file=sys.stderr)
+        print(f"gns-kernels bench overhead: error: rank {exc.error_index} failed (above)",
+              file=sys.stderr)
+        return 1
     wall = time.time() - t0
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.ranks} gloo ranks x 1 thread; "
