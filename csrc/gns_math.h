@@ -23,6 +23,12 @@
 
 namespace gns {
 
+// The scale argument of variance_norms (B/(R-1)) is valid when it is positive and finite
+// in float32, the precision the kernels use: 0 < scale <= FLT_MAX (NaN fails). A negative
+// scale would flip every variance's sign and the clamp would turn the noise into 0; the
+// Python wrappers check the same rule first (gns_kernels/_validation.py:check_scale).
+inline bool valid_scale(double scale) { return scale > 0.0 && scale <= 3.4028234663852886e38; }
+
 // max(x, 0) that keeps NaN: `NaN < 0` is false, so NaN passes through. (fmaxf(NaN, 0),
 // std::max(NaN, 0) with some argument orders and vector max instructions return 0, which
 // would turn a non-finite gradient into a silent finite GNS.) -0.0 stays -0.0 (harmless).

@@ -99,11 +99,22 @@ def check_like(name: str, t: Tensor, ref_name: str, ref: Tensor, numel: Optional
         raise ValueError(f"{name}: expected {want} elements (like {ref_name}), got {t.numel()}")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_scale(scale: Any) -> float:
-    """The ``scale`` argument of the variance ops: a Python int or float (not bool)."""
+    """The ``scale`` argument of the variance ops (B/(R-1)): a Python int or float (not
+    bool; TypeError) that is positive and finite in float32, the kernels' precision
+    (ValueError; the C++ and CUDA ops check the same rule, csrc/gns_math.h valid_scale).
+    A negative scale would flip every variance's sign and the clamp at 0 would report no
+    noise; ``nuclear_stats`` refuses ``scale <= 0`` the same way."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}")
-    return float(scale)
+    scale = float(scale)
+    if not 0.0 < scale <= FLOAT32_MAX:
+        raise ValueError(f"scale: expected a positive finite number (B/(R-1), at most 3.4e38: "
+                         f"the kernels compute in float32), got {scale!r}")
+    return scale
 
 
 def check_vn(mean_grad: Any, mean_sq: Any, shift: Any, suffix: str = "") -> None:

@@ -110,6 +110,8 @@ struct Block {
 // Sums over all tensors: one parallel loop over the fixed blocks of all tensors, then a
 // serial combination of the per-block partials in block order.
 at::Tensor run_variance_norms(const std::vector<VnTensor>& ts, double scale) {
+  TORCH_CHECK_VALUE(gns::valid_scale(scale), "scale: expected a positive finite number (B/(R-1), "
+                    "at most 3.4e38: the kernels compute in float32), got ", scale);
   std::vector<Block> blocks;
   for (size_t k = 0; k < ts.size(); ++k) {
     for (int64_t off = 0; off < ts[k].n; off += kBlock) {

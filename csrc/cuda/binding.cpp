@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/gns_cuda.h"
+#include "gns_math.h"
 #include "overlap.h"
 
 namespace gns_cuda {
@@ -109,6 +110,8 @@ void add_vn(VnList& l, const at::Tensor& d, const at::Tensor& q,
 }
 
 at::Tensor run_vn(const VnList& l, double scale, const at::Device& device) {
+  TORCH_CHECK_VALUE(gns::valid_scale(scale), "scale: expected a positive finite number (B/(R-1), "
+                    "at most 3.4e38: the kernels compute in float32), got ", scale);
   const c10::cuda::CUDAGuard guard(device);
   const int n = static_cast<int>(l.numels.size());
   const int64_t nb = num_blocks(n, l.numels.data());

@@ -117,6 +117,39 @@ def test_scale_and_list_types(op):
             fn([x, x])
 
 
+_BAD_SCALES = [-4.0, -1e-30, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 3.5e38, 1e300, -2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", _BAD_SCALES, ids=[repr(s) for s in _BAD_SCALES])
+@pytest.mark.parametrize("call", ["single", "multi", "raw", "raw_multi"])
+def test_scale_out_of_range_refused_on_every_path(scale, call, backend):
+    """A negative scale gave noise 0 (`variance_norms(m, sq, -4.0)` -> [0, 5.72, 0, 4.97]):
+    every path refuses scale <= 0, NaN, inf and values float32 cannot hold, as
+    nuclear_stats refuses scale <= 0, with a ValueError naming `scale`."""
+    m, sq = torch.randn(N), torch.rand(N) + 1
+    if call.startswith("raw") and backend != "cpp":
+        pytest.skip("the raw torch ops are the C++ kernels")
+    fn = {"single": lambda: gk.variance_norms(m, sq, scale, backend=backend),
+          "multi": lambda: gk.variance_norms_multi([m, m], [sq, sq], scale, backend=backend),
+          "raw": lambda: torch.ops.gns_kernels.variance_norms(m, sq, scale, None),
+          "raw_multi": lambda: torch.ops.gns_kernels.variance_norms_multi([m], [sq], scale, [])}[call]
+    with pytest.raises(ValueError, match=r"^scale: expected a positive finite number"):
+        fn()
+    if not (scale > 0 and math.isfinite(scale)):  # the rule nuclear_stats already had
+        with pytest.raises(ValueError, match=r"^scale: expected a positive finite number"):
+            gk.nuclear_stats([torch.eye(3)], [torch.zeros(3, 4)], scale=scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_scale_in_range_accepted(scale, backend):
+    m, sq = torch.randn(N, dtype=torch.float64).float(), (torch.rand(N) + 1)
+    got = gk.variance_norms(m, sq, scale, backend=backend)
+    want = ref.variance_norms(m.double(), sq.double(), scale)
+    _close(got, want)
+
+
 def test_backend_name_and_env(monkeypatch):
     x = torch.randn(N)
     with pytest.raises(ValueError, match="^backend: expected one of"):
