@@ -3,8 +3,10 @@ dict of numbers): CSV rows and TensorBoard scalars.
 
 - ``CSVWriter(path)``: appends one row per ``write(metrics)``; the header is written once
   (the first dict's keys, or ``columns``). Re-opening an existing file (a resumed run)
-  keeps its header and appends. None and nan are written as empty cells, booleans as 0/1,
-  floats with 10 significant digits (``repr`` round trip is not promised).
+  keeps its header and appends. Tensors with one element and numpy scalars are written as
+  the number they hold (a larger tensor raises ValueError naming its key). None and nan are
+  written as empty cells, booleans as 0/1, +-inf as ``inf`` / ``-inf``, floats as Python's
+  shortest round-trip ``repr`` (``float(cell)`` gives back the same float64).
 - ``to_tensorboard(writer, metrics, step)``: ``writer.add_scalar(prefix + key, value,
   step)`` for every finite number (booleans as 0/1; None, nan and non-numbers skipped),
   the style of AdaptDL's ``to_tensorboard(writer, step)``; ``step`` defaults to
@@ -28,7 +30,24 @@ from typing import Any, Iterable, Mapping, Optional
 __all__ = ["CSVWriter", "to_tensorboard", "tensorboard_writer"]
 
 
+def as_scalar(v: Any) -> Any:
+    """A metric value as a plain Python scalar: a one-element tensor or numpy array (0-d
+    included) and numpy scalars become ``bool`` / ``int`` / ``float`` through ``.item()``;
+    anything else is returned as it is. Raises ValueError for a tensor or array with more
+    than one element (a metric is one number)."""
+    item = getattr(v, "item", None)
+    if item is None or isinstance(v, (bool, int, float, str)):
+        return v
+    numel = getattr(v, "numel", None)
+    size = numel() if callable(numel) else getattr(v, "size", 1)
+    if size != 1:
+        raise ValueError(f"a metric must be one number, got a {type(v).__name__} with {size} "
+                         "elements")
+    return item()
+
+
 def _cell(v: Any) -> str:
+    v = as_scalar(v)
     if v is None:
         return ""
     if isinstance(v, bool):
@@ -37,7 +56,7 @@ def _cell(v: Any) -> str:
         return str(int(v))
     if isinstance(v, Real):
         f = float(v)
-        return "" if math.isnan(f) else f"{f:.10g}"
+        return "" if math.isnan(f) else repr(f)
     return str(v)
 
 
@@ -76,21 +95,27 @@ class CSVWriter:
             raise TypeError(f"CSVWriter.write: expected a dict of metrics, got {type(metrics).__name__}")
         if not metrics:
             return
-        if self.columns is None:
-            self.columns = list(metrics.keys())
-        extra = [k for k in metrics if k not in self.columns]
+        columns = self.columns if self.columns is not None else list(metrics.keys())
+        extra = [k for k in metrics if k not in columns]
         if extra:
             raise ValueError(f"CSVWriter.write: keys {extra} are not columns of {self.path} "
-                             f"({self.columns}); pass columns= with every key up front")
+                             f"({columns}); pass columns= with every key up front")
+        row = []
+        for k in columns:
+            try:
+                row.append(_cell(metrics.get(k)))
+            except ValueError as exc:
+                raise ValueError(f"CSVWriter.write: {k!r}: {exc}") from None
         folder = os.path.dirname(self.path)
         if folder:
             os.makedirs(folder, exist_ok=True)
         with open(self.path, "a", newline="") as fh:
             w = csv.writer(fh)
             if not self._header_written:
-                w.writerow(self.columns)
-                self._header_written = True
-            w.writerow([_cell(metrics.get(k)) for k in self.columns])
+                w.writerow(columns)
+            w.writerow(row)
+        self.columns = columns
+        self._header_written = True
 
 
 def to_tensorboard(writer, metrics: Mapping[str, Any], step: Optional[int] = None,
@@ -104,9 +129,14 @@ def to_tensorboard(writer, metrics: Mapping[str, Any], step: Optional[int] = Non
                         f"torch.utils.tensorboard.SummaryWriter), got {type(writer).__name__}")
     if step is None:
         step = metrics.get("step")
+    step = as_scalar(step)
     n = 0
     for key, v in metrics.items():
         if key == "step" or v is None:
+            continue
+        try:
+            v = as_scalar(v)
+        except ValueError:  # a tensor of several elements is not a scalar: skipped
             continue
         if isinstance(v, bool):
             v = 1.0 if v else 0.0

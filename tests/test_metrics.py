@@ -35,13 +35,13 @@ def test_csv_header_once_and_cells(tmp_path):
     rows = _read(path)
     assert rows == [["step", "gns", "valid", "noise", "ema"],
                     ["0", "1.25", "1", "", ""],
-                    ["1", "0.3333333333", "0", "2", ""]]
+                    ["1", "0.3333333333333333", "0", "2.0", ""]]
     with pytest.raises(ValueError, match="'extra'.*columns="):
         w.write({"step": 2, "extra": 1})
     # a resumed run appends under the existing header, in its column order
     w2 = CSVWriter(path)
     w2.write({"gns": 5.0, "step": 2})
-    assert _read(path)[1:][-1] == ["2", "5", "", "", ""] and len(_read(path)) == 4
+    assert _read(path)[1:][-1] == ["2", "5.0", "", "", ""] and len(_read(path)) == 4
     with pytest.raises(ValueError, match="has columns"):
         CSVWriter(path, columns=["a", "b"])
     off = CSVWriter(tmp_path / "other.csv", write_rows=False)
