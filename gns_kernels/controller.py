@@ -419,7 +419,10 @@ class AdaptiveBatchSize:
 
         strict=True: the saved configuration must equal this controller's (ValueError
         naming the differing keys). strict=False: keep this controller's configuration
-        (e.g. a new ``max_batch_size``) and load only the trajectory state.
+        (e.g. a new ``max_batch_size``) and load only the trajectory state; a saved batch
+        above this ``max_batch_size`` (or below this ``initial_batch_size``) is clamped to
+        it with a RuntimeWarning, and ``lr_multiplier`` follows the clamped batch. A
+        rejected state_dict leaves the controller as it was.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -482,6 +485,17 @@ class AdaptiveBatchSize:
                 )
         n_meas = _check_int("state_dict['num_measurements']", state_dict["num_measurements"], 0)
         n_skip = _check_int("state_dict['num_skipped']", state_dict["num_skipped"], 0)
+        # strict=False with a new cap or B_0: the batch is brought into [B_0, max_batch_size]
+        # (both multiples of multiple_of), so no step runs outside this configuration
+        low, high = self.initial_batch_size, self.max_batch_size
+        if batch < low or (high is not None and batch > high):
+            new = low if batch < low else high
+            warnings.warn(
+                f"AdaptiveBatchSize.load_state_dict: the saved batch size {batch} is "
+                f"{'below initial_batch_size' if batch < low else 'above max_batch_size'} "
+                f"({new}) of this controller; continuing with {new} (the LR multiplier follows)",
+                RuntimeWarning, stacklevel=2)
+            batch = new
         self._batch_size = batch
         self._noise_ema, self._signal_ema, self._target = noise, signal, t
         self._last_step, self._last_measured_step = last, measured
