@@ -310,17 +310,23 @@ class AdaptiveBatching:
     def batch_sampler(self, num_samples: int, shuffle: bool = True, seed: int = 0):
         """A ``MicroBatchSampler`` over a map-style dataset of ``num_samples`` items for
         ``DataLoader(dataset, batch_sampler=...)``: each item one micro-batch of b indices
-        of this rank; its consumed position is saved in ``state_dict()``."""
+        of this rank; its consumed position is saved in ``state_dict()``. After
+        ``load_state_dict`` it continues at the saved position; a saved position that does
+        not fit (another ``num_samples``, ``shuffle`` or ``seed``) raises ValueError and
+        leaves no sampler behind (``coord.sampler`` stays None)."""
         from .data import MicroBatchSampler
 
         if self.sampler is not None:
             raise RuntimeError("AdaptiveBatching.batch_sampler: a sampler was already made for this "
                                "coordinator; reuse coord.sampler")
-        self.sampler = MicroBatchSampler(num_samples, self.micro_batch_size, self.world_size,
-                                         self.rank, shuffle=shuffle, seed=seed)
+        sampler = MicroBatchSampler(num_samples, self.micro_batch_size, self.world_size,
+                                    self.rank, shuffle=shuffle, seed=seed)
         if self._pending_sampler is not None:
-            self.sampler.load_state_dict(self._pending_sampler)
-            self._pending_sampler = None
+            # a position saved with another seed or dataset size is refused here; the
+            # coordinator keeps no half-made sampler, so a retry with the saved arguments
+            # still continues at the saved position
+            sampler.load_state_dict(self._pending_sampler)
+        self.sampler, self._pending_sampler = sampler, None
         return self.sampler
 
     def _next_item(self, loader):

@@ -199,6 +199,10 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError(f"MicroBatchSampler.load_state_dict: expected a state_dict of version "
                              f"{_STATE_VERSION}, got {state!r:.200}")
+        missing = [k for k in ("num_samples", "seed", "shuffle", "position") if k not in state]
+        if missing:
+            raise ValueError(f"MicroBatchSampler.load_state_dict: the state_dict misses {missing} "
+                             "(not a MicroBatchSampler.state_dict())")
         for key in ("num_samples", "seed", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(
