@@ -4,7 +4,8 @@ Runs tools/check_cuda_build.sh: every .cu compiled for sm_80 and sm_90 with host
 and nvcc/ptxas warnings as errors, ptxas resource usage printed (run with -s to see it; it
 is recorded in bench/RESULTS.md). Then reads the ptxas report and the PTX:
 - no register spills in any kernel,
-- every element-wise/reduction kernel issues 128-bit global loads (ld.global[.nc].v4),
+- every element-wise/reduction kernel issues 128-bit global loads (ld.global[.nc].v4);
+  square_pack 128-bit stores (st.global.v4.f32) and vector loads (64-bit v4.u16 for bf16/fp16),
 - no atomics anywhere (the reductions are slot-per-block + a fixed-order cleanup).
 Skipped, with the reason, where nvcc is absent.
 """
@@ -80,6 +81,15 @@ def test_vector_loads_and_no_atomics(build):
                 if kernel is None:
                     continue
                 seen.add(kernel)
+                if kernel == "square_pack_kernel":
+                    # 4-element packs (csrc/cuda/square_pack.cu): 128-bit stores of both
+                    # float32 halves, vector loads (128-bit for float32 inputs, 64-bit
+                    # ld.global.nc.v4.u16 for bf16/fp16)
+                    assert re.search(r"st\.global\.v4\.f32", body), (
+                        f"{name} (sm_{arch}): no 128-bit global store")
+                    assert re.search(r"ld\.global(\.nc)?\.v4\.(f32|b32|u32|u16)", body), (
+                        f"{name} (sm_{arch}): no vector global load")
+                    continue
                 assert re.search(r"ld\.global(\.nc)?\.v4\.(f32|b32|u32)", body), (
                     f"{name} (sm_{arch}): no 128-bit global load"
                 )
