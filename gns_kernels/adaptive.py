@@ -94,6 +94,25 @@ def _as_list(x) -> list:
     return [x]
 
 
+def _calling_grad_scaler():
+    """The torch.amp.GradScaler whose step() is on the call stack (called from an
+    optimizer's step post-hook), or None."""
+    import sys
+
+    scaler_cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler_cls is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, scaler_cls):
+            return obj
+        frame = frame.f_back
+    return None
+
+
 class _FSDPSync:
     """Context: FSDP2 ``set_requires_gradient_sync(flag)`` inside, sync re-enabled after."""
 
@@ -230,6 +249,15 @@ class AdaptiveBatching:
                             f"param group gets the LR multiplier), got {optimizers!r:.200}")
         self.schedulers = _as_list(schedulers)
         self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
+        # mistakes the loop can make, seen from here: optimizer.step() after coord.step(), a
+        # GradScaler that steps the optimizers but was not passed, a passed scheduler also
+        # stepped by hand (see _check_loop)
+        self._opt_steps = [0] * len(self.optimizers)
+        self._scaler_seen = None
+        self._hooks = [opt.register_step_post_hook(self._on_optimizer_step) for opt in self.optimizers]
+        self._sched_epochs = self._scheduler_epochs()
+        self._model = None          # the model given to micro_batches (DDP / FSDP2 / one rank)
+        self._loaded = False        # load_state_dict was called
         self.sampler = None
         self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
         self._step = 0
@@ -292,6 +320,18 @@ class AdaptiveBatching:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"AdaptiveBatching: {msg}", RuntimeWarning, stacklevel=3)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Post-hook of every optimizer's step(): counts the steps of the step in progress
+        and notes a GradScaler that runs them (its step() calls optimizer.step())."""
+        for i, opt in enumerate(self.optimizers):
+            if opt is optimizer:
+                self._opt_steps[i] += 1
+        if self.grad_scaler is None and self._scaler_seen is None:
+            self._scaler_seen = _calling_grad_scaler()
+
+    def _scheduler_epochs(self) -> list:
+        return [getattr(s, "last_epoch", None) for s in self.schedulers]
 
     def _read_scale(self) -> float:
         if self.grad_scaler is None:
@@ -373,6 +413,14 @@ class AdaptiveBatching:
                                "coord.step() after optimizer.step() to end the step")
         A = self.accum_steps
         skip_sync, last = self._sync_contexts(model, A)
+        if model is not None:
+            self._model = model
+        self._check_loader(loader)
+        if self._step == 0 and not self._loaded and any(len(o.state) for o in self.optimizers):
+            self._warn_once("resume", "the optimizers hold state (a checkpoint was loaded?) but "
+                            "the coordinator starts at step 0 with B_0 and the data stream at "
+                            "its start; to resume, call coord.load_state_dict(ckpt['coord']) "
+                            "after loading the model and the optimizers")
         self._served = True
         self._scale = self._read_scale()
         self.state.grad_scale = self._scale  # the pool stores statistics / scale^2
@@ -385,6 +433,83 @@ class AdaptiveBatching:
             yield batch, (skip_sync() if a < A - 1 else last())
             if self.kind == "micro":
                 self.state.micro_step()
+        if "coverage" not in self._warned:
+            self._check_coverage()
+
+    def _check_loader(self, loader) -> None:
+        """An IterableDataset read by several DataLoader workers is copied into each worker:
+        unless the dataset shards itself by worker, every sample comes num_workers times."""
+        dataset = getattr(loader, "dataset", None)
+        workers = getattr(loader, "num_workers", 0) or 0
+        if isinstance(dataset, torch.utils.data.IterableDataset) and workers > 1:
+            self._warn_once("iterable", (
+                f"the loader reads an IterableDataset with num_workers={workers}: each worker "
+                "iterates its own copy, so unless the dataset splits its stream with "
+                "torch.utils.data.get_worker_info(), every sample is seen "
+                f"{workers} times per pass; split it by worker (and by rank), or use "
+                "num_workers <= 1, or a map-style dataset with coord.batch_sampler(...)"))
+
+    def _check_coverage(self) -> None:
+        """After a step's last backward: every parameter that received a gradient should
+        belong to one of the optimizers the coordinator scales (Muon + AdamW: pass both)."""
+        named = None
+        if self._model is not None and hasattr(self._model, "named_parameters"):
+            named = list(self._model.named_parameters())
+        if not named:
+            return
+        self._warned.add("coverage")   # checked once, on the first step with a model
+        mine = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        missing = [n for n, p in named if p.grad is not None and id(p) not in mine]
+        if missing:
+            warnings.warn(
+                f"AdaptiveBatching: {len(missing)} parameters received gradients but are in none "
+                f"of the optimizers passed to the coordinator (e.g. {', '.join(missing[:3])}): "
+                "their learning rate is never multiplied as the batch grows. Pass every "
+                "optimizer, e.g. AdaptiveBatching(state, [muon, adamw], ...)",
+                RuntimeWarning, stacklevel=3)
+
+    def _check_loop(self, k: int) -> None:
+        """At coord.step(): the optimizers stepped since the last coord.step(), a GradScaler
+        that steps them was passed, the passed schedulers were not stepped by hand."""
+        if self._scaler_seen is not None and self.grad_scaler is None:
+            raise RuntimeError(
+                f"step {k}: a torch.amp.GradScaler steps the optimizers, but AdaptiveBatching "
+                "was built without it: the hooks see gradients x the loss scale, so noise and "
+                "signal read scale^2 too large and the EMAs mix scales. Pass "
+                "AdaptiveBatching(..., grad_scaler=scaler)")
+        if not any(self._opt_steps):
+            skipped = (self.grad_scaler is not None and self._read_scale() < self._scale)
+            if not skipped:  # a GradScaler skips the step of an inf / NaN gradient, then lowers its scale
+                raise RuntimeError(
+                    f"step {k}: coord.step() was called before optimizer.step(): the coordinator "
+                    "then sets the next step's batch and LR before this step's update runs with "
+                    "them. Call opt.step() (with a GradScaler: scaler.step(opt); scaler.update()) "
+                    "and then coord.step()")
+        elif not all(self._opt_steps):
+            idle = [i for i, n in enumerate(self._opt_steps) if n == 0]
+            self._warn_once("idle-opt", f"step {k}: optimizers {idle} (positions in the list given "
+                            "to the coordinator) did not step; every optimizer passed should step "
+                            "once per coord.step()")
+        m = self._lrm.multiplier
+        for i, opt in enumerate(self.optimizers):
+            changed = any(not math.isclose(float(g["lr"]), g["scheduled_lr"] * m, rel_tol=1e-12,
+                                           abs_tol=0.0) for g in opt.param_groups)
+            if (changed and getattr(opt.step, "_wrapped_by_lr_sched", False)
+                    and not any(getattr(s, "optimizer", None) is opt for s in self.schedulers)):
+                raise RuntimeError(
+                    f"step {k}: an LR scheduler built on optimizer {i} (position in the list given "
+                    "to the coordinator) changed its lr outside the coordinator; stepped by hand "
+                    "it sees the multiplied lr (a chainable one compounds the multiplier every "
+                    "step). Pass it as AdaptiveBatching(..., schedulers=[sched]) and do not step "
+                    "it yourself")
+        now = self._scheduler_epochs()
+        moved = [i for i, (a, b) in enumerate(zip(self._sched_epochs, now)) if a != b]
+        if moved:
+            raise RuntimeError(
+                f"step {k}: schedulers {moved} (positions in schedulers=[...]) were stepped "
+                f"outside the coordinator (last_epoch {self._sched_epochs[moved[0]]} -> "
+                f"{now[moved[0]]}); the coordinator steps the schedulers it was given, once per "
+                "coord.step(): remove your scheduler.step() call")
 
     def steps(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> Iterator[int]:
         """Yield k = current_step while the next step's batch fits in ``max_samples``
@@ -426,6 +551,17 @@ class AdaptiveBatching:
                 fix = "is attach_fsdp_gns(model, state) attached to the model that ran backward?"
             else:
                 fix = "register the hook: ddp.register_comm_hook(state, gk.ddp_gns_hook)"
+                frozen = [n for n, p in getattr(self._model, "named_parameters", lambda: [])()
+                          if not p.requires_grad]
+                fix = ("DDP runs the comm hook only once every gradient bucket is ready: a "
+                       "parameter that got no gradient in this backward stops it (DDP itself "
+                       "reports that at the next forward, unless find_unused_parameters=True). "
+                       + (f"These parameters do not require a gradient now: {', '.join(frozen[:5])}"
+                          f"{' ...' if len(frozen) > 5 else ''}; if they were frozen after DDP was "
+                          "built, rebuild DDP (or build it with find_unused_parameters=True). "
+                          if frozen else "A parameter unused in this forward does the same "
+                          "(find_unused_parameters=True). ")
+                       + "Otherwise: " + fix)
             raise RuntimeError(f"step {k}: the hook state saw no synchronized backward for this "
                                f"optimizer step (state.step = {st.step}); {fix}")
         raise RuntimeError(
@@ -479,6 +615,7 @@ class AdaptiveBatching:
                     "coord.current_step)")
         k = self._step
         self._check_state(k)
+        self._check_loop(k)
         measure = k % self.every == 0
         est = self._measurement(k) if measure else None
         ctrl = self.controller
@@ -500,6 +637,8 @@ class AdaptiveBatching:
         self._apply_batch()
         self._sync_lrs()
         self._lrm.step(ctrl.lr_multiplier)
+        self._sched_epochs = self._scheduler_epochs()
+        self._opt_steps = [0] * len(self.optimizers)
         self._scale = self._read_scale()
         self.state.grad_scale = self._scale
         self._last = self._record(k, B_used, A_used, scale_used, measure, est)
@@ -652,3 +791,6 @@ class AdaptiveBatching:
         self._served, self._consumed = False, 0
         self._scale = self._read_scale()
         self.state.grad_scale = self._scale
+        self._sched_epochs = self._scheduler_epochs()
+        self._opt_steps = [0] * len(self.optimizers)
+        self._loaded = True

@@ -26,12 +26,18 @@ def _est(noise, signal, valid=True, B=8.0):
                        bias_corrected=True)
 
 
+_OPTIMIZER_OF = {}  # id(state) -> the optimizer of a simulated loop (_ddp_coord)
+
+
 def _backward(state, estimate=None):
-    """What ddp_gns_hook does to its state in one synchronized backward."""
+    """What ddp_gns_hook does to its state in one synchronized backward, and the
+    optimizer step the loop makes after it (coord.step() checks that it happened)."""
     k = state.step
     if state.is_measurement_step() and estimate is not None:
         state.estimate, state.estimate_step = estimate, k
     state._step = k + 1
+    if id(state) in _OPTIMIZER_OF:
+        _OPTIMIZER_OF[id(state)].step()
 
 
 def _ddp_coord(every=2, **kw):
@@ -41,6 +47,7 @@ def _ddp_coord(every=2, **kw):
     state = GNSHookState(geometry="l1", every=every, batch_size=8)
     args = dict(micro_batch_size=4, initial_batch_size=8, world_size=2, rank=0)
     args.update(kw)
+    _OPTIMIZER_OF[id(state)] = opt
     return AdaptiveBatching(state, opt, **args), state, opt
 
 
@@ -161,6 +168,7 @@ def test_stale_estimate_is_never_reused():
     ema = coord.controller.noise_ema
     # step 2 is a measuring step but the hook did not measure: the estimate is step 0's
     state._step += 1
+    _OPTIMIZER_OF[id(state)].step()
     with pytest.warns(RuntimeWarning, match="no estimate of it \\(estimate_step = 0\\)"):
         coord.step()
     assert coord.controller.num_measurements == 1 and coord.controller.noise_ema == ema
@@ -168,6 +176,7 @@ def test_stale_estimate_is_never_reused():
     # ... and only once
     _backward(state); coord.step()
     state._step += 1
+    _OPTIMIZER_OF[id(state)].step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         coord.step()
@@ -346,6 +355,7 @@ def test_two_optimizers_and_schedulers_compose_with_the_multiplier():
     ests = [_est(20.0, 1.0), None, _est(60.0, 1.0), None, None]
     for k, e in enumerate(ests):
         _backward(state, e)
+        muon.step(); adam.step()
         coord.step()
         omega = math.sqrt(coord.batch_size / 8)
         cos_k = 0.02 * (1 + math.cos(math.pi * (k + 1) / 10)) / 2
@@ -355,20 +365,48 @@ def test_two_optimizers_and_schedulers_compose_with_the_multiplier():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")
-def test_scheduler_stepped_by_hand_warns_once():
+def test_scheduler_not_passed_and_stepped_by_hand_raises():
+    """A scheduler built on a passed optimizer but not passed to the coordinator: its
+    step() sees the multiplied lr (a chainable one compounds omega every step); the first
+    coord.step() after it changed the lr raises naming schedulers=[...]."""
     coord, state, opt = _ddp_coord(every=1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     _backward(state, _est(1.0, 1.0)); coord.step()
     sched.step()
+    _backward(state, _est(1.0, 1.0))
+    before = coord.state_dict()
+    with pytest.raises(RuntimeError, match="schedulers=\\[sched\\]"):
+        coord.step()
+    assert coord.state_dict() == before
+
+
+def test_passed_scheduler_also_stepped_by_hand_raises():
+    """docs said this warns; the LR halved every step (stepped twice per step)."""
+    coord, state, opt = _ddp_coord(every=1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+    coord2 = AdaptiveBatching(state, opt, schedulers=[sched], micro_batch_size=4,
+                              initial_batch_size=8, world_size=2, rank=0)
+    _backward(state, _est(1.0, 1.0)); coord2.step()
+    sched.step()
+    _backward(state, _est(1.0, 1.0))
+    with pytest.raises(RuntimeError, match="schedulers \\[0\\].*stepped outside the coordinator"):
+        coord2.step()
+
+
+def test_lr_set_by_hand_warns_once_and_becomes_the_scheduled_rate():
+    coord, state, opt = _ddp_coord(every=1)
+    _backward(state, _est(1.0, 1.0)); coord.step()
+    opt.param_groups[0]["lr"] = 0.05          # a hand-written schedule, no scheduler object
     _backward(state, _est(1.0, 1.0))
     with pytest.warns(RuntimeWarning, match="schedulers=\\[...\\]"):
         coord.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)  # taken as the scheduled rate
-    sched.step()
+    opt.param_groups[0]["lr"] = 0.025
     _backward(state, _est(1.0, 1.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         coord.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
 # ----------------------------------------------------------------------------- metrics

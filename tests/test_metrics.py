@@ -66,6 +66,7 @@ def test_decisions_can_be_recomputed_from_the_csv(tmp_path):
             s = float(torch.rand((), generator=g)) + 0.2
             state.estimate, state.estimate_step = _est(n, s), k
         state._step = k + 1
+        opt.step()
         coord.step()
         w.write(coord.metrics())
     with open(tmp_path / "metrics.csv", newline="") as fh:
@@ -117,6 +118,7 @@ def test_coordinator_to_tensorboard_in_adaptdl_style():
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
     state.estimate, state.estimate_step, state._step = _est(3.0, 1.0), 0, 1
+    opt.step()
     coord.step()
     fw = _FakeWriter()
     coord.to_tensorboard(fw)

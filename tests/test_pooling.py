@@ -370,6 +370,7 @@ def test_adaptive_batching_binds_the_order_and_the_grad_scale():
     st.estimate = est
     st.estimate_step = 0
     st.advance_step()
+    opt.step()
     coord.step()
     assert coord.metrics()["noise_pooled"] == pytest.approx(4.0)
     assert coord.controller.noise_ema == pytest.approx(4.0)

@@ -109,9 +109,10 @@ def _coord(every=2):
 
 
 def _good_coord_sd():
-    coord, state, _ = _coord()
+    coord, state, opt = _coord()
     for k in range(3):  # a few steps of the simulated hook: state.step follows the backward
         state._step = k + 1
+        opt.step()
         coord.step()
     return coord.state_dict()
 
@@ -135,6 +136,7 @@ _COORD_CORRUPT = [
 def test_coordinator_corrupt_state_dict_rejected_unchanged(case, mutate, exc, pat):
     coord, state, opt = _coord()
     state._step = 1
+    opt.step()
     coord.step()
     before = copy.deepcopy(coord.state_dict())
     lrs = [g["lr"] for g in opt.param_groups]

@@ -325,3 +325,158 @@ def test_tensorboard_writer_takes_tensors_and_numpy():
     assert n == len(_VALUES) == len(seen)
     for (tag, value, step), (k, _, want) in zip(seen, _VALUES):
         assert tag == "gns/" + k and value == float(want) and type(value) is float and step == 5
+
+
+# ------------------------------------------------------------- loop mistakes (issue 29)
+def _loop_parts(opt_kind="adamw", schedulers=None, grad_scaler=None, n=200):
+    X, Y = _problem(n=n)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
+    coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, max_batch_size=32,
+                             schedulers=schedulers, grad_scaler=grad_scaler)
+    loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
+    return model, opt, coord, loader
+
+
+def _backward_all(coord, loader, model, scaler=None):
+    for (x, y), ctx in coord.micro_batches(loader, model):
+        with ctx:
+            loss = torch.nn.functional.mse_loss(model(x), y) / coord.accum_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def test_coord_step_before_optimizer_step_raises_and_changes_nothing():
+    """coord.step() before opt.step(): every step ran with the next step's LR (2.12e-3
+    instead of 1e-3 at step 0). Now the first such call raises naming the order."""
+    model, opt, coord, loader = _loop_parts()
+    _backward_all(coord, loader, model)
+    before = coord.state_dict()
+    lr = opt.param_groups[0]["lr"]
+    with pytest.raises(RuntimeError, match="before optimizer.step\\(\\).*then coord.step\\(\\)"):
+        coord.step()
+    assert same(coord.state_dict(), before) and opt.param_groups[0]["lr"] == lr
+    opt.step(); opt.zero_grad()
+    coord.step()                                  # the right order goes on
+    assert coord.current_step == 1
+
+
+def test_grad_scaler_not_passed_raises():
+    """A GradScaler that steps the optimizers but was not given to the coordinator: the
+    noise read scale^2 too large (1.88e11 against 1.12e4) and the EMAs mixed scales."""
+    model, opt, coord, loader = _loop_parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    _backward_all(coord, loader, model, scaler)
+    scaler.step(opt); scaler.update(); opt.zero_grad()
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+        coord.step()
+
+
+def test_grad_scaler_passed_and_a_skipped_step_is_fine():
+    """With grad_scaler= a step whose gradient overflowed is skipped by the scaler (no
+    optimizer step, the scale drops): that is not the coord.step-before-opt.step mistake."""
+    model, opt, coord, loader = _loop_parts(grad_scaler=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    model, opt, coord, loader = _loop_parts(grad_scaler=scaler)
+    for k in range(3):
+        _backward_all(coord, loader, model, scaler)
+        if k == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt); scaler.update(); opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            coord.step()
+    assert coord.current_step == 3
+
+
+def _muon_adamw_run(pass_both):
+    X, Y = _problem(n=200)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    muon, adam = torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)
+    mb = MicroBatchGNS(mats, geometry="nuclear", every=1, batch_size=8, micro_batches=2)
+    coord = AdaptiveBatching(mb, [muon, adam] if pass_both else [muon], micro_batch_size=4,
+                             initial_batch_size=8)
+    loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
+    return model, (muon, adam), coord, loader
+
+
+def test_only_one_of_two_optimizers_passed_warns_once():
+    """Muon + AdamW with only [muon] passed: AdamW's LR was never scaled, silently."""
+    model, (muon, adam), coord, loader = _muon_adamw_run(pass_both=False)
+    with pytest.warns(RuntimeWarning, match="2 parameters received gradients but are in none.*0.bias, 2.bias"):
+        _backward_all(coord, loader, model)
+    muon.step(); adam.step(); muon.zero_grad(); adam.zero_grad(); coord.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _backward_all(coord, loader, model)      # once
+    model, _, coord, loader = _muon_adamw_run(pass_both=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _backward_all(coord, loader, model)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(self.n):
+            yield torch.randn(6, generator=g), torch.randn(1, generator=g)
+
+
+def test_iterable_dataset_with_several_workers_warns():
+    """An IterableDataset read by 2 workers: every sample came twice, silently."""
+    model, opt, coord, _ = _loop_parts()
+    loader = DataLoader(_Stream(64), batch_size=4, num_workers=2)
+    with pytest.warns(RuntimeWarning, match="num_workers=2.*get_worker_info"):
+        _backward_all(coord, loader, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _backward_all_one = DataLoader(_Stream(64), batch_size=4, num_workers=0)
+        opt.step(); opt.zero_grad(); coord.step()
+        _backward_all(coord, _backward_all_one, model)
+
+
+def test_forgotten_coordinator_load_on_resume_warns():
+    """Model and optimizer loaded but not the coordinator: the stream restarted at 0 and B
+    fell back to B_0 with only an 'lr changed' warning."""
+    model, opt, coord, loader = _loop_parts()
+    for _ in range(3):
+        _backward_all(coord, loader, model)
+        opt.step(); opt.zero_grad(); coord.step()
+    ck = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    model2, opt2, coord2, loader2 = _loop_parts()
+    model2.load_state_dict(ck["model"]); opt2.load_state_dict(ck["opt"])
+    with pytest.warns(RuntimeWarning, match="coord.load_state_dict\\(ckpt\\['coord'\\]\\)"):
+        _backward_all(coord2, loader2, model2)
+    model3, opt3, coord3, loader3 = _loop_parts()
+    model3.load_state_dict(ck["model"]); opt3.load_state_dict(ck["opt"])
+    coord3.load_state_dict(coord.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _backward_all(coord3, loader3, model3)
+
+
+def test_frozen_ddp_parameter_is_named_not_hidden():
+    """A DDP parameter frozen halfway stops DDP's buckets, so the hook never runs; the
+    coordinator said only 'register the hook'. It now names DDP's unused-parameter rule
+    and the parameters that no longer require a gradient."""
+    from gns_kernels.distributed import GNSHookState
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = GNSHookState(geometry="l1", every=1, batch_size=8)
+    coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2, rank=0)
+    loader = [(torch.randn(4, 3), torch.randn(4, 1))] * 4
+    model[0].weight.requires_grad_(False)                   # frozen halfway
+    for (x, y), ctx in coord.micro_batches(loader, model):  # no hook ran: state.step stays 0
+        with ctx:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="find_unused_parameters.*0.weight.*rebuild DDP"):
+        coord.step()
