@@ -159,6 +159,13 @@ class AdaptiveBatching:
             at least one R x b.
         world_size, rank: R and this rank (default: from torch.distributed when
             initialised, else 1 and 0).
+        lr_schedule: a function of the global examples seen (samples, an int >= 0) to a
+            factor, e.g. ``lambda n: gk.warmup_cosine(n, total, 0.1 * total)``: every
+            param group's scheduled lr is its base lr (its lr when the coordinator was
+            built, kept as ``group["base_lr"]``) x ``lr_schedule(samples_seen)``, set for
+            step 0 at construction and after every ``step()``; the effective lr is that x
+            omega. A schedule on samples keeps its shape when the batch grows (a schedule
+            on steps would stretch). Exclusive with ``schedulers``.
         signal: "raw" or "debiased", the signal the controller runs Algorithm 1 on; None
             (default) takes the hook state's ``signal`` (set where the state is built:
             ``GNSHookState(..., signal="debiased")``). Given and different from the
@@ -172,7 +179,7 @@ class AdaptiveBatching:
                  beta_signal: float = 0.9, lr_scaling: str = "sqrt", schedulers=None,
                  grad_scaler=None, max_growth: Optional[float] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
-                 signal: Optional[str] = None):
+                 signal: Optional[str] = None, lr_schedule=None):
         from .distributed.fsdp import FSDPGNSHandle
 
         if isinstance(gns, FSDPGNSHandle):
@@ -248,6 +255,20 @@ class AdaptiveBatching:
             raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
                             f"param group gets the LR multiplier), got {optimizers!r:.200}")
         self.schedulers = _as_list(schedulers)
+        if lr_schedule is not None:
+            if not callable(lr_schedule):
+                raise TypeError(f"lr_schedule: expected a function of the samples seen, got "
+                                f"{type(lr_schedule).__name__}")
+            if self.schedulers:
+                raise ValueError("lr_schedule and schedulers: pass one of them (both would own "
+                                 "the scheduled learning rate)")
+        self.lr_schedule = lr_schedule
+        if lr_schedule is not None:
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group.setdefault("base_lr", float(group["lr"]))
+                    group["lr"] = group["base_lr"] * self._schedule_factor(0)
+                    group.pop("scheduled_lr", None)
         self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
         # mistakes the loop can make, seen from here: optimizer.step() after coord.step(), a
         # GradScaler that steps the optimizers but was not passed, a passed scheduler also
@@ -329,6 +350,18 @@ class AdaptiveBatching:
                 self._opt_steps[i] += 1
         if self.grad_scaler is None and self._scaler_seen is None:
             self._scaler_seen = _calling_grad_scaler()
+
+    def _schedule_factor(self, samples: int) -> float:
+        f = self.lr_schedule(samples)
+        if isinstance(f, bool) or not isinstance(f, Real) or not (math.isfinite(f) and f >= 0):
+            raise ValueError(f"lr_schedule({samples}) returned {f!r}; expected a finite number >= 0")
+        return float(f)
+
+    def _apply_schedule(self, f: float) -> None:
+        """lr_schedule: scheduled lr = base lr x f, f = lr_schedule(samples seen)."""
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["scheduled_lr"] = group["base_lr"] * f
 
     def _scheduler_epochs(self) -> list:
         return [getattr(s, "last_epoch", None) for s in self.schedulers]
@@ -616,6 +649,8 @@ class AdaptiveBatching:
         k = self._step
         self._check_state(k)
         self._check_loop(k)
+        f_next = (None if self.lr_schedule is None
+                  else self._schedule_factor(self._samples + self._batch))
         measure = k % self.every == 0
         est = self._measurement(k) if measure else None
         ctrl = self.controller
@@ -636,6 +671,8 @@ class AdaptiveBatching:
         self._consumed = 0
         self._apply_batch()
         self._sync_lrs()
+        if f_next is not None:
+            self._apply_schedule(f_next)
         self._lrm.step(ctrl.lr_multiplier)
         self._sched_epochs = self._scheduler_epochs()
         self._opt_steps = [0] * len(self.optimizers)

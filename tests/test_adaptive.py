@@ -607,3 +607,39 @@ def test_checkpoint_from_before_the_signal_option_loads_as_raw():
     assert coord.controller.signal == "raw"
     with pytest.raises(ValueError, match="signal: saved 'raw' vs 'debiased'"):
         make("debiased").load_state_dict(loaded)
+
+
+def test_lr_schedule_on_samples_keeps_its_shape_when_the_batch_grows():
+    """lr_schedule=f(samples seen): the scheduled lr of each step is base x f(samples
+    before the step), times omega; a resume continues it exactly."""
+    from gns_kernels.lr import warmup_cosine
+
+    total = 400
+    f = lambda n: warmup_cosine(n, total, 40, 0.1)  # noqa: E731
+    model, opt, coord, loader = _resumable_sched(f)
+    seen = []
+    for k in coord.steps(max_samples=total):
+        seen.append((coord.samples_seen, coord.lr_multiplier, opt.param_groups[0]["lr"]))
+        for (x, y), ctx in coord.micro_batches(loader):
+            with ctx:
+                (torch.nn.functional.mse_loss(model(x), y) / coord.accum_steps).backward()
+        opt.step(); opt.zero_grad(); coord.step()
+    assert max(coord.metrics()["batch_size"], coord.batch_size) > 8   # the batch grew
+    for n, omega, lr in seen:
+        assert lr == pytest.approx(0.05 * f(n) * omega, rel=1e-12)
+    with pytest.raises(ValueError, match="lr_schedule and schedulers"):
+        _resumable_sched(f, with_scheduler=True)
+    with pytest.raises(ValueError, match="lr_schedule\\(0\\) returned nan"):
+        _resumable_sched(lambda n: float("nan"))
+
+
+def _resumable_sched(f, with_scheduler=False):
+    X, Y = _problem(n=400)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0) if with_scheduler else None
+    mb = MicroBatchGNS(model.parameters(), geometry="l2", every=1, batch_size=8, micro_batches=2)
+    coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, theta=0.3,
+                             max_batch_size=64, lr_schedule=f, schedulers=sched)
+    loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
+    return model, opt, coord, loader
