@@ -14,13 +14,22 @@ The stream (identical arithmetic on every rank):
   0..N-1 seeded by (seed, e) (numpy ``default_rng([seed, e])``; 0..N-1 when
   ``shuffle=False``). Every epoch is one full pass: nothing is dropped at its end.
 - Round t covers the R x b positions starting at ``start + t R b``; rank r's micro-batch
-  of round t is the slice [r b, (r + 1) b) of it. Ranks are disjoint by construction.
+  of round t is the slice [r b, (r + 1) b) of it, so the ranks take disjoint positions
+  (disjoint examples too, within an epoch and across its boundary, see below).
 - A step of A micro-batches per rank consumes A rounds = R A b = B positions. When A
   changes between steps, the stream does not: the next step just takes a different number
   of rounds. Nothing is lost or repeated across batch-size changes.
-- A round that starts before the end of epoch e and extends past it takes its tail from
-  epoch e + 1's order (which then starts at that offset); such a round can hold one index
-  twice (once from each epoch), the price of dropping nothing. Each call of ``iter(sampler)``
+- A round (or a step of A rounds) that starts before the end of epoch e and extends past
+  it takes its tail from epoch e + 1's order. So that such a window never holds one index
+  twice, epoch e + 1's first W positions hold no index of epoch e's last W positions,
+  W = N // 3 (the boundary window): the epoch's random permutation has each of its first W
+  entries that is among epoch e's last W swapped with a random entry of its middle part
+  [W, N - W) that is not (the middle always has enough when W <= N / 3; no epoch's last
+  W positions are ever moved, so each epoch depends only on its own and the previous
+  epoch's permutation). A step of B <= N // 3 samples therefore never repeats an example,
+  also across an epoch boundary; larger steps can, at a boundary. Every epoch is still a
+  full permutation. (State dicts of version 1, from before this rule, keep the plain
+  permutations, so that a resumed run continues its own order.) Each call of ``iter(sampler)``
   (one DataLoader pass) yields the rounds that START in one epoch, so ``len(sampler)`` is
   the number of micro-batches this rank gets in that pass, and ``set_epoch(e)`` checks
   that the pass about to start is epoch e.
@@ -56,7 +65,24 @@ from ._validation import check_int as _check_int
 
 __all__ = ["MicroBatchSampler"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2   # 2: the epoch-boundary window (1: plain permutations, still loaded)
+
+
+def _avoid_tail(order: np.ndarray, tail: np.ndarray, W: int, rng: np.random.Generator) -> np.ndarray:
+    """``order`` with each of its first W entries that is in ``tail`` swapped with a random
+    entry of ``order[W:N-W]`` that is not (N >= 3 W guarantees enough of them). The last W
+    entries are never moved (the next epoch's rule reads them from the plain permutation)."""
+    N = len(order)
+    in_tail = np.zeros(N, dtype=bool)
+    in_tail[tail] = True
+    clash = np.flatnonzero(in_tail[order[:W]])
+    if clash.size == 0:
+        return order
+    middle = W + np.flatnonzero(~in_tail[order[W:N - W]])
+    partners = rng.choice(middle, size=clash.size, replace=False)
+    order = order.copy()
+    order[clash], order[partners] = order[partners], order[clash].copy()
+    return order
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
@@ -99,6 +125,7 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         self._position = 0       # consumed stream position (samples, global)
         self._next_start = 0     # stream position where the next iter() begins
         self._orders: dict[int, np.ndarray] = {}
+        self._boundary_window = True   # False only for a stream resumed from a version-1 state
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -140,13 +167,28 @@ class MicroBatchSampler(torch.utils.data.Sampler):
                 "or load_state_dict to resume)")
 
     # ------------------------------------------------------------------ the stream
+    @property
+    def boundary_window(self) -> int:
+        """W: epoch e + 1's first W positions hold none of epoch e's last W indices (0 when
+        shuffling is off, or for a stream resumed from a version-1 state)."""
+        if not (self.shuffle and self._boundary_window):
+            return 0
+        return self.num_samples // 3
+
+    def _permutation(self, epoch: int) -> tuple[np.ndarray, np.random.Generator]:
+        rng = np.random.default_rng([self.seed, epoch])
+        return rng.permutation(self.num_samples), rng
+
     def _order(self, epoch: int) -> np.ndarray:
         order = self._orders.get(epoch)
         if order is None:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
+            if not self.shuffle:
                 order = np.arange(self.num_samples)
+            else:
+                order, rng = self._permutation(epoch)
+                W = self.boundary_window
+                if epoch > 0 and W > 0:
+                    order = _avoid_tail(order, self._permutation(epoch - 1)[0][-W:], W, rng)
             if len(self._orders) >= 2:  # keep the current and the next epoch only
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = order
@@ -189,16 +231,16 @@ class MicroBatchSampler(torch.utils.data.Sampler):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """Plain Python values: the consumed position (samples) and the stream's identity."""
-        return {"version": _STATE_VERSION, "position": self._position,
+        return {"version": _STATE_VERSION if self._boundary_window else 1, "position": self._position,
                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
                 "num_replicas": self.num_replicas, "micro_batch_size": self.micro_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the stream at the saved consumed position (the next ``iter()`` starts
         there). R and b may differ from the saved run's; N, seed and shuffle may not."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
             raise ValueError(f"MicroBatchSampler.load_state_dict: expected a state_dict of version "
-                             f"{_STATE_VERSION}, got {state!r:.200}")
+                             f"{_STATE_VERSION} (or 1), got {state!r:.200}")
         missing = [k for k in ("num_samples", "seed", "shuffle", "position") if k not in state]
         if missing:
             raise ValueError(f"MicroBatchSampler.load_state_dict: the state_dict misses {missing} "
@@ -212,6 +254,10 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         pos = _check_int("state['position']", state["position"], 0)
         self._position = pos
         self._next_start = pos
+        window = state["version"] >= 2
+        if window != self._boundary_window:
+            self._boundary_window = window
+            self._orders.clear()
 
     def __repr__(self) -> str:
         return (f"MicroBatchSampler(num_samples={self.num_samples}, micro_batch_size="

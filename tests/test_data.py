@@ -21,7 +21,22 @@ def _dataset(n=N):
 
 def _stream(n, seed, epochs):
     """The documented order, rebuilt here: epoch e is default_rng([seed, e]).permutation(n)."""
-    return np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(epochs)])
+    out, prev = [], None
+    for e in range(epochs):
+        rng = np.random.default_rng([seed, e])
+        plain = rng.permutation(n)
+        order = [int(i) for i in plain]
+        W = n // 3
+        if prev is not None and W > 0:  # the boundary window: no index of prev's last W first
+            tail = {int(i) for i in prev[-W:]}
+            clash = [i for i in range(W) if order[i] in tail]
+            if clash:
+                middle = [j for j in range(W, n - W) if order[j] not in tail]
+                for i, j in zip(clash, rng.choice(middle, size=len(clash), replace=False)):
+                    order[i], order[j] = order[j], order[i]
+        out.append(np.array(order))
+        prev = plain
+    return np.concatenate(out)
 
 
 class _Consumer:
@@ -174,3 +189,44 @@ def test_is_a_torch_sampler_and_counts_every_index_once_per_epoch():
         for mb in s:
             seen.update(mb)
     assert set(seen.values()) == {5} and len(seen) == 31
+
+
+@pytest.mark.parametrize("N, R, b", [(97, 2, 4), (50, 1, 5), (64, 4, 2), (31, 3, 1)])
+def test_no_example_twice_in_a_step_across_epoch_boundaries(N, R, b):
+    """A step that crossed an epoch held 3-9 duplicates. With the boundary window every
+    step of B <= N // 3 holds distinct examples, on all ranks together, while each epoch
+    stays a full permutation and nothing is lost or repeated in the stream."""
+    samplers = [MicroBatchSampler(N, b, R, r, seed=11) for r in range(R)]
+    W = samplers[0].boundary_window
+    assert W == N // 3
+    rng = np.random.default_rng(0)
+    pos, epochs_seen, crossings = 0, 40, 0
+    while pos < epochs_seen * N:
+        A = int(rng.integers(1, max(2, W // (R * b)) + 1))        # B = R A b <= W
+        B = R * A * b
+        if B > W:
+            A, B = 1, R * b
+        step = []
+        for t in range(A):
+            for s in samplers:
+                step += s.micro_batch_at(pos + t * R * b)
+        if pos // N != (pos + B - 1) // N:
+            crossings += 1
+        assert len(set(step)) == len(step), (pos, B)
+        pos += B
+    assert crossings >= 3
+    s = samplers[0]
+    for e in range(epochs_seen):
+        assert sorted(s.indices(e * N, N)) == list(range(N))
+
+
+def test_version_1_state_keeps_the_plain_permutations():
+    s = MicroBatchSampler(40, 4, seed=2)
+    old = {**s.state_dict(), "version": 1, "position": 48}
+    s.load_state_dict(old)
+    assert s.boundary_window == 0
+    assert s.indices(40, 40) == np.random.default_rng([2, 1]).permutation(40).tolist()
+    assert s.state_dict()["version"] == 1
+    s2 = MicroBatchSampler(40, 4, seed=2)
+    s2.load_state_dict({**old, "version": 2})
+    assert s2.boundary_window == 13 and s2.indices(40, 40) != s.indices(40, 40)
