@@ -690,7 +690,7 @@ class AdaptiveBatching:
             "micro_batch_size": self.micro_batch_size, "next_batch_size": self._batch,
             "lr_multiplier": self._lrm.multiplier, "measuring_step": measure,
             "measured": est is not None,
-            "valid": bool(est.valid) if est is not None else False,
+            "valid": bool(est.valid) if est is not None else None,  # None: nothing measured
             "gns": est.gns if est is not None else nan,
             "noise": est.noise if est is not None else nan,
             "noise_pooled": (est.noise_pooled if est is not None and est.noise_pooled is not None
@@ -720,8 +720,9 @@ class AdaptiveBatching:
         """The last completed step as a flat dict of plain Python values: step,
         samples_seen, batch_size (B_k), accum_steps, micro_batch_size, next_batch_size
         (B_{k+1}), lr_multiplier (omega_{k+1}), lr_<i> (every param group's next lr),
-        measuring_step, measured, valid, gns, noise, noise_pooled, signal (the measurement
-        of step k, divided by grad_scale^2; nan when not measured; noise_pooled nan without
+        measuring_step, measured, valid (None when step k was not measured, so a logger
+        skips it instead of plotting a failure), gns, noise, noise_pooled, signal (the
+        measurement of step k, divided by grad_scale^2; nan when not measured; noise_pooled nan without
         a noise pool), noise_ema (the pooled noise when the hook pools), signal_ema, gns_ema,
         target_batch_size, grad_scale; and ``noise/<layer>``, ``signal/<layer>`` when the
         hook state exposes a ``layer_stats`` dict {name: (noise, signal)}. Empty before the

@@ -131,3 +131,21 @@ def test_tensorboard_missing_gives_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ImportError, match="pip install tensorboard"):
         tensorboard_writer("runs/x")
+
+
+def test_valid_is_none_on_steps_that_do_not_measure():
+    """valid=0 on every step that did not measure looked like failed measurements in
+    TensorBoard; now those steps carry None (skipped by the writers)."""
+    state = GNSHookState(geometry="l1", every=2, batch_size=8)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
+    state.estimate, state.estimate_step, state._step = _est(3.0, 1.0), 0, 1
+    opt.step(); coord.step()
+    assert coord.metrics()["valid"] is True
+    state._step = 2
+    opt.step(); coord.step()
+    m = coord.metrics()
+    assert m["measuring_step"] is False and m["valid"] is None
+    fw = _FakeWriter()
+    to_tensorboard(fw, m)
+    assert "gns/valid" not in [c[0] for c in fw.calls]
