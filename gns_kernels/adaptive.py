@@ -143,8 +143,10 @@ class AdaptiveBatching:
         initial_batch_size: B_0, global examples of step 0; a multiple of R x b
             (one rank: of b, and >= 2 b).
         max_batch_size: cap on B (a multiple of R x b), or None. Recommended: with the
-            bias-corrected l1 GNS one decision can multiply B by up to pi / (2 theta^2)
-            (4.4x at theta 0.6), see docs/controller.md.
+            bias-corrected l1 GNS one decision multiplies B by about pi / (2 theta^2)
+            (4.4x at theta 0.6) at pure noise, and by more when the EMAs mix
+            measurements of different batches (not a bound; ``max_growth`` is one), see
+            docs/controller.md.
         theta, beta_noise, beta_signal, warmup_steps, lr_scaling: as ``AdaptiveBatchSize``.
         every: F, the measuring period; None takes the hook state's ``every``. Given and
             different from the state's: ValueError (one F drives both).
