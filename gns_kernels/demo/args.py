@@ -60,13 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
                    help="cap on the global batch (a multiple of --multiple-of)")
     a.add_argument("--max-local-batch", type=int, default=d.max_local_batch,
-                   help="micro-batch cap per rank; gradient accumulation beyond it")
+                   help="cap on the micro-batch size b per rank, fixed for the run; a larger "
+                        "batch accumulates more micro-batches of b")
     a.add_argument("--micro-batches", type=int, default=None,
                    help="minimum micro-batches per rank (None: 1; 2 with one rank)")
     a.add_argument("--multiple-of", type=int, default=None,
-                   help="batch sizes are multiples of this, itself a multiple of ranks x "
-                        "micro-batches (None: ranks x micro-batches x the largest of 8, 4, 2, 1 "
-                        "that divides B_0)")
+                   help="batch sizes are multiples of this = ranks x the micro-batch size b, so "
+                        "it sets b (None: b the largest micro-batch <= --max-local-batch that "
+                        "splits B_0 into at least --micro-batches per rank)")
     a.add_argument("--constant", action="store_true", help="keep the batch at B_0 (still measure the GNS)")
     a.add_argument("--raw-gns", action="store_true", help="the paper's raw estimator (no bias correction)")
     o = parser.add_argument_group("optimizer and model")

@@ -9,7 +9,7 @@ lists the keys in which two configurations would train differently.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from ..estimators import GEOMETRIES
 
@@ -44,7 +44,7 @@ class DemoConfig:
     max_batch_size: int | None = 512
     max_local_batch: int = 32
     micro_batches: int = 1               # minimum micro-batches per rank (>= 2 for 1 rank)
-    multiple_of: int | None = None       # None: R*micro_batches*p, p the largest of 8, 4, 2, 1 dividing B_0/(R*micro)
+    multiple_of: int | None = None       # None: R x b, b the micro-batch size split_initial_batch gives
     adaptive: bool = True
     samples: int = 8000                  # sample (sequence) budget
     steps: int | None = None             # optional cap on optimizer steps
@@ -88,18 +88,39 @@ class DemoConfig:
         return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
 
     def resolved_multiple_of(self) -> int:
+        """The step of the batch size: R x b (every B is a multiple of it). --multiple-of M
+        sets it (so b = M / R); by default b is the micro-batch size of B_0's split
+        (`split_initial_batch`)."""
         if self.multiple_of is not None:
             return self.multiple_of
-        base = self.ranks * self.micro_batches
-        for p in (8, 4, 2):
-            if self.initial_batch_size % (base * p) == 0:
-                return base * p
-        return base
+        return self.ranks * split_initial_batch(self.initial_batch_size, self.ranks,
+                                                self.max_local_batch, self.micro_batches)[1]
+
+    def micro_batch_size(self) -> int:
+        """b, sequences per micro-batch per rank, fixed for the whole run (B = R x A x b:
+        a growing batch accumulates more micro-batches, A, of the same size)."""
+        return self.resolved_multiple_of() // self.ranks
 
     def resolved_warmup(self) -> int:
         if self.warmup is not None:
             return self.warmup
         return int(math.ceil(self.lr_warmup * self.samples / self.initial_batch_size))
+
+
+def split_initial_batch(batch_size: int, ranks: int, max_local_batch: int,
+                        min_micro_batches: int) -> tuple[int, int]:
+    """(A_0, b): B_0 = ranks x A_0 x b with the largest micro-batch b <= max_local_batch
+    that leaves at least min_micro_batches micro-batches per rank. b stays fixed for the
+    run (AdaptiveBatching). DemoError when B_0 does not split so."""
+    where = f"--initial-batch-size {batch_size} does not split across {ranks} ranks x micro-batches"
+    if batch_size % ranks:
+        raise DemoError(f"{where}: it is not a multiple of {ranks}")
+    local = batch_size // ranks
+    for b in range(min(max_local_batch, local // min_micro_batches), 0, -1):
+        if local % b == 0:
+            return local // b, b
+    raise DemoError(f"{where}: {local} sequences per rank give fewer than the {min_micro_batches} "
+                    "micro-batches per rank asked for (--micro-batches)")
 
 
 def optimizer_classes(name: str) -> list[type]:
@@ -164,8 +185,6 @@ def _finite_positive(name: str, value, allow_none: bool = False) -> None:
 def validate(cfg: DemoConfig, world: int | None = None) -> None:
     """Raise DemoError (one line, naming the option) on bad input. `world`: the process
     count when it is fixed by a launcher (torchrun), else cfg.ranks."""
-    from ..sampler import plan_split
-
     if cfg.optimizer not in OPTIMIZERS:
         raise DemoError(f"unknown --optimizer {cfg.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     if cfg.geometry is not None and cfg.geometry not in GEOMETRIES:
@@ -203,18 +222,22 @@ def validate(cfg: DemoConfig, world: int | None = None) -> None:
     ranks = cfg.ranks if world is None else world
     if ranks * cfg.micro_batches < 2:
         raise DemoError("one rank needs --micro-batches >= 2 (the micro-batches are the GNS samples)")
-    try:
-        plan_split(cfg.initial_batch_size, ranks, cfg.max_local_batch, cfg.micro_batches)
-    except ValueError as exc:
-        raise DemoError(f"--initial-batch-size {cfg.initial_batch_size} does not split across "
-                        f"{ranks} ranks x micro-batches: {exc}") from None
-    mult = cfg.resolved_multiple_of()
-    if mult < 1 or mult % (ranks * cfg.micro_batches):
-        raise DemoError(f"--multiple-of {mult} must be a multiple of ranks x micro-batches "
-                        f"({ranks} x {cfg.micro_batches})")
+    split_initial_batch(cfg.initial_batch_size, ranks, cfg.max_local_batch, cfg.micro_batches)
+    mult = replace(cfg, ranks=ranks).resolved_multiple_of()
+    if mult < 1 or mult % ranks:
+        raise DemoError(f"--multiple-of {mult} must be a positive multiple of the ranks "
+                        f"({ranks}): it is ranks x the micro-batch size")
     if cfg.initial_batch_size % mult:
         raise DemoError(f"--initial-batch-size {cfg.initial_batch_size} must be a multiple of "
                         f"--multiple-of {mult}")
+    if cfg.initial_batch_size // mult < cfg.micro_batches:
+        raise DemoError(f"--multiple-of {mult} gives micro-batches of {mult // ranks} sequences, "
+                        f"so --initial-batch-size {cfg.initial_batch_size} is "
+                        f"{cfg.initial_batch_size // mult} micro-batches per rank, fewer than "
+                        f"--micro-batches {cfg.micro_batches}")
+    if mult // ranks > cfg.max_local_batch:
+        raise DemoError(f"--multiple-of {mult} gives micro-batches of {mult // ranks} sequences "
+                        f"per rank, above --max-local-batch {cfg.max_local_batch}")
     if cfg.samples < cfg.initial_batch_size:
         raise DemoError(f"--samples {cfg.samples} is less than one batch "
                         f"(--initial-batch-size {cfg.initial_batch_size})")

@@ -50,7 +50,7 @@ def tiny_corpus(tmp_path):
     (["--timeout", "inf"], "--timeout must be a finite number > 0, got inf"),
     (["--stop-at-step", "0"], "--stop-at-step must be >= 1, got 0"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--multiple-of", "0"], "--multiple-of 0 must be a multiple of ranks x micro-batches"),
+    (["--multiple-of", "0"], "--multiple-of 0 must be a positive multiple of the ranks (2)"),
     (["--max-batch-size", "0"], "--max-batch-size 0 is below --initial-batch-size 16"),
 ])
 def test_bad_numbers_exit_2_one_line(argv, needle, capsys, tmp_path):
