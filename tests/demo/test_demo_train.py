@@ -311,12 +311,29 @@ def test_compare_end_to_end(small_corpus, tmp_path, capsys):
     assert res["euclidean"]["geometry"] == "l2" and res["adaptive"]["geometry"] == "nuclear"
 
 
-@pytest.mark.parametrize("ranks,b0,micro,expected", [
-    (2, 16, 1, 16), (2, 8, 1, 8), (1, 8, 2, 8), (3, 12, 1, 12), (2, 6, 1, 2), (4, 64, 2, 64)])
-def test_default_multiple_of(ranks, b0, micro, expected):
-    cfg = train.DemoConfig(ranks=ranks, initial_batch_size=b0, micro_batches=micro)
+@pytest.mark.parametrize("ranks,b0,micro,max_local,b", [
+    (2, 16, 1, 32, 8), (2, 8, 1, 32, 4), (1, 8, 2, 32, 4), (3, 12, 1, 32, 4), (2, 6, 1, 32, 3),
+    (4, 64, 2, 32, 8), (2, 64, 1, 8, 8), (2, 24, 1, 5, 4), (1, 18, 2, 32, 9)])
+def test_default_micro_batch_and_multiple_of(ranks, b0, micro, max_local, b):
+    """b is fixed for the run (AdaptiveBatching): the largest micro-batch <= --max-local-batch
+    that splits B_0 into at least --micro-batches per rank; every B is a multiple of R x b."""
+    cfg = train.DemoConfig(ranks=ranks, initial_batch_size=b0, micro_batches=micro,
+                           max_local_batch=max_local)
     m = cfg.resolved_multiple_of()
-    assert m == expected and m % (ranks * micro) == 0 and b0 % m == 0
+    assert cfg.micro_batch_size() == b and m == ranks * b
+    assert b0 % m == 0 and b0 // m >= micro and b <= max_local
+    assert train.DemoConfig(ranks=2, initial_batch_size=16, multiple_of=8).micro_batch_size() == 4
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--multiple-of", "3"], "--multiple-of 3 must be a positive multiple of the ranks (2)"),
+    (["--multiple-of", "32"], "--initial-batch-size 16 must be a multiple of --multiple-of 32"),
+    (["--ranks", "1", "--multiple-of", "16"], "is 1 micro-batches per rank, fewer than --micro-batches 2"),
+    (["--initial-batch-size", "128", "--multiple-of", "128"], "above --max-local-batch 32"),
+])
+def test_bad_multiple_of_one_line(argv, needle, capsys, tmp_path):
+    assert main(["demo", *argv, "--out", str(tmp_path / "o")]) == 2
+    assert needle in _error_line(capsys)
 
 
 def _children(pid):
