@@ -2,9 +2,12 @@
 accepts, an atomic write that reports a full disk, a load that never runs code, and the
 check that a checkpoint belongs to the config.json beside it.
 
-Layout (a dict): model, optimizers, schedulers, lr_multiplier, controller, sampler, hook
-(state_dicts), rng (one `rng_state()` per rank), step, elapsed, best_val, config
-(asdict(DemoConfig) of the run that wrote it).
+Layout (a dict): model, optimizers (state_dicts), coord (one ``AdaptiveBatching.state_dict()``
+per rank: step, samples seen, controller, LR multiplier, sampler position and that rank's
+hook state with its share of the noise pool), rng (one `rng_state()` per rank), step,
+elapsed, best_val, config (asdict(DemoConfig) of the run that wrote it). A checkpoint
+written before the demo ran on ``AdaptiveBatching`` (controller, sampler, hook ... instead
+of coord) is refused by `check_belongs` with one line.
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ def _refusal_reason(exc: Exception) -> str:
 def check_belongs(ck: dict, config: dict, folder: str, ranks: int) -> None:
     """DemoError unless checkpoint `ck` was written by the run described by `config`
     (asdict(DemoConfig) from config.json): every key that changes the trajectory must be
-    equal, and it must hold one RNG state per rank."""
+    equal, and it must hold one RNG state and one coordinator state per rank."""
     saved = ck["config"]
     if not isinstance(saved, dict):
         raise DemoError(f"--resume {folder!r}: the checkpoint's config is not a dict")
@@ -126,3 +129,12 @@ def check_belongs(ck: dict, config: dict, folder: str, ranks: int) -> None:
         raise DemoError(f"--resume {folder!r}: the checkpoint holds RNG states of "
                         f"{len(ck['rng']) if isinstance(ck['rng'], (list, tuple)) else '?'} "
                         f"ranks, the run has {ranks}")
+    coords = ck.get("coord")
+    if coords is None and "controller" in ck:
+        raise DemoError(f"--resume {folder!r}: checkpoint.pt was written by an earlier version of "
+                        "the demo (before it ran on gk.AdaptiveBatching) and cannot be continued; "
+                        "start a new run")
+    if (not isinstance(coords, (list, tuple)) or len(coords) != ranks
+            or not all(isinstance(c, dict) for c in coords)):
+        raise DemoError(f"--resume {folder!r}: the checkpoint holds no coordinator state "
+                        f"(coord) for each of the run's {ranks} ranks")

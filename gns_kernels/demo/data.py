@@ -11,7 +11,8 @@
 - Samples: `TokenWindows` cuts the concatenation into non-overlapping windows of
   ``context + 1`` bytes (window i starts at byte ``i * context``; inputs are the first
   ``context`` bytes, targets the last ``context``, shifted by one). Randomness comes from
-  the batch sampler, which draws window indices in a seeded random order.
+  the batch sampler (``gk.AdaptiveBatching.batch_sampler``), which draws window indices in
+  a seeded random order.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class TokenWindows:
     """Non-overlapping windows of context+1 bytes over a uint8 stream.
 
     len(self) = (len(stream) - 1) // context; ``batch(indices)`` -> (inputs, targets), both
-    int64 of shape (len(indices), context), targets = inputs shifted left by one byte.
+    int64 of shape (len(indices), context), targets = inputs shifted left by one byte;
+    ``self[i]`` is window i alone (a map-style dataset for a DataLoader).
     """
 
     def __init__(self, stream: torch.Tensor, context: int):
@@ -123,6 +125,12 @@ class TokenWindows:
 
     def __len__(self) -> int:
         return self.num_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window `index` as (inputs, targets) of shape (context,), so that a DataLoader over
+        a batch sampler of window indices yields the (b, context) pairs of ``batch``."""
+        x, y = self.batch([int(index)])
+        return x[0], y[0]
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.int64)

@@ -49,7 +49,7 @@ def test_rng_state_round_trip_under_weights_only(tmp_path):
 
 def _demo_checkpoint(cfg: DemoConfig, ranks: int = 2) -> dict:
     return {"model": {"w": torch.zeros(2)}, "rng": [ckpt.rng_state()] * ranks, "step": 3,
-            "config": asdict(cfg)}
+            "coord": [{"step": 3}] * ranks, "config": asdict(cfg)}
 
 
 def test_pickle_payload_is_refused_and_never_runs(tmp_path):
@@ -136,3 +136,35 @@ def test_check_belongs_names_the_differing_keys():
     assert "seed" not in msg
     with pytest.raises(DemoError, match="RNG states of 2 ranks, the run has 3"):
         ckpt.check_belongs(ck, asdict(a), "/x", 3)
+
+
+def test_check_belongs_refuses_a_checkpoint_of_the_old_loop():
+    """A checkpoint from before the demo ran on AdaptiveBatching (controller, sampler, hook
+    ... and no coord) is refused with one line, not a KeyError in a rank."""
+    cfg = DemoConfig(samples=480)
+    ck = _demo_checkpoint(cfg)
+    del ck["coord"]
+    ck.update(controller={}, sampler={}, hook=[{}, {}], lr_multiplier={"multiplier": 1.0},
+              schedulers=[], optimizers=[])
+    with pytest.raises(DemoError, match="earlier version of the demo .* start a new run"):
+        ckpt.check_belongs(ck, asdict(cfg), "/x", 2)
+    ck = _demo_checkpoint(cfg)
+    ck["coord"] = [{}]
+    with pytest.raises(DemoError, match="no coordinator state .* 2 ranks"):
+        ckpt.check_belongs(ck, asdict(cfg), "/x", 2)
+
+
+def test_resume_of_an_old_checkpoint_exits_2_with_one_line(tmp_path, capsys):
+    from gns_kernels.cli import main
+    folder = tmp_path / "run"
+    folder.mkdir()
+    cfg = DemoConfig(out=str(folder))
+    (folder / "config.json").write_text(json.dumps(asdict(cfg)))
+    (folder / "metrics.csv").write_text("step\n0\n")
+    ck = _demo_checkpoint(cfg)
+    del ck["coord"]
+    ck.update(controller={"batch_size": 16}, sampler={"position": 0}, hook=[{}, {}])
+    torch.save(ck, str(folder / "checkpoint.pt"))
+    assert main(["demo", "--resume", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "earlier version of the demo" in err[0], err
