@@ -18,6 +18,8 @@ CUDA kernels in place of theirs, so the tables line up):
   eager     the composite torch formula; torch.compile(formula) after warm-up;
   multi     variance_norms_multi over the paper's 160M Llama matrices (84 tensors, 84.9M
             elements) vs one .sum() per input tensor and vs the formula per tensor.
+The GPU window (bash bench/gpu_window.sh, its fused phase) times the same kernels against
+the same floors in compact form, with this timer, for float32 and bf16 in one call.
 Timing: CUDA events around each call, the L2 cache flushed (a 256 MB buffer zeroed) before
 each call, repeated for --rep milliseconds; tables give median and minimum. Ratios of
 medians are the result; speed is never asserted anywhere.

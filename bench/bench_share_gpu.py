@@ -20,61 +20,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from gns_kernels.distributed._share import SolveShare
-from gns_kernels.pooling import NoisePool
-
-LLAMA = ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12
-
-
-class _Done:
-    """A finished all-reduce: the hook's share vector, unchanged."""
-
-    def __init__(self, t):
-        self.f = torch.futures.Future()
-        self.f.set_result([t])
-
-    def get_future(self):
-        return self.f
-
-
-def _all_reduce(t, group=None, async_op=True):
-    return _Done(t)
-
-
-def _gram(x):
-    return x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
-
-
-def _inputs(shapes, seed, dev):
-    """(mean Grams, mean gradients, this rank's deviations) of one measurement."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    Ds = [torch.randn(m, n, generator=g, device=dev) / n ** 0.5 for m, n in shapes]
-    devs = [0.3 * torch.randn(m, n, generator=g, device=dev) / n ** 0.5 for m, n in shapes]
-    return [_gram(D) + _gram(d) for D, d in zip(Ds, devs)], Ds, devs
-
-
-class _Ranks:
-    """R simulated ranks of one configuration: each rank's noise pool (or none) and the one
-    matrix -> owner assignment, kept across measurements as the hooks keep them."""
-
-    def __init__(self, R: int, B: int, scale: float, pooled: bool, method: str = "auto"):
-        self.R, self.B, self.scale, self.method = R, B, scale, method
-        self.owners = {} if pooled else None
-        self.pools = [NoisePool(0.9) if pooled else None for _ in range(R)]
-
-    def measure(self, r: int, inputs) -> None:
-        """Rank r's share of one measurement: add_grads, launch, read (the hooks' calls)."""
-        mg, Ds, devs = inputs
-        sh = SolveShare(self.R, r, self.scale, True, self.R, float(self.B), method=self.method,
-                        dof="gauss-sums", pool=self.pools[r], owners=self.owners)
-        sh.add_grads(mg, Ds, None, devs, list(range(len(mg))))
-        sh.launch(None, _all_reduce)
-        sh.read()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the measurement lives in the GPU window (bench/gpu_window.py, its S1 phase); this script
+# keeps the first H100 run's command and table
+from gpu_window import LLAMA, Ranks as _Ranks, share_inputs as _inputs  # noqa: E402
 
 
 def main() -> None:

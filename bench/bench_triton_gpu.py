@@ -18,6 +18,9 @@ Each candidate is timed by triton.testing.do_bench (CUDA events, L2 flushed betw
 calls; return_mode="all"), which gives the median and minimum in the tables. Ratios of
 medians are the result; speed is never asserted anywhere.
 
+The GPU window (bash bench/gpu_window.sh, its fused phase) times these kernels against the
+same floors in compact form, beside the CUDA C++ ones.
+
 ``--device cpu`` runs the same code on CPU tensors through Triton's interpreter with a
 wall-clock timer (a smoke test of this script, not a benchmark).
 """

@@ -1,0 +1,163 @@
+"""The GPU window (bench/gpu_window.sh) stays runnable without a GPU.
+
+- ``bash bench/gpu_window.sh --dry-run`` runs every phase on CPU at toy sizes: exit 0,
+  every phase ran (or says why not), at most 8 files in $OUT, the summary table printed
+  and written (docs/cuda.md, "GPU window");
+- with a deadline too short for the later phases, those are skipped with a line and the
+  window still ends with its summary and exit 0;
+- every ``python bench/<script>.py ...`` command quoted in bench/RESULTS.md still parses
+  its arguments (argparse run up to parse_args, nothing measured);
+- the Table 9 arithmetic (amortized overhead, intervals).
+No timing is asserted.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "gpu_window.sh"
+PHASES = ("build", "smoke", "s1", "table9", "fused", "pytest")
+
+
+def _window(tmp_path, *args, deadline=None, timeout=400):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    env.pop("GPU_WINDOW_END", None)
+    env.pop("GPU_WINDOW_PHASE_END", None)
+    if deadline is not None:
+        env["GPU_WINDOW_DEADLINE"] = str(deadline)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _phase_lines(text):
+    """phase -> its final status line ("ran ...", "skipped: ...", ...)."""
+    out = {}
+    for ln in text.splitlines():
+        m = re.match(r"phase (\w+): (.*)", ln)
+        if m and not m.group(2).startswith("start"):
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("window")
+    return _window(out, "--dry-run"), out
+
+
+def test_dry_run_runs_every_phase(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    status = _phase_lines(proc.stdout)
+    assert set(status) == set(PHASES), status
+    for phase, line in status.items():
+        assert line.startswith("ran"), (phase, line, (out / "window.log").read_text())
+
+
+def test_dry_run_files_and_summary(dry_run):
+    proc, out = dry_run
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 1 <= len(files) <= 8, files
+    names = {p.name for p in files}
+    assert {"summary.md", "window.log", "build.log", "s1.log", "table9.log", "fused.log",
+            "pytest.log"} <= names
+    summary = (out / "summary.md").read_text()
+    assert summary in proc.stdout  # printed last, to paste
+    assert "| phase | measurement | value | target / paper |" in summary
+    assert "torch " in summary and "triton " in summary  # the device line
+    for phase in ("build", "S1", "Table 9", "fused", "pytest"):
+        assert re.search(rf"^\| {phase} \|", summary, re.M), (phase, summary)
+    # the parts a CPU cannot do say so in a line
+    assert "skipped: TF32 needs a CUDA device" in (out / "s1.log").read_text()
+    # Table 9's rows: both geometries, both F, the one-rank note and the 8-rank prediction
+    t9 = (out / "table9.log").read_text()
+    assert "+l1 amortized" in t9 and "+S1 amortized (one rank solves all" in t9
+    assert "F=100:" in t9 and "F=10:" in t9 and "PREDICTION" in t9
+    assert "dry run on CPU" in summary
+
+
+def test_deadline_skips_later_phases(tmp_path):
+    proc = _window(tmp_path, "--dry-run", deadline=14, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    status = _phase_lines(proc.stdout)
+    assert set(status) == set(PHASES), status
+    skipped = [p for p, s in status.items() if s.startswith("skipped: deadline")]
+    assert "pytest" in skipped and "table9" in skipped, status
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| window | phase pytest | skipped: deadline" in summary
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8
+
+
+def test_options(tmp_path):
+    bad = _window(tmp_path, "--bogus", timeout=60)
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
+    helped = _window(tmp_path, "--help", timeout=60)
+    assert helped.returncode == 0 and "--dry-run" in helped.stdout
+
+
+def _results_commands():
+    """(script, args) of every `python bench/<script>.py ...` in bench/RESULTS.md."""
+    text = (REPO / "bench" / "RESULTS.md").read_text()
+    cmds = set()
+    for m in re.finditer(r"python (bench/[\w]+\.py)([^`|\n]*)", text):
+        args = m.group(2).split("#", 1)[0].rstrip().rstrip("\\").strip()
+        cmds.add((m.group(1), args))
+    return sorted(cmds)
+
+
+def test_results_commands_parse():
+    cmds = _results_commands()
+    assert any(s == "bench/bench_share_gpu.py" for s, _ in cmds)
+    code = textwrap.dedent("""
+        import argparse, json, runpy, shlex, sys
+        class Parsed(Exception):
+            pass
+        orig = argparse.ArgumentParser.parse_args
+        def parse_args(self, args=None, namespace=None):
+            orig(self, args, namespace)
+            raise Parsed
+        argparse.ArgumentParser.parse_args = parse_args
+        bad = []
+        for script, args in json.loads(sys.argv[1]):
+            src = open(script).read()
+            if "argparse" not in src:  # a script without options: it must compile
+                compile(src, script, "exec")
+                continue
+            sys.argv = [script] + shlex.split(args)
+            try:
+                runpy.run_path(script, run_name="__main__")
+                bad.append((script, args, "ran past parse_args"))
+            except Parsed:
+                pass
+            except SystemExit as exc:
+                bad.append((script, args, f"exit {exc.code}"))
+        print(json.dumps(bad))
+    """)
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cmds)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], proc.stdout + proc.stderr[-2000:]
+
+
+def test_table9_arithmetic():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import table9_gpu as t9
+    finally:
+        sys.path.pop(0)
+    base, f1, hook = [1.0] * 5, [2.0] * 5, [1.01] * 5
+    # (2 + 99 * 1.01) / 100 / 1 - 1 = 0.0199
+    assert t9.amortized(base, f1, hook, 100) == pytest.approx(0.0199)
+    est, lo, hi = t9.amortized_ci(base, f1, hook, 10)
+    assert est == pytest.approx((2 + 9 * 1.01) / 10 - 1) and lo == pytest.approx(est) and hi == pytest.approx(est)
+    m, h = t9.mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and h == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
