@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import gns_kernels as gk
-from gns_kernels.adaptive import AdaptiveBatching
 
 
 def dataset(n=4096, dim=32, classes=10, noise=0.5, seed=0):
@@ -35,22 +34,19 @@ def train(args):
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    state = gk.GNSHookState(geometry="l1", every=args.every, batch_size=args.batch)     # <-- gns
-    ddp.register_comm_hook(state, gk.ddp_gns_hook)                                      # <-- gns
-    coord = AdaptiveBatching(state, opt, micro_batch_size=args.micro, every=args.every,  # <-- gns
-                             initial_batch_size=args.batch, max_batch_size=args.max_batch)
+    coord = gk.AdaptiveBatching(ddp, opt, micro_batch_size=args.micro, every=args.every,     # <-- gns
+                                initial_batch_size=args.batch, max_batch_size=args.max_batch)
     ds = dataset()
     loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)),                  # <-- gns
                         num_workers=args.workers)
     history = []
-    for step in coord.steps(max_samples=args.samples, max_steps=args.steps):            # <-- gns
-        for (x, y), sync in coord.micro_batches(loader, ddp):                           # <-- gns
-            with sync:                                          # no_sync() on all but the last
-                loss = F.cross_entropy(ddp(x), y) / coord.accum_steps   # mean over the global batch
-                loss.backward()
+    for batch in coord.batches(loader, max_samples=args.samples, max_steps=args.steps): # <-- gns
+        for x, y in batch:                                # no_sync() on all but the last
+            loss = F.cross_entropy(ddp(x), y) / len(batch)   # mean over the global batch
+            loss.backward()
         opt.step()
         opt.zero_grad()
-        coord.step()                                                                    # <-- gns
+        step = batch.step
         m = coord.metrics()
         history.append(m["batch_size"])
         if dist.get_rank() == 0 and m["measured"]:

@@ -20,7 +20,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import gns_kernels as gk
-from gns_kernels.adaptive import AdaptiveBatching
 
 
 class MLP(torch.nn.Module):
@@ -51,22 +50,19 @@ def train(args):
     other = [p for p in model.parameters() if p is not model.mid.weight]
     muon = torch.optim.Muon(hidden, lr=0.02, momentum=0.95)
     adamw = torch.optim.AdamW(other, lr=3e-3)
-    state = gk.GNSHookState(geometry="nuclear", every=args.every, batch_size=args.batch,  # <-- gns
-                            params=hidden)
-    handle = gk.attach_fsdp_gns(model, state)                                            # <-- gns
-    coord = AdaptiveBatching(handle, [muon, adamw], micro_batch_size=args.micro,         # <-- gns
-                             initial_batch_size=args.batch, max_batch_size=args.max_batch)
+    coord = gk.AdaptiveBatching(model, [muon, adamw], micro_batch_size=args.micro,        # <-- gns
+                                every=args.every, initial_batch_size=args.batch,
+                                max_batch_size=args.max_batch)   # nuclear GNS on Muon's matrices
     ds = dataset()
     loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)),                   # <-- gns
                         num_workers=args.workers)
     history = []
-    for step in coord.steps(max_samples=args.samples, max_steps=args.steps):             # <-- gns
-        for (x, y), sync in coord.micro_batches(loader, model):                          # <-- gns
-            with sync:                                   # no gradient sync on all but the last
-                (F.cross_entropy(model(x), y) / coord.accum_steps).backward()            # <-- gns (/ A)
+    for batch in coord.batches(loader, max_samples=args.samples, max_steps=args.steps):  # <-- gns
+        for x, y in batch:                               # no gradient sync on all but the last
+            (F.cross_entropy(model(x), y) / len(batch)).backward()
         muon.step(); adamw.step()
         muon.zero_grad(); adamw.zero_grad()
-        coord.step()                                                                     # <-- gns
+        step = batch.step
         m = coord.metrics()
         history.append(m["batch_size"])
         if dist.get_rank() == 0 and m["measured"]:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import gns_kernels as gk
-from gns_kernels.adaptive import AdaptiveBatching
 
 
 def dataset(n=4096, dim=32, classes=10, seed=0):
@@ -39,20 +38,18 @@ def main(argv=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
     opt = gk.Signum(model.parameters(), lr=1e-3, momentum=0.9)
-    mb = gk.MicroBatchGNS(model.parameters(), geometry="l1", every=args.every,          # <-- gns
-                          batch_size=args.batch, micro_batches=args.batch // args.micro)
-    coord = AdaptiveBatching(mb, opt, micro_batch_size=args.micro,                       # <-- gns
-                             initial_batch_size=args.batch, max_batch_size=args.max_batch)
+    coord = gk.AdaptiveBatching(model, opt, micro_batch_size=args.micro, every=args.every,   # <-- gns
+                                initial_batch_size=args.batch, max_batch_size=args.max_batch)
     ds = dataset()
     loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)),                   # <-- gns
                         num_workers=args.workers)
     history = []
-    for step in coord.steps(max_samples=args.samples, max_steps=args.steps):             # <-- gns
-        for (x, y), _ in coord.micro_batches(loader):                                   # <-- gns
-            (F.cross_entropy(model(x), y) / coord.accum_steps).backward()              # <-- gns (/ A)
+    for batch in coord.batches(loader, max_samples=args.samples, max_steps=args.steps):  # <-- gns
+        for x, y in batch:
+            (F.cross_entropy(model(x), y) / len(batch)).backward()   # mean over the global batch
         opt.step()
         opt.zero_grad()
-        coord.step()                                                                     # <-- gns
+        step = batch.step
         m = coord.metrics()
         history.append(m["batch_size"])
         if m["measured"]:

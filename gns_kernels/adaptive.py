@@ -66,7 +66,7 @@ from .distributed.microbatch import MicroBatchGNS
 from .distributed.state import GNSHookState
 from .lr import LRMultiplier
 
-__all__ = ["AdaptiveBatching", "Measurement"]
+__all__ = ["AdaptiveBatching", "Batch", "Measurement"]
 
 _STATE_VERSION = 1
 _STATE_KEYS = ("step", "samples_seen", "world_size", "micro_batch_size", "controller",
@@ -181,9 +181,19 @@ class AdaptiveBatching:
                  beta_signal: float = 0.9, lr_scaling: str = "sqrt", schedulers=None,
                  grad_scaler=None, max_growth: Optional[float] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
-                 signal: Optional[str] = None, lr_schedule=None):
+                 signal: Optional[str] = None, lr_schedule=None, geometry: Optional[str] = None):
         from .distributed.fsdp import FSDPGNSHandle
 
+        model = None
+        if isinstance(gns, torch.nn.Module):  # the model: build and attach the measurement
+            model, gns = gns, self._measurement_for(gns, _as_list(optimizers), geometry,
+                                                    100 if every is None else every,
+                                                    initial_batch_size, micro_batch_size,
+                                                    world_size, signal)
+        elif geometry is not None:
+            raise ValueError("geometry: given with a measurement object (GNSHookState, "
+                             "MicroBatchGNS, FSDP handle), whose own geometry applies; pass "
+                             "geometry= only with the model")
         if isinstance(gns, FSDPGNSHandle):
             self.kind, self.state, self.fsdp_handle = "fsdp", gns.state, gns
         elif isinstance(gns, MicroBatchGNS):
@@ -279,8 +289,9 @@ class AdaptiveBatching:
         self._scaler_seen = None
         self._hooks = [opt.register_step_post_hook(self._on_optimizer_step) for opt in self.optimizers]
         self._sched_epochs = self._scheduler_epochs()
-        self._model = None          # the model given to micro_batches (DDP / FSDP2 / one rank)
+        self._model = model         # the model (given here or to micro_batches)
         self._loaded = False        # load_state_dict was called
+        self._auto_end = False      # batches(): the step ends when every optimizer has stepped
         self.sampler = None
         self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
         self._step = 0
@@ -300,6 +311,43 @@ class AdaptiveBatching:
             # the noise pool is saved keyed by the optimizers' parameter order
             self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
                                    for p in g["params"])
+
+    @staticmethod
+    def _measurement_for(model, optimizers, geometry, every, B0, b, world_size, signal):
+        """The GNS measurement for ``model``: a DDP model gets a GNSHookState registered as
+        its comm hook, an FSDP2 model one attached to its reduce-scatters, a plain module on
+        one rank a MicroBatchGNS. Measured parameters: the first optimizer's (Muon's
+        matrices in Muon + AdamW, as the paper measures); geometry: ``geometry`` or
+        ``gk.geometry_for(optimizers)``."""
+        import torch.distributed as dist
+
+        from .distributed import GNSHookState, ddp_gns_hook
+        from .distributed.fsdp import attach_fsdp_gns
+        from .optim import geometry_for
+
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them, got "
+                            f"{optimizers!r:.200}")
+        geometry = geometry_for(optimizers) if geometry is None else geometry
+        params = [p for g in optimizers[0].param_groups for p in g["params"]]
+        kw = dict(geometry=geometry, every=every)
+        if signal is not None:
+            kw["signal"] = signal
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            state = GNSHookState(batch_size=B0, params=params, **kw)
+            model.register_comm_hook(state, ddp_gns_hook)
+            return state
+        if callable(getattr(model, "set_requires_gradient_sync", None)):  # FSDP2 (fully_shard)
+            state = GNSHookState(batch_size=B0, params=params, **kw)
+            return attach_fsdp_gns(model, state)
+        ready = dist.is_available() and dist.is_initialized()
+        R = world_size if world_size is not None else (dist.get_world_size() if ready else 1)
+        if R != 1:
+            raise ValueError(
+                f"gns: a plain module on {R} ranks; wrap it first (DistributedDataParallel, or "
+                "fully_shard for FSDP2) and pass the wrapped model")
+        A = B0 // b if isinstance(B0, int) and isinstance(b, int) and b > 0 else None
+        return MicroBatchGNS(params, batch_size=B0, micro_batches=A, **kw)
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -352,6 +400,9 @@ class AdaptiveBatching:
                 self._opt_steps[i] += 1
         if self.grad_scaler is None and self._scaler_seen is None:
             self._scaler_seen = _calling_grad_scaler()
+        if self._auto_end and all(self._opt_steps) and self._consumed == self.accum_steps:
+            self._auto_end = False
+            self._end_step()
 
     def _schedule_factor(self, samples: int) -> float:
         f = self.lr_schedule(samples)
@@ -546,6 +597,52 @@ class AdaptiveBatching:
                 f"{now[moved[0]]}); the coordinator steps the schedulers it was given, once per "
                 "coord.step(): remove your scheduler.step() call")
 
+    def batches(self, loader: Iterable, max_samples: Optional[int] = None,
+                max_steps: Optional[int] = None) -> Iterator["Batch"]:
+        """The optimizer steps of the run, each as a ``Batch``: ``len(batch)`` is A_k, the
+        micro-batches this rank accumulates, and iterating it yields them (the first A_k - 1
+        under DDP's ``no_sync()`` / FSDP2's ``set_requires_gradient_sync(False)``, entered
+        and left by the iteration itself). Stops before a step whose batch would exceed
+        ``max_samples`` (global examples) or at ``max_steps``. The loop::
+
+            for batch in coord.batches(loader, max_samples=total):
+                for x, y in batch:
+                    (loss_fn(model(x), y) / len(batch)).backward()
+                opt.step(); opt.zero_grad()
+
+        The step ends by itself when every optimizer passed has stepped (no
+        ``coord.step()``); a step that a GradScaler skipped (inf gradient) ends when the
+        next batch is drawn. The model for ``no_sync`` is the one given to the
+        constructor (or to ``micro_batches``)."""
+        while True:
+            if max_steps is not None and self._step >= max_steps:
+                return
+            if max_samples is not None and self._samples + self._batch > max_samples:
+                return
+            k = self._step
+            batch = Batch(self, loader, k)
+            self._auto_end = True
+            try:
+                yield batch
+            finally:
+                pending = self._auto_end and self._step == k
+                self._auto_end = False
+            if pending:
+                self._finish_unended(k)
+
+    def _finish_unended(self, k: int) -> None:
+        """A batches() step whose optimizers did not all step: a GradScaler skipped it (inf
+        gradient; the scale dropped), or the loop forgot opt.step() / left micro-batches."""
+        if self._consumed != self.accum_steps:
+            raise RuntimeError(
+                f"step {k}: {self._consumed} of its {self.accum_steps} micro-batches were consumed; "
+                "iterate each batch to the end, then call opt.step()")
+        if any(self._opt_steps) or (self.grad_scaler is not None and self._read_scale() < self._scale):
+            self._end_step()   # some optimizers stepped, or the scaler skipped an inf step
+            return
+        raise RuntimeError(f"step {k}: the batch ended without opt.step(); call opt.step() (with a "
+                           "GradScaler: scaler.step(opt); scaler.update()) after its micro-batches")
+
     def steps(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> Iterator[int]:
         """Yield k = current_step while the next step's batch fits in ``max_samples``
         (global examples) and k < ``max_steps``; raises if a step ended without ``step()``."""
@@ -640,7 +737,9 @@ class AdaptiveBatching:
 
     def step(self, k: Optional[int] = None) -> int:
         """End optimizer step k (call after ``optimizer.step()``; with a GradScaler after
-        ``scaler.update()``); returns B_{k+1}. ``k``, if given, must be ``current_step``."""
+        ``scaler.update()``); returns B_{k+1}. ``k``, if given, must be ``current_step``.
+        Not needed in a ``batches()`` loop, where the step ends by itself when every
+        optimizer has stepped."""
         if k is not None:
             k = _check_int("k", k, 0)
             if k != self._step:
@@ -648,6 +747,12 @@ class AdaptiveBatching:
                     f"step(k={k}): this is optimizer step {self._step}; the coordinator counts "
                     "optimizer steps from 0 itself, so call coord.step() without k (or pass "
                     "coord.current_step)")
+        if self._auto_end:
+            raise RuntimeError("coord.step(): in a coord.batches(...) loop the step ends by itself "
+                               "when the optimizers step; remove the coord.step() call")
+        return self._end_step()
+
+    def _end_step(self) -> int:
         k = self._step
         self._check_state(k)
         self._check_loop(k)
@@ -834,3 +939,26 @@ class AdaptiveBatching:
         self._sched_epochs = self._scheduler_epochs()
         self._opt_steps = [0] * len(self.optimizers)
         self._loaded = True
+
+
+class Batch:
+    """One optimizer step of ``AdaptiveBatching.batches``: ``len()`` is A_k, iterating
+    yields this rank's A_k micro-batches, each inside its synchronization context;
+    ``step`` is k."""
+
+    def __init__(self, coord: AdaptiveBatching, loader, step: int):
+        self._coord, self._loader, self.step = coord, loader, step
+
+    def __len__(self) -> int:
+        return self._coord.accum_steps
+
+    def __iter__(self) -> Iterator[Any]:
+        coord = self._coord
+        if coord.current_step != self.step:
+            raise RuntimeError(f"batch of step {self.step} iterated at step {coord.current_step}")
+        for batch, ctx in coord.micro_batches(self._loader, coord._model):
+            with ctx:
+                yield batch
+
+    def __repr__(self) -> str:
+        return f"Batch(step={self.step}, micro_batches={len(self)})"

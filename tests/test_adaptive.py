@@ -643,3 +643,75 @@ def _resumable_sched(f, with_scheduler=False):
                              max_batch_size=64, lr_schedule=f, schedulers=sched)
     loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
     return model, opt, coord, loader
+
+
+# ----------------------------------------------------------------------------- the README loop
+def _readme_run(new, steps=None, total=400, mistake=None):
+    X, Y = _problem(n=400)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if new:
+        coord = AdaptiveBatching(model, opt, every=1, micro_batch_size=4, initial_batch_size=8,
+                                 max_batch_size=64)
+    else:
+        mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
+        coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, max_batch_size=64)
+    loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X)))
+    rows = []
+    if new:
+        for batch in coord.batches(loader, max_samples=total, max_steps=steps):
+            for i, (x, y) in enumerate(batch):
+                (torch.nn.functional.mse_loss(model(x), y) / len(batch)).backward()
+                if mistake == "partial":
+                    break
+            if mistake == "coord.step":
+                coord.step()
+            if mistake != "no opt.step":
+                opt.step()
+            opt.zero_grad()
+            rows.append(coord.metrics())
+    else:
+        for k in coord.steps(max_samples=total, max_steps=steps):
+            for (x, y), ctx in coord.micro_batches(loader):
+                with ctx:
+                    (torch.nn.functional.mse_loss(model(x), y) / coord.accum_steps).backward()
+            opt.step(); opt.zero_grad(); coord.step()
+            rows.append(coord.metrics())
+    return rows, [p.detach().clone() for p in model.parameters()], coord
+
+
+def test_readme_loop_one_rank_equals_the_explicit_loop():
+    """AdaptiveBatching(model, opt) builds the MicroBatchGNS itself (geometry from the
+    optimizer: AdamW -> l1); coord.batches ends each step when the optimizer steps."""
+    old, w_old, _ = _readme_run(False)
+    new, w_new, coord = _readme_run(True)
+    assert coord.state.geometry == "l1" and isinstance(coord.state, MicroBatchGNS)
+    assert len(new) == len(old) > 10 and max(r["batch_size"] for r in new) > 8
+    for a, b in zip(new, old):
+        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    assert all(torch.equal(p, q) for p, q in zip(w_new, w_old))
+
+
+@pytest.mark.parametrize("mistake, match", [
+    ("no opt.step", "ended without opt.step\\(\\)"),
+    ("coord.step", "ends by itself.*remove the coord.step\\(\\)"),
+    ("partial", "1 of its 2 micro-batches were consumed"),
+])
+def test_readme_loop_mistakes_raise(mistake, match):
+    with pytest.raises(RuntimeError, match=match):
+        _readme_run(True, steps=3, mistake=mistake)
+
+
+def test_model_form_arguments():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="plain module on 2 ranks.*DistributedDataParallel"):
+        AdaptiveBatching(model, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
+    with pytest.raises(ValueError, match="geometry: given with a measurement object"):
+        AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, geometry="l1")
+    muon = torch.optim.Muon([p for p in model.parameters() if p.dim() == 2], lr=0.02)
+    adam = torch.optim.AdamW([p for p in model.parameters() if p.dim() != 2], lr=1e-3)
+    coord = AdaptiveBatching(model, [muon, adam], micro_batch_size=4, initial_batch_size=8)
+    assert coord.state.geometry == "nuclear" and coord.every == 100
+    assert len(coord.state._params) == 2          # Muon's matrices are measured

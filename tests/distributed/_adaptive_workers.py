@@ -20,6 +20,32 @@ def _data(n=512):
     return TensorDataset(x, y)
 
 
+def run_model_form(rank, world, fsdp=False, steps=8):
+    """The README loop: AdaptiveBatching built on the DDP / FSDP2 model itself (it makes and
+    attaches the measurement), coord.batches(...), no coord.step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
+        wrapped = model
+    else:
+        wrapped = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    coord = AdaptiveBatching(wrapped, opt, geometry="l1", every=2, micro_batch_size=4,
+                             initial_batch_size=16, max_batch_size=96)
+    ds = _data()
+    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+    rows = []
+    for batch in coord.batches(loader, max_steps=steps):
+        for x, y in batch:
+            (F.cross_entropy(wrapped(x), y) / len(batch)).backward()
+        opt.step(); opt.zero_grad()
+        rows.append(coord.metrics())
+    weights = [p.full_tensor() if fsdp else p for p in model.parameters()]
+    return {"rows": rows, "weights": [w.detach().clone() for w in weights]}
+
+
 def run(rank, world, compiled=False, micro=False, steps=8, backend="inductor"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))

@@ -58,3 +58,19 @@ def test_fsdp2_eager_and_compiled_match_ddp():
         assert [r["batch_size"] for r in rows] == [r["batch_size"] for r in ddp]
         assert all(_close(a["gns"], b["gns"]) for a, b in zip(rows, ddp))
     assert rows[-1]["next_batch_size"] > 16
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_readme_loop_on_the_model_matches_the_explicit_loop(fsdp):
+    """AdaptiveBatching(ddp_or_fsdp_model, opt, geometry=...) + coord.batches(...) (the
+    README loop: no hook state, no no_sync, no coord.step()) gives the explicit loop's
+    batches, GNS and weights."""
+    explicit = run_world("_adaptive_workers", "run_fsdp" if fsdp else "run", 2, steps=6)
+    readme = run_world("_adaptive_workers", "run_model_form", 2, fsdp=fsdp, steps=6)
+    for e, r in zip(explicit, readme):
+        assert [x["batch_size"] for x in r["rows"]] == [x["batch_size"] for x in e["rows"]]
+        assert [x["measured"] for x in r["rows"]] == [x["measured"] for x in e["rows"]]
+        assert all(_close(a["gns"], b["gns"]) for a, b in zip(r["rows"], e["rows"]))
+        for p, q in zip(r["weights"], e["weights"]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert explicit[0]["rows"][-1]["next_batch_size"] > 16
