@@ -48,6 +48,13 @@ results:
   writes NaN for the values it owns in that part; a solver failure likewise (with a
   warning). NaN survives the sum, so the measurement is invalid on every rank.
 
+- order: ``read()`` sums the per-matrix values (``share_columns``) on the host with
+  ``exact_sum`` (correctly rounded, so the totals are a function of the values, not of the
+  column order). DDP lays out a fresh model's first-iteration buckets in reverse
+  registration order and rebuilds them after that iteration in the order the gradients
+  became ready, so the first step of a resumed run presents the matrices in another order
+  (and other buckets) than the uninterrupted run did at that step; its totals are the same.
+
 With one rank the solver runs everything and no collective is issued. Nothing here reads
 a device value on the host: the totals stay device tensors until ``read()`` (called when
 the estimate is first read).
@@ -65,11 +72,11 @@ from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
 from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
-from ._stats import all_finite
+from ._stats import all_finite, exact_sum
 
 Tensor = torch.Tensor
 
-__all__ = ["assign_solves", "SolveShare", "share_totals", "solve_part"]
+__all__ = ["assign_solves", "SolveShare", "share_columns", "share_totals", "solve_part"]
 
 
 def assign_solves(costs: Sequence[int], loads: list) -> list[int]:
@@ -201,13 +208,15 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     return out
 
 
-def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional[int] = None,
-                 scale: Optional[float] = None) -> Tensor:
-    """float64 Tensor[2] (sum_l noise_l, sum_l signal_l), or Tensor[3] with the debiased
-    signal total last when rows has 'signal_deb', of a reduced shared vector (one fixed
-    order: identical on every rank). With the 'gauss-sums' rows the noise is corrected
-    here: nu_l from (Q_l, A_l, tr M_l, ||M_l||_F^2), M_l = num_samples / scale * C_l
-    (module docstring); needs num_samples and scale. No host synchronization."""
+def share_columns(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional[int] = None,
+                  scale: Optional[float] = None) -> Tensor:
+    """float64 Tensor[T, L]: the per-matrix values whose sums over the L matrices are the
+    totals, rows noise (corrected here with the 'gauss-sums' rows), signal, then
+    signal_deb when rows has it and the pooled noise when rows has 'pool' (T = 2, 3 or 4).
+    Element-wise per matrix, so a matrix's values do not depend on the column order
+    (the bucket layout). With the 'gauss-sums' rows: nu_l from (Q_l, A_l, tr M_l,
+    ||M_l||_F^2), M_l = num_samples / scale * C_l (module docstring); needs num_samples and
+    scale. No host synchronization."""
     rows = rows or share_rows()
     L = vec.numel() // len(rows)
     v = vec.view(len(rows), L)
@@ -218,13 +227,22 @@ def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional
         nu = dof_from_sample_sums(v[rows["q"]], v[rows["a"]], f * v[rows["trace"]],
                                   (f * f) * v[rows["fro2"]], R)
         noise = _corrected(noise, v[rows["pair"]], nu)
-    out = [noise.sum(), v[rows["signal"]].sum()]
+    out = [noise, v[rows["signal"]]]
     if "signal_deb" in rows:
-        out.append(v[rows["signal_deb"]].sum())
+        out.append(v[rows["signal_deb"]])
     if "pool" in rows:  # the first measurement of a pool: its own corrected noise
-        pooled = torch.where(v[rows["pool_new"]] > 0.5, noise, v[rows["pool"]])
-        out.append(pooled.sum())
+        out.append(torch.where(v[rows["pool_new"]] > 0.5, noise, v[rows["pool"]]))
     return torch.stack(out)
+
+
+def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional[int] = None,
+                 scale: Optional[float] = None) -> Tensor:
+    """float64 Tensor[2] (sum_l noise_l, sum_l signal_l), or Tensor[3] with the debiased
+    signal total last when rows has 'signal_deb' (and the pooled total last when rows has
+    'pool'), of a reduced shared vector: the row sums of ``share_columns`` on the device
+    (identical on every rank). ``SolveShare.read`` sums the same columns on the host with
+    ``exact_sum`` instead, which does not depend on their order. No host synchronization."""
+    return share_columns(vec, rows, num_samples, scale).sum(1)
 
 
 class SolveShare:
@@ -468,11 +486,15 @@ class SolveShare:
         vec = self.reduced
         W = len(self.rows)
         L = vec.numel() // W
-        tot = self.totals(vec)
-        host = torch.cat([tot, vec.view(W, L)[2]]).cpu()  # the one sync
-        nt = tot.numel()
+        cols = share_columns(vec, self.rows, self.num_samples, self.scale)
+        host = torch.cat([cols.reshape(-1), vec.view(W, L)[2]]).cpu().tolist()  # the one sync
+        nt = cols.shape[0]
+        # the totals as exactly rounded sums: the columns come in bucket order, and DDP
+        # presents the matrices in another order on a resumed run's first step (module
+        # docstring, "order")
+        tot = [exact_sum(host[i * L:(i + 1) * L]) for i in range(nt)]
         if self.hints is not None:
-            self.hints.record(self.shapes, [bool(f > 0.5) for f in host[nt:].tolist()])
+            self.hints.record(self.shapes, [f > 0.5 for f in host[nt * L:]])
         if self.pool is not None:  # the last total (module docstring)
-            self.pooled_total = float(host[nt - 1])
-        return float(host[0]), float(host[1]), (float(host[2]) if deb else None)
+            self.pooled_total = tot[nt - 1]
+        return tot[0], tot[1], (tot[2] if deb else None)

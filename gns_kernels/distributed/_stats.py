@@ -7,6 +7,7 @@ failure also warns, since it means the measurement was lost for a numerical reas
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional, Sequence
 
@@ -28,6 +29,17 @@ def all_finite(tensors: Sequence[Tensor], device) -> Tensor:
     if not ends:
         return torch.ones((), dtype=torch.bool, device=device)
     return torch.isfinite(torch.stack(ends)).all()
+
+
+def exact_sum(values: Sequence[float]) -> float:
+    """The correctly rounded sum of floats (math.fsum): a function of the values alone, not
+    of their order, so totals over matrices or parameters do not depend on the order in
+    which DDP's bucket layout presented them. Non-finite values: the plain sum (NaN or inf,
+    where fsum would raise on inf - inf)."""
+    vals = [float(v) for v in values]
+    if all(math.isfinite(v) for v in vals):
+        return math.fsum(vals)
+    return float(sum(vals))
 
 
 def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],

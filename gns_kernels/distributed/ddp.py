@@ -14,8 +14,10 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
 - l1 / l2: per measured parameter x = g^j - S (shift S, or g^j) -> [x, x^2] with
   ``square_pack`` (unmeasured parameters of the bucket are copied), divided by R and
   all-reduced: the halves become mean_j x and mean_j x^2. ``variance_norms_multi`` then
-  gives [sum ||s||_1, ||g||_1, sum s2, ||g||_2^2] for the bucket (s2 = scale (mean x^2 -
-  (mean x)^2), g = mean x + S), and the mean gradient is written back into the bucket.
+  gives [||s||_1, ||g||_1, sum s2, ||g||_2^2] of each measured parameter (s2 = scale
+  (mean x^2 - (mean x)^2), g = mean x + S), and the mean gradient is written back into
+  the bucket. The parameters' terms are summed when the estimate is read, with exactly
+  rounded sums (below, "Bucket layout").
 - nuclear: the bucket's gradients (float32 copy) followed by each measured matrix's local
   Gram (G^j - S)(G^j - S)^T on its smaller side (``spectral.gram``); after the all-reduce
   this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
@@ -30,7 +32,20 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   pool and shares the pooled, corrected sqrt-trace (gns_kernels.pooling).
 - l1 with the noise pool (default): each rank folds its 1/R slice of every measured
   parameter's s2 into the pool (``_unpack_l``) and after the last bucket ONE all-reduce of
-  one float64 sums the ranks' pooled parts (R > 1 only).
+  one float64 sums the ranks' pooled parts (R > 1 only; each rank sums its parts in the
+  parameter order of the pool's keys).
+
+Bucket layout. DDP lays out a fresh model's buckets in reverse registration order for its
+first iteration and rebuilds them after it in the order the gradients became ready, so a
+resumed run's first step sees other buckets, with the parameters in another order and at
+other offsets, than the uninterrupted run did at that step. Nothing here depends on that:
+l1 / l2 terms are per parameter and summed exactly, nuclear totals are exact sums of the
+per-matrix values (``_share.py``), the l1 pool's parts are summed in key order, and the
+CPU Grams do not depend on a view's address (``spectral.gram``). With 2 ranks the reduced
+values do not depend on it either (a + b), so a resume continues bit for bit; with 3 or
+more, DDP's own all-reduce sums each element in an order set by its position in the
+bucket, and the first resumed step's gradients (DDP's, not the hook's) can differ in the
+last bit (docs/coordinator.md, "Checkpoint and resume").
 
 The bucket buffer is left holding the mean gradient as plain DDP would (for bf16 / fp16
 buckets the mean is computed in float32 and rounded once to the bucket dtype; plain DDP
@@ -95,12 +110,15 @@ class _Measurement:
         self.micro = micro
         self.pending = None  # future of the last measured bucket (bounds packs in flight)
         self.futures: list = []
-        self.l_terms: dict[int, Tensor] = {}  # bucket index -> float32 Tensor[4]
-        self.l_deb: dict[int, Tensor] = {}  # bucket index -> float64 debiased l1 signal sum
+        # l1 / l2: one float64 row per measured parameter, [||s||_1, ||g||_1, sum s2,
+        # ||g||_2^2] (and the debiased l1 signal sum with signal='debiased'), summed after
+        # the last bucket with exactly rounded sums: a function of the parameters' values,
+        # not of how DDP's bucket layout grouped and ordered them
+        self.l_rows: list[Tensor] = []
         # l1 noise pool: this rank folds its 1/world slice of every measured parameter;
-        # bucket index -> float64 sum of its pooled, corrected ||s||_1 parts
+        # (pool key, float64 pooled, corrected ||s||_1 part), summed in key order
         self.rank = rank
-        self.l_pool: dict[int, Tensor] = {}
+        self.l_pool: list[tuple] = []
         self.device = None  # the buckets' device (set by the hook)
         # nuclear: the ranks share the sqrt-trace solves (_share.py); 'gauss-sums' dof when
         # each sample is one rank's gradient (its deviation from the mean is then known)
@@ -128,19 +146,23 @@ class _Measurement:
                                   nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
                                   noise_pooled=reader.pooled)
         else:
-            terms = [self.l_terms[i].double() for i in sorted(self.l_terms)]
-            total = torch.stack(terms).sum(0) if terms else torch.zeros(4, dtype=torch.float64)
-            if st.signal == "debiased" and st.geometry == "l1":
-                debs = [self.l_deb[i] for i in sorted(self.l_deb)]
-                deb = torch.stack(debs).sum() if debs else torch.zeros((), dtype=torch.float64)
-                total = torch.cat([total, deb.to(total.device).reshape(1)])
+            width = 5 if st.signal == "debiased" and st.geometry == "l1" else 4
+            # [P, width]: GNSHookState sums the rows on the host (exactly rounded)
+            total = (torch.stack(self.l_rows) if self.l_rows
+                     else torch.zeros(width, dtype=torch.float64))
             pooled = None
             if st.pool is not None:
-                pooled = _PooledSum([self.l_pool[i] for i in sorted(self.l_pool)],
-                                    self.device if self.device is not None else total.device,
+                parts = [v for _, v in sorted(self.l_pool, key=lambda e: _key_order(e[0]))]
+                pooled = _PooledSum(parts, self.device if self.device is not None else total.device,
                                     group if self.world > 1 else None)
             st.record_measurement(self.num_samples, total, None, None, self.step,
                                   noise_pooled=pooled)
+
+
+def _key_order(key):
+    """Sort key of a noise-pool key: positions in the parameter order first (the order a
+    resumed run shares), then ("id", id) keys."""
+    return (1, key[1]) if isinstance(key, tuple) else (0, key)
 
 
 class _PooledSum:
@@ -261,19 +283,20 @@ def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) ->
         means.append(mean)
         dsts.append(buf[off:off + n])
     if ds:
-        any_shift = any(s is not None for s in shifts)
-        ctx.l_terms[index] = ops.variance_norms_multi(ds, qs, ctx.scale, shifts if any_shift else None)
-        if st.signal == "debiased" and st.geometry == "l1":
-            ctx.l_deb[index] = l1_signal_debiased_sum(ds, qs, shifts, ctx.scale, float(st.batch_size))
-        if st.pool is not None:  # this rank's slice of every measured parameter
-            roots = []
-            for (off, n, q, p, s, m), d, sq in zip([e for e in plan if e[5]], ds, qs):
+        deb = st.signal == "debiased" and st.geometry == "l1"
+        for (off, n, q, p, s, m), d, sq, sh in zip([e for e in plan if e[5]], ds, qs, shifts):
+            # per parameter, not per bucket (ctx.l_rows)
+            row = ops.variance_norms_multi([d], [sq], ctx.scale, None if sh is None else [sh]).double()
+            if deb:
+                row = torch.cat([row, l1_signal_debiased_sum([d], [sq], [sh], ctx.scale,
+                                                             float(st.batch_size)).reshape(1)])
+            ctx.l_rows.append(row)
+            if st.pool is not None:  # this rank's slice of every measured parameter
                 lo, hi = ctx.rank * n // ctx.world, (ctx.rank + 1) * n // ctx.world
                 if hi > lo:
-                    roots.append(st.pool.fold_variance(st.pool_key(p), d[lo:hi], sq[lo:hi], ctx.scale,
-                                                       ctx.num_samples, st.grad_scale))
-            if roots:
-                ctx.l_pool[index] = torch.stack(roots).sum()
+                    key = st.pool_key(p)
+                    ctx.l_pool.append((key, st.pool.fold_variance(key, d[lo:hi], sq[lo:hi], ctx.scale,
+                                                                  ctx.num_samples, st.grad_scale)))
     if shifted:
         torch._foreach_add_(shifted, shift_vals)  # d + S: the mean gradient
     for (off, n, q, p, s, m), mean in zip(plan, means):

@@ -68,6 +68,7 @@ from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
 from ..estimators import GEOMETRIES
 from ..pooling import NoisePool, check_pool_beta
+from ._stats import exact_sum
 from ..spectral.hints import EigHints
 
 Tensor = torch.Tensor
@@ -388,7 +389,10 @@ class GNSHookState:
         l_terms: float64 Tensor[4], [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] over
             the measured parameters (l1 / l2; None for nuclear), with a fifth entry, the
             debiased l1 signal sum sum_i sqrt(max(g_i^2 - s2_i / B, 0)), when
-            ``signal`` is "debiased" and the geometry l1;
+            ``signal`` is "debiased" and the geometry l1; or a Tensor[P, 4 or 5] of such
+            rows, one per parameter, summed on the read with exactly rounded sums (a total
+            that does not depend on the order of the rows: the DDP hook's, whose
+            parameters come in the bucket layout's order);
         nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
             (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear);
         nuc_signal_debiased: sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear with
@@ -432,11 +436,14 @@ class GNSHookState:
                 if isinstance(v, Tensor):
                     n = v.numel()
                     h = host[i:i + n]
-                    out.append(h if n != 1 or v.dim() > 0 else float(h[0]))
+                    out.append(h.reshape(v.shape) if n != 1 or v.dim() > 0 else float(h[0]))
                     i += n
                 else:
                     out.append(v)
             vals = out
+        lt = vals[0]
+        if isinstance(lt, Tensor) and lt.dim() == 2:  # one row per parameter: exactly rounded sums
+            vals[0] = torch.tensor([exact_sum(c) for c in lt.T.tolist()], dtype=torch.float64)
         self._finish(num_samples, vals[0], vals[1], vals[2], step, vals[3], dof, vals[4])
         est = self._estimate
         if est is not None and _HAS_STEP_FIELD:

@@ -15,6 +15,7 @@ from .precision import bmm as _bmm_in, fp32_matmul_flag
 Tensor = torch.Tensor
 
 _GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
+_CPU_ALIGN = 64  # bytes: torch's CPU allocator aligns every new tensor to this (c10 gAlignment)
 _SIDES = ("auto", "row", "col")
 
 
@@ -63,14 +64,23 @@ def _gram_cpu(xs: Sequence[Tensor], col: bool) -> list[Tensor]:
     """Grams of equal-shape 2-D CPU tensors, float32, one separate (k, k) tensor each.
 
     No stacked copy of the inputs: one matrix per task on single-threaded workers
-    (_map_cpu), each converted to float32 (if needed) and multiplied by
-    _gram_blocked_into into its own freshly allocated output.
+    (_map_cpu), each converted to float32 (if needed; an input that is not contiguous and
+    64-byte aligned is copied to one that is, so the bits do not depend on its address or
+    strides) and multiplied by _gram_blocked_into into its own freshly allocated output.
     """
     m, n = xs[0].shape
     k = n if col else m
 
     def one(x: Tensor) -> Tensor:
         x = x if x.dtype == torch.float32 else x.float()
+        if x.data_ptr() % _CPU_ALIGN or not x.is_contiguous():
+            # the CPU GEMM's bits depend on the input's address modulo its vector width (a
+            # 10 x 64 Gram from a view 4 bytes off an aligned address differed in 65 of 100
+            # entries) and on its strides: a view into a DDP bucket sits at an offset set by
+            # the bucket layout, which DDP rebuilds after the first iteration (so a resumed
+            # run's first step used another one). An aligned contiguous copy makes the Gram
+            # a function of the values alone.
+            x = torch.empty(x.shape, dtype=x.dtype).copy_(x)
         out = torch.empty((k, k), dtype=torch.float32)
         if x.shape[1 if not col else 0] == 0:  # empty reduction dimension: a zero Gram
             return out.zero_()

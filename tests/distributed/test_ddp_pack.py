@@ -2,8 +2,8 @@
 
 _pack_l must write [x, x^2] (x = g - S) for every measured parameter and a plain copy for
 the others, with ONE square_pack_multi call for the whole bucket (no per-parameter
-square_pack), and _unpack_l must give back the mean gradient and the variance sums of the
-packed halves. Checked against gns_kernels.reference on odd sizes, in every bucket dtype.
+square_pack), and _unpack_l must give back the mean gradient and the variance terms of the
+packed halves, one row per measured parameter. Checked against gns_kernels.reference on odd sizes, in every bucket dtype.
 """
 from __future__ import annotations
 
@@ -60,7 +60,11 @@ def test_pack_l_one_multi_call_matches_reference(dtype, with_shift, gen, monkeyp
     out = torch.full_like(buf, float("nan"))
     ddp._unpack_l(out, avg, plan, ctx, 0)
     want = sum(ref.variance_norms(d, qq, ctx.scale, s) for d, qq, s in zip(ds, qs, ss))
-    torch.testing.assert_close(ctx.l_terms[0].double(), want, rtol=1e-5, atol=1e-6)
+    # one row per measured parameter (summed when the estimate is read)
+    assert len(ctx.l_rows) == len(ds)
+    for row, d, qq, s in zip(ctx.l_rows, ds, qs, ss):
+        torch.testing.assert_close(row, ref.variance_norms(d, qq, ctx.scale, s), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(ctx.l_rows).sum(0), want, rtol=1e-5, atol=1e-6)
     mean = (buf.double() + buf2.double()) / 2  # the mean gradient, rounded once to the bucket dtype
     tol = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
     torch.testing.assert_close(out.double(), mean, rtol=tol, atol=tol)

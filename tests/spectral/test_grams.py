@@ -116,3 +116,27 @@ def test_cpu_gram_ignores_a_lowered_float32_matmul_flag(gen):
     assert torch.equal(got, want)
     (plain,) = gk.gram([x])
     assert not torch.equal(plain, want)  # the float32 route rounds differently
+
+
+@pytest.mark.parametrize("shape", [(10, 64), (64, 10), (16, 12), (33, 70)])
+def test_cpu_gram_does_not_depend_on_the_address_or_strides(gen, shape):
+    """A DDP bucket holds each gradient at an offset that its bucket layout sets, and DDP
+    changes the layout after the first iteration (a resumed run's first step uses another
+    one): the CPU Gram of a view must not depend on where it sits. The CPU GEMM's bits do
+    (a 10 x 64 Gram from a view 4 bytes off an aligned address differed in 65 of 100
+    entries before the aligned copy); a transposed copy of the values must not matter
+    either."""
+    x = randn(gen, *shape, dtype=torch.float32)
+    want = gk.gram([x])
+    n = x.numel()
+    for off in range(17):
+        buf = torch.zeros(off + n + 3)
+        v = buf[off:off + n].view(shape)
+        v.copy_(x)
+        for side in ("auto", "row", "col"):
+            assert torch.equal(gk.gram([v], side=side)[0], gk.gram([x], side=side)[0]), (off, side)
+        row = torch.ops.gns_kernels.gram_list([v, x], False)
+        assert torch.equal(row[0], row[1]), off
+    t = x.T.contiguous().T  # the same values, column-major
+    assert not t.is_contiguous()
+    assert torch.equal(gk.gram([t])[0], want[0])
