@@ -71,6 +71,16 @@ def skip(phase: str, what: str, why: str) -> None:
     row(phase, what, f"skipped: {why}")
 
 
+def failed(phase: str, what: str, exc: BaseException) -> None:
+    """A part that raised: its traceback in the log, a row, and the phase goes on."""
+    import traceback
+
+    traceback.print_exc()
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    print(f"FAILED: {what}: {type(exc).__name__}: {first}", flush=True)
+    row(phase, what, f"FAILED: {type(exc).__name__}: {first}")
+
+
 def fits(phase: str, what: str, need_s: float) -> bool:
     """False (with a skip line) when fewer than need_s seconds are left."""
     t = left()
@@ -459,8 +469,12 @@ def s1(dev: str, tiny: bool, R: int, reps: int) -> int:
         if kw:
             skip("S1", f"accuracy vs float64 ({label})", "the SolveShare path takes no precision option")
             continue
-        with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-            en, es, eg = s1_accuracy(dev, R, shapes[:PER_LAYER])
+        try:
+            with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
+                en, es, eg = s1_accuracy(dev, R, shapes[:PER_LAYER])
+        except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
+            failed("S1", f"accuracy vs float64 ({label})", exc)
+            continue
         print(f"accuracy ({label}): noise {en:.2e}, signal {es:.2e}, gns {eg:.2e}", flush=True)
         row("S1", f"accuracy vs float64, steep spectra (6 decades), one layer, {label}",
             f"noise {en:.1e}, signal {es:.1e}, gns {eg:.1e}", "fp32 < 1e-3; TF32 near 3e-4")
@@ -481,11 +495,15 @@ def s1(dev: str, tiny: bool, R: int, reps: int) -> int:
             if not fits("S1", what, 12 if dev == "cuda" else 3):
                 continue
             res = {}
-            with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                for r in range(R):
-                    if left() < 5:
-                        break
-                    res[r] = hook_rank_times(dev, R, hook_reps, shapes, tokens, pooled, kw, r)
+            try:
+                with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
+                    for r in range(R):
+                        if left() < 5:
+                            break
+                        res[r] = hook_rank_times(dev, R, hook_reps, shapes, tokens, pooled, kw, r)
+            except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
+                failed("S1", what, exc)
+                continue
             if not res:
                 skip("S1", what, "deadline")
                 continue
@@ -515,8 +533,12 @@ def s1(dev: str, tiny: bool, R: int, reps: int) -> int:
             if not fits("S1", what, 10 if dev == "cuda" else 3):
                 continue
             sets = sets or [share_inputs(shapes, s, dev) for s in range(3)]
-            with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                times = share_times(dev, R, reps, shapes, pooled, buckets=1, sets=sets)
+            try:
+                with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
+                    times = share_times(dev, R, reps, shapes, pooled, buckets=1, sets=sets)
+            except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
+                failed("S1", what, exc)
+                continue
             med = [statistics.median(times[r]) * 1e3 for r in range(R)]
             print(f"{what}: per rank ms " + " ".join(f"{x:.1f}" for x in med), flush=True)
             row("S1", what, f"busiest {max(med):.1f} ms, mean {statistics.mean(med):.1f} ms",

@@ -234,10 +234,29 @@ def main(argv=None) -> int:
     row("setup", f"{n_all / 1e6:.1f}M params ({n_mat / 1e6:.1f}M in {n_mats} measured matrices"
         f"{' (toy)' if a.tiny else ''}); "
         f"A = {A} x {a.micro_batch} seq x {a.seq} tokens; vocab {a.vocab}; bf16 autocast", "")
+    broken = {}  # configuration -> the error that took it out (the others go on)
+
+    def run(name):
+        try:
+            return step(name)
+        except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
+            import traceback
+
+            traceback.print_exc()
+            broken[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+            names.remove(name)
+            if mbs.get(name) is not None:
+                mbs.pop(name)
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.empty_cache()
+            return None
+
     t0 = time.time()
-    for name in names:  # warm-up
+    for name in list(names):  # warm-up
         for _ in range(a.warmup):
-            step(name)
+            if name in names:
+                run(name)
     warm = time.time() - t0
     print(f"warm-up: {warm:.1f} s for {a.warmup} steps of each configuration", flush=True)
     times = {n: [] for n in names}
@@ -251,13 +270,23 @@ def main(argv=None) -> int:
         order = names[rnd % len(names):] + names[:rnd % len(names)]
         for name in order:
             for _ in range(a.block):
-                dt, m = step(name)
+                res = run(name) if name in names else None
+                if res is None:
+                    break
+                dt, m = res
                 times[name].append(dt)
                 if m is not None:
                     mem[name] = max(mem[name], m)
+    for name, why in broken.items():
+        print(f"FAILED: {name}: {why}", flush=True)
+        row(f"configuration {name}", f"FAILED: {why}")
+    if "base" not in names:
+        return 1
     n = len(times["base"])
     print("\n| configuration | steps | mean ms per step | 95% interval | peak memory GB |\n|---|---:|---:|---:|---:|")
     for name in names:
+        if not times[name]:
+            continue
         m, h = mean_ci(times[name])
         print(f"| {name} | {len(times[name])} | {m * 1e3:.1f} | +/- {h * 1e3:.1f} | "
               f"{mem[name] / 2**30:.2f} |" if cuda else f"| {name} | {len(times[name])} | {m * 1e3:.1f} | "
@@ -270,6 +299,8 @@ def main(argv=None) -> int:
         f"{mb_ * 1e3:.1f} +/- {hb * 1e3:.1f} ms ({n} steps), {memtxt('base')}")
     for geo in ("l1", "S1"):
         f1, hook = times[f"{geo} F=1"], times[f"{geo} hook"]
+        if not f1 or not hook:
+            continue
         m1, h1 = mean_ci(f1)
         mh, hh = mean_ci(hook)
         row(f"+{geo}: measuring step / hooked step (mean, 95%)",
@@ -283,7 +314,7 @@ def main(argv=None) -> int:
         one_rank = " (one rank solves all 84 matrices: 8x a rank's share)" if geo == "S1" else ""
         row(f"+{geo} amortized{one_rank}", "; ".join(cells),
             f"paper {PAPER[geo]} (8xH100, F=100); target {TARGET[geo]}")
-    if a.rank_share_ms is not None:
+    if a.rank_share_ms is not None and times["S1 F=1"]:
         pred = a.rank_share_ms * 1e-3 / 100 / (mb_ / 8)
         row("+S1 at 8 ranks, F=100 (PREDICTION: the S1 phase's busiest-rank extra over a rank step = 1/8 of this one)",
             f"{100 * pred:+.2f}% (rank extra {a.rank_share_ms:.1f} ms per measurement)",
