@@ -9,25 +9,26 @@ What one run does (see docs/demo.md):
   NCCL and one GPU per process (LOCAL_RANK) when CUDA is available, gloo on CPUs
   otherwise. Either way a rank waits at most ``--timeout`` seconds for the others.
 - Model: `ByteTransformer` (demo/model.py) wrapped in DDP; data: windows of the Python
-  standard library's sources (demo/data.py), served by `AdaptiveBatchSampler`
-  (sampler.py) as R ranks x A micro-batches of b sequences (B = R*A*b; gradient
-  accumulation under ``no_sync()`` with the loss divided by A once b would exceed
-  ``--max-local-batch``).
+  standard library's sources (demo/data.py) in a DataLoader over the coordinator's
+  `MicroBatchSampler`: micro-batches of a fixed b sequences (the largest b <=
+  ``--max-local-batch`` that splits B_0), R ranks x A of them per step (B = R*A*b; the
+  first A-1 under ``no_sync()``, each loss divided by A).
 - Optimizer (``--optimizer``): muon (default; torch.optim.Muon on the 2-D hidden weights +
   AdamW on embedding, head and norm gains), specsgd (SpecSGD + AdamW, same split), signum,
   signsgd, adamw, sgd, msgd (SGD with momentum 0.9). Geometry: gk.geometry_for(optimizer),
   or ``--geometry``. For the composites the GNS is measured on the 2-D hidden weights only
   (paper section 4.2); for the others on all parameters.
-- GNS: the DDP comm hook gk.ddp_gns_hook with a gk.GNSHookState measures at optimizer
-  steps k % F == 0 (``--every`` F), the controller gk.AdaptiveBatchSize (Algorithm 1:
-  theta, warm-up I, EMAs) turns it into B_{k+1} and the LR multiplier omega_{k+1}
-  (sqrt(B/B_0)) applied by gns_kernels.lr.LRMultiplier on top of the warm-up + cosine
-  schedule. The schedule runs on SAMPLES seen (15% warm-up by default, as the paper's
-  Appendix D), since the number of steps of an adaptive run is not known in advance.
+- GNS: the DDP comm hook gk.ddp_gns_hook with a gk.GNSHookState (one rank: a
+  gk.MicroBatchGNS) measures at optimizer steps k % F == 0 (``--every`` F); the loop is
+  gk.AdaptiveBatching's (loop.py): Algorithm 1 (theta, warm-up I, EMAs) turns the
+  measurement into B_{k+1} and the LR multiplier omega_{k+1} (sqrt(B/B_0)), applied to
+  every param group of all optimizers on top of the warm-up + cosine schedule
+  (``lr_schedule=``). The schedule runs on SAMPLES seen (15% warm-up by default, as the
+  paper's Appendix D), since the number of steps of an adaptive run is not known in advance.
 - Output (``--out``, default runs/<timestamp>): metrics.csv (one row per optimizer step),
   plot.png (Figure 1 layout: validation loss, batch size, GNS vs steps), summary.json,
   config.json and checkpoint.pt (``--resume DIR`` continues the run in DIR exactly:
-  model, optimizers, schedule, controller, sampler, hook step and RNG states; the folder
+  model, optimizers, every rank's coordinator state and RNG states; the folder
   of a new run must be empty unless ``--overwrite``).
 - ``--compare``: constant small batch, constant large batch (``--large-factor`` x, LR x
   sqrt of that), adaptive with the Euclidean (l2) GNS, adaptive with the optimizer's
