@@ -2,28 +2,31 @@
 fused kernels to measure them during data-parallel training, and Algorithm 1 of
 "Adaptive Batch Sizes Using Non-Euclidean Gradient Noise Scales" to grow the batch.
 
-Public API (every name below is an attribute of this package; see README.md and docs/):
+Public API (every name below is an attribute of this package; see README.md and docs/),
+one name per job:
 
+- the training loop: ``AdaptiveBatching`` (given the model and optimizers it measures the
+  GNS, runs Algorithm 1, sets the batch, the LR and the data stream), ``warmup_cosine``
+  (a schedule for its ``lr_schedule=``), ``CSVWriter`` (its metrics to a CSV file)
+- the measurement, for loops that wire it themselves: ``GNSHookState`` + ``ddp_gns_hook``
+  (DDP comm hook), ``attach_fsdp_gns`` / ``fsdp_gns_shard_placement`` (FSDP2),
+  ``MicroBatchGNS`` (micro-batches as the samples, one rank)
+- Algorithm 1 by hand: ``AdaptiveBatchSize``
 - offline estimates: ``estimate``, ``GNSEstimate``, ``critical_batch_size``
-- fused l1/l2 ops (C++ on CPU, CUDA or Triton on GPU, eager fallback):
-  ``variance_norms``, ``variance_norms_multi``, ``square_pack``, ``square_pack_multi``,
-  ``accumulate_sq``,
-  ``accumulate_sq_multi``
+- fused l1/l2 ops (C++ on CPU, CUDA or Triton on GPU, eager fallback), the building
+  blocks of a hook: ``variance_norms``, ``square_pack``, ``accumulate_sq`` and their
+  ``_multi`` forms (one launch over a list of tensors)
 - nuclear (S1) statistics: ``gram``, ``sqrt_trace``, ``nuclear_stats``
-- data-parallel measurement: ``GNSHookState``, ``ddp_gns_hook`` (DDP comm hook),
-  ``attach_fsdp_gns`` / ``fsdp_gns_shard_placement`` (FSDP2), ``MicroBatchGNS`` (one rank)
-- adaptive batching in a training loop: ``AdaptiveBatching`` (one object that owns the step
-  counter, the measuring period, the batch size and the learning-rate multiplier),
-  ``MicroBatchSampler`` (a DataLoader batch sampler of fixed-size micro-batches),
-  ``CSVWriter`` / ``to_tensorboard`` / ``tensorboard_writer`` (metrics)
-- Algorithm 1 pieces: ``AdaptiveBatchSize`` (controller), ``AdaptiveBatchSampler`` (data
-  loading at a changing batch size), ``LRMultiplier``, ``warmup_cosine`` (learning rate)
 - optimizers: ``SignSGD``, ``Signum``, ``SpecSGD``, ``geometry_for``
 - ``reference``: float64 formulas every fast path is tested against
 
+Names that were public before and moved (``LRMultiplier``, ``MicroBatchSampler``,
+``AdaptiveBatchSampler``, ``to_tensorboard``, ``tensorboard_writer``) raise an
+AttributeError that names their replacement (CHANGELOG.md).
+
 Importing the package loads the ops, estimators, controller and optimizers (and the C++
 extension, which registers ``torch.ops.gns_kernels.*``); the data-parallel hooks, the
-coordinator, samplers, metrics writers and the LR helpers are imported on first access;
+coordinator, metrics writers and the LR helpers are imported on first access;
 neither torch.compile's machinery (torch._dynamo) nor, on a machine without CUDA, Triton
 is imported.
 """
@@ -51,14 +54,23 @@ _LAZY: dict[str, str] = {
     "MicroBatchGNS": "distributed",
     "attach_fsdp_gns": "distributed.fsdp",
     "fsdp_gns_shard_placement": "distributed.fsdp",
-    "AdaptiveBatchSampler": "sampler",
-    "LRMultiplier": "lr",
     "warmup_cosine": "lr",
     "AdaptiveBatching": "adaptive",
-    "MicroBatchSampler": "data",
     "CSVWriter": "metrics",
-    "to_tensorboard": "metrics",
-    "tensorboard_writer": "metrics",
+}
+
+# names that were public here before: what replaces them (CHANGELOG.md)
+_MOVED: dict[str, str] = {
+    "LRMultiplier": "AdaptiveBatching scales the LR itself (lr_schedule= or schedulers=); the "
+                    "class is gns_kernels.lr.LRMultiplier",
+    "MicroBatchSampler": "use coord.batch_sampler(len(dataset)); the class is "
+                         "gns_kernels.data.MicroBatchSampler",
+    "AdaptiveBatchSampler": "removed with the old loop stack; use AdaptiveBatching and "
+                            "coord.batch_sampler(len(dataset))",
+    "to_tensorboard": "use coord.to_tensorboard(writer); the function is "
+                      "gns_kernels.metrics.to_tensorboard",
+    "tensorboard_writer": "use torch.utils.tensorboard.SummaryWriter; the helper is "
+                          "gns_kernels.metrics.tensorboard_writer",
 }
 
 # submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
@@ -98,6 +110,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name in _MOVED:
+        raise AttributeError(f"gns_kernels.{name} is no longer a top-level name: {_MOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -109,7 +123,5 @@ if TYPE_CHECKING:  # static type checkers see the lazy names without importing t
     from .distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
     from .distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
     from .adaptive import AdaptiveBatching
-    from .data import MicroBatchSampler
-    from .lr import LRMultiplier, warmup_cosine
-    from .metrics import CSVWriter, tensorboard_writer, to_tensorboard
-    from .sampler import AdaptiveBatchSampler
+    from .lr import warmup_cosine
+    from .metrics import CSVWriter

@@ -56,15 +56,13 @@ from . import _validation as _v
 
 Tensor = torch.Tensor
 
-__all__ = [
+__all__ = [  # BACKENDS and cpp_available() are module attributes, not API
     "variance_norms",
     "square_pack",
     "accumulate_sq",
     "variance_norms_multi",
     "accumulate_sq_multi",
     "square_pack_multi",
-    "BACKENDS",
-    "cpp_available",
 ]
 
 BACKENDS = ("auto", "cpp", "triton", "eager")

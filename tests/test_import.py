@@ -55,12 +55,12 @@ def test_lazy_names_load_on_first_access():
         "import sys, gns_kernels as gk\n"
         "lazy = ('gns_kernels.distributed', 'gns_kernels.sampler', 'gns_kernels.lr', 'gns_kernels.demo')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
-        "print(gk.LRMultiplier.__module__, gk.AdaptiveBatchSampler.__module__, gk.GNSHookState.__module__,"
+        "print(gk.warmup_cosine.__module__, gk.AdaptiveBatching.__module__, gk.GNSHookState.__module__,"
         " gk.attach_fsdp_gns.__module__)\n"
     )
     out = _python(code).stdout.strip().splitlines()
     assert out[0] == "[]"
-    assert out[1].split() == ["gns_kernels.lr", "gns_kernels.sampler", "gns_kernels.distributed.state",
+    assert out[1].split() == ["gns_kernels.lr", "gns_kernels.adaptive", "gns_kernels.distributed.state",
                               "gns_kernels.distributed.fsdp"]
 
 
@@ -69,15 +69,22 @@ def test_public_names():
         assert getattr(gk, name) is not None, name
     assert set(gk.__all__) <= set(dir(gk))
     from gns_kernels.distributed.fsdp import attach_fsdp_gns
-    from gns_kernels.lr import LRMultiplier
-    from gns_kernels.sampler import AdaptiveBatchSampler
+    from gns_kernels.lr import warmup_cosine
 
-    assert gk.attach_fsdp_gns is attach_fsdp_gns
-    assert gk.LRMultiplier is LRMultiplier and gk.AdaptiveBatchSampler is AdaptiveBatchSampler
+    assert gk.attach_fsdp_gns is attach_fsdp_gns and gk.warmup_cosine is warmup_cosine
     from gns_kernels.adaptive import AdaptiveBatching
-    from gns_kernels.data import MicroBatchSampler
 
-    assert gk.AdaptiveBatching is AdaptiveBatching and gk.MicroBatchSampler is MicroBatchSampler
+    assert gk.AdaptiveBatching is AdaptiveBatching
+    assert len(gk.__all__) == 27
+    # names that moved: an AttributeError naming the replacement
+    for moved, hint in (("LRMultiplier", "gns_kernels.lr.LRMultiplier"),
+                        ("MicroBatchSampler", "coord.batch_sampler"),
+                        ("AdaptiveBatchSampler", "AdaptiveBatching"),
+                        ("to_tensorboard", "coord.to_tensorboard"),
+                        ("tensorboard_writer", "SummaryWriter")):
+        assert moved not in gk.__all__
+        with pytest.raises(AttributeError, match=f"gns_kernels.{moved} is no longer.*{hint}"):
+            getattr(gk, moved)
     # internal builders stay in their modules
     for internal in ("estimate_from_stats", "FSDPGNSHandle"):
         assert internal not in gk.__all__

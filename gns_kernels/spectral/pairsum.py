@@ -45,7 +45,7 @@ from .precision import bmm, check_precision
 
 Tensor = torch.Tensor
 
-__all__ = ["sqrt_trace_pair_sum", "PAIR_T0_LOG2", "pair_nodes"]
+__all__ = ["sqrt_trace_pair_sum"]
 
 
 def _qhat_coeffs() -> tuple:

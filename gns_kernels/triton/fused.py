@@ -55,18 +55,13 @@ from ._runtime import SUM_COMBINE, dual_kernel
 
 Tensor = torch.Tensor
 
-__all__ = [
+__all__ = [  # the ops; the tiling constants and plan() are internals
     "variance_norms",
     "square_pack",
     "accumulate_sq",
     "variance_norms_multi",
     "accumulate_sq_multi",
     "square_pack_multi",
-    "BLOCK",
-    "NUM_WARPS",
-    "MAX_PROGRAMS",
-    "MAX_TILES_PER_PROGRAM",
-    "plan",
 ]
 
 BLOCK = 1024  # elements per tile (4 warps x 32 lanes x 8 elements)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._runtime import dual_kernel
 
-__all__ = ["gram_upper", "BLOCK", "BLOCK_N", "NUM_WARPS", "GRAM_KERNEL_PRECISIONS"]
+__all__ = ["gram_upper"]
 
 BLOCK = 64  # output tile edge
 BLOCK_N = 16  # reduction slab width
