@@ -44,6 +44,9 @@ DEADLINE=${GPU_WINDOW_DEADLINE:-465}
 END=$((START + DEADLINE))
 RESERVE=5   # seconds kept for the summary
 export GPU_WINDOW_END=$END PYTHONUNBUFFERED=1
+# the checkout's package even where the build phase failed (the Triton and eager paths
+# need no extension); the editable install points here anyway
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${OUT:-}" ]; then
   OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_window.XXXXXX")
   echo "OUT was not set: the logs go to $OUT"
@@ -176,7 +179,7 @@ PT_TIMEOUT=
 run_phase pytest pytest.log 150 20 "$PY" -m pytest -m cuda -q -p no:cacheprovider $PT_TIMEOUT $TESTS
 
 # ------------------------------------------------------------------ summary
-PT_LAST=$(grep -E "(passed|failed|skipped|error|no tests ran|deselected)" "$OUT/pytest.log" 2>/dev/null | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
+PT_LAST=$(grep -E "(passed|failed|skipped|error|no tests ran|deselected).* in [0-9.]+s" "$OUT/pytest.log" 2>/dev/null | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
 SUM="$OUT/summary.md"
 {
   echo "### GPU window, $(date -u '+%Y-%m-%d'): $MODE"
