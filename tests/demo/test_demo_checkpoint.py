@@ -65,20 +65,27 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path):
     assert not marker.exists()
 
 
-def test_resume_of_a_crafted_checkpoint_exits_2_without_running_it(tmp_path, capsys):
+def _resume_error(tmp_path, capsys, change) -> str:
+    """The one error line of --resume on a run folder whose checkpoint `change(ck)` edits."""
     from gns_kernels.cli import main
     folder = tmp_path / "run"
     folder.mkdir()
     cfg = DemoConfig(out=str(folder))
     (folder / "config.json").write_text(json.dumps(asdict(cfg)))
     (folder / "metrics.csv").write_text("step\n0\n")
-    marker = tmp_path / "payload_ran"
     ck = _demo_checkpoint(cfg)
-    ck["model"] = _Payload(str(marker))
+    change(ck)
     torch.save(ck, str(folder / "checkpoint.pt"))
     assert main(["demo", "--resume", str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not loaded" in err[0] and "checkpoint.pt" in err[0]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_resume_of_a_crafted_checkpoint_exits_2_without_running_it(tmp_path, capsys):
+    marker = tmp_path / "payload_ran"
+    line = _resume_error(tmp_path, capsys, lambda ck: ck.update(model=_Payload(str(marker))))
+    assert "not loaded" in line and "checkpoint.pt" in line
     assert not marker.exists()
 
 
@@ -155,16 +162,7 @@ def test_check_belongs_refuses_a_checkpoint_of_the_old_loop():
 
 
 def test_resume_of_an_old_checkpoint_exits_2_with_one_line(tmp_path, capsys):
-    from gns_kernels.cli import main
-    folder = tmp_path / "run"
-    folder.mkdir()
-    cfg = DemoConfig(out=str(folder))
-    (folder / "config.json").write_text(json.dumps(asdict(cfg)))
-    (folder / "metrics.csv").write_text("step\n0\n")
-    ck = _demo_checkpoint(cfg)
-    del ck["coord"]
-    ck.update(controller={"batch_size": 16}, sampler={"position": 0}, hook=[{}, {}])
-    torch.save(ck, str(folder / "checkpoint.pt"))
-    assert main(["demo", "--resume", str(folder)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "earlier version of the demo" in err[0], err
+    def old_layout(ck):
+        del ck["coord"]
+        ck.update(controller={"batch_size": 16}, sampler={"position": 0}, hook=[{}, {}])
+    assert "earlier version of the demo" in _resume_error(tmp_path, capsys, old_layout)
