@@ -54,36 +54,25 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from numbers import Integral, Real
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from dataclasses import replace
+from numbers import Real
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 from ._validation import check_int as _check_int
 from ._validation import check_signal as _check_signal
 from .controller import AdaptiveBatchSize
+from .estimators import GNSEstimate
 from .distributed.microbatch import MicroBatchGNS
 from .distributed.state import GNSHookState
 from .lr import LRMultiplier
 
-__all__ = ["AdaptiveBatching", "Batch", "Measurement"]
+__all__ = ["AdaptiveBatching", "Batch"]
 
 _STATE_VERSION = 1
 _STATE_KEYS = ("step", "samples_seen", "world_size", "micro_batch_size", "controller",
                "lr_multiplier", "schedulers", "sampler", "hook")
-
-
-class Measurement(NamedTuple):
-    """The estimate of step ``step`` as the controller sees it (noise and signal divided
-    by the square of the loss scale when a GradScaler is attached)."""
-
-    noise: float
-    signal: float
-    valid: bool
-    step: int
-    gns: float
-    noise_pooled: Optional[float] = None  # the hook's noise pool (divided likewise), or None
-    pool_beta: Optional[float] = None
 
 
 def _as_list(x) -> list:
@@ -249,19 +238,13 @@ class AdaptiveBatching:
                 f"signal: AdaptiveBatching(signal={signal!r}) but the hook state computes the "
                 f"{state_signal!r} signal; build the state with signal={signal!r}, or leave "
                 "AdaptiveBatching's signal=None to take the state's")
-        if max_growth is not None:
-            if isinstance(max_growth, bool) or not isinstance(max_growth, Real) or not (
-                    math.isfinite(max_growth) and max_growth > 1.0):
-                raise ValueError(f"max_growth: expected None or a finite number > 1, got {max_growth!r}")
-            max_growth = float(max_growth)
-        self.max_growth = max_growth
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
         self.controller = AdaptiveBatchSize(
             initial_batch_size=B0, theta=theta, beta_noise=beta_noise, beta_signal=beta_signal,
             every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
-            multiple_of=R * b, lr_scaling=lr_scaling, signal=signal)
+            multiple_of=R * b, lr_scaling=lr_scaling, signal=signal, max_growth=max_growth)
         self.optimizers = _as_list(optimizers)
         if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
             raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
@@ -350,6 +333,11 @@ class AdaptiveBatching:
         return MicroBatchGNS(params, batch_size=B0, micro_batches=A, **kw)
 
     # ------------------------------------------------------------------ read-outs
+    @property
+    def max_growth(self) -> Optional[float]:
+        """The bound on B_{k+1} / B_k per decision (the controller's setting), or None."""
+        return self.controller.max_growth
+
     @property
     def current_step(self) -> int:
         """k, the optimizer step in progress (0, 1, 2, ...; advanced by ``step()``)."""
@@ -702,7 +690,10 @@ class AdaptiveBatching:
             "micro-batches must skip the synchronization (use the context micro_batches yields), "
             "and state.step must not be set by hand")
 
-    def _measurement(self, k: int) -> Optional[Measurement]:
+    def _measurement(self, k: int) -> Optional[GNSEstimate]:
+        """The hook state's estimate of step k as the controller sees it: noise, signal and
+        the pooled noise divided by the square of the loss scale (a GradScaler); None when
+        step k has no estimate."""
         st = self.state
         est = st.estimate
         if est is None or st.estimate_step != k:
@@ -711,16 +702,19 @@ class AdaptiveBatching:
                                 f"estimate of it (estimate_step = {st.estimate_step}); the batch "
                                 "cannot adapt. Is the hook attached to the model that ran backward?")
             return None
-        own = getattr(est, "step", None)
-        if isinstance(own, Integral) and not isinstance(own, bool) and own != k:
-            self._warn_once("stale", f"the estimate of step {k} says it was measured at step {own}; "
-                            "it is not used")
+        if not isinstance(est, GNSEstimate):
+            raise TypeError(f"the hook state's estimate must be a GNSEstimate, got {type(est).__name__}")
+        if est.step is not None and est.step != k:
+            self._warn_once("stale", f"the estimate of step {k} says it was measured at step "
+                            f"{est.step}; it is not used")
             return None
         s2 = self._scale * self._scale
-        pooled = getattr(est, "noise_pooled", None)
-        return Measurement(float(est.noise) / s2, float(est.signal) / s2, bool(est.valid), k,
-                           float(est.gns), None if pooled is None else float(pooled) / s2,
-                           getattr(est, "pool_beta", None))
+        if s2 == 1.0:
+            return replace(est, step=k)
+        div = (lambda v: None if v is None else float(v) / s2)
+        return replace(est, noise=est.noise / s2, signal=est.signal / s2, step=k,
+                       noise_pooled=div(est.noise_pooled), noise_raw=div(est.noise_raw),
+                       signal_raw=div(est.signal_raw), signal_unbiased=div(est.signal_unbiased))
 
     def _sync_lrs(self) -> None:
         m = self._lrm.multiplier
@@ -764,12 +758,6 @@ class AdaptiveBatching:
         old = ctrl.batch_size
         ctrl.update(k, est)
         new = ctrl.batch_size
-        if self.max_growth is not None and new > old:
-            m = ctrl.multiple_of
-            cap = max(old + m, int(math.floor(self.max_growth * old * (1 + 1e-12))) // m * m)
-            if new > cap:
-                ctrl._batch_size = cap  # the controller keeps B non-decreasing from here
-                new = cap
         A_used, B_used, scale_used = self.accum_steps, self._batch, self._scale
         self._samples += B_used
         self._step = k + 1
@@ -894,12 +882,9 @@ class AdaptiveBatching:
         csd["config"] = dict(csd["config"])
         m = ctrl.multiple_of
         if strict:
-            mine = ctrl._config()
-            saved = {"signal": "raw", **csd["config"]}  # checkpoints from before the option: raw
-            diff = sorted(k for k in set(mine) | set(saved)
-                          if k != "multiple_of" and mine.get(k) != saved.get(k))
+            diff = ctrl.config_differences(csd["config"], ignore=("multiple_of",))
             if diff:
-                details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
+                details = ", ".join(f"{k}: saved {a!r} vs {b!r}" for k, (a, b) in diff.items())
                 raise ValueError(f"AdaptiveBatching.load_state_dict: the controller's settings differ "
                                  f"({details}); construct it with the saved settings or pass strict=False")
         batch = _check_int("state_dict: controller batch_size", csd.get("batch_size"), 1)

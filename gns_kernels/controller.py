@@ -63,11 +63,12 @@ import logging
 import math
 import warnings
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Optional
 
 from ._validation import check_int as _check_int
 from ._validation import check_real as _check_real
 from ._validation import check_signal as _check_signal
+from .estimators import GNSEstimate
 
 __all__ = ["AdaptiveBatchSize"]
 
@@ -138,6 +139,10 @@ class AdaptiveBatchSize:
             ``signal="debiased"``). An estimate with a ``signal_kind`` attribute that
             differs raises ValueError at ``update`` (theta means different things for the
             two: docs/controller.md, "The signal and theta").
+        max_growth: opt-in bound on B_{k+1} / B_k per decision (e.g. 2.0), None (default)
+            for Algorithm 1 unbounded. The bounded B is rounded down to a multiple of
+            ``multiple_of`` but grows by at least one ``multiple_of`` when the rule asks
+            for growth.
 
     Read-outs: ``batch_size`` (B_{k+1}), ``lr_multiplier`` (omega_{k+1}), ``noise_ema``,
     ``signal_ema``, ``gns_ema`` (N/M), ``target_batch_size`` (unrounded N/(theta^2 M) of the
@@ -157,8 +162,15 @@ class AdaptiveBatchSize:
         multiple_of: int = 1,
         lr_scaling: str = "sqrt",
         signal: str = "raw",
+        max_growth: float | None = None,
     ) -> None:
         self.signal = _check_signal(signal)
+        if max_growth is not None:
+            if isinstance(max_growth, bool) or not isinstance(max_growth, Real) or not (
+                    math.isfinite(max_growth) and max_growth > 1.0):
+                raise ValueError(f"max_growth: expected None or a finite number > 1, got {max_growth!r}")
+            max_growth = float(max_growth)
+        self.max_growth = max_growth
         self.initial_batch_size = _check_int("initial_batch_size", initial_batch_size, 1)
         self.theta = _check_real("theta", theta, 0.0, lo_open=True)
         if not (0.0 < self.theta * self.theta < math.inf):
@@ -296,13 +308,18 @@ class AdaptiveBatchSize:
             return f"pooled noise not a finite number >= 0 ({pooled})"
         return None
 
-    def update(self, step: int, estimate: Any = None) -> int:
+    def update(self, step: int, estimate: Optional[GNSEstimate] = None) -> int:
         """Feed the measurement of optimizer step ``step`` (k); returns B_{k+1}.
 
-        ``estimate``: None or an object with float ``noise`` and ``signal`` (and optional
-        bool ``valid``, int ``step``), e.g. ``gk.GNSEstimate``. Only used when
-        ``step % every == 0``. Raises ValueError if ``step`` does not exceed the previous one.
+        ``estimate``: None or a ``gk.GNSEstimate`` (what ``gk.estimate`` and the hook states
+        produce; its ``noise``, ``signal``, ``valid``, ``step`` and, with a noise pool,
+        ``noise_pooled`` / ``pool_beta`` are read). TypeError for anything else. Only used
+        when ``step % every == 0``. Raises ValueError if ``step`` does not exceed the
+        previous one. A refused call changes nothing.
         """
+        if estimate is not None and not isinstance(estimate, GNSEstimate):
+            raise TypeError(f"estimate: expected a gns_kernels.GNSEstimate or None, got "
+                            f"{type(estimate).__name__}")
         step = _check_int("step", step, 0)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
@@ -377,6 +394,9 @@ class AdaptiveBatchSize:
         new = -(-new // m) * m  # round up to a multiple of multiple_of (integer arithmetic)
         if self.max_batch_size is not None and new > self.max_batch_size:
             new = max(self.max_batch_size, old)
+        if self.max_growth is not None and new > old:
+            cap = max(old + m, int(math.floor(self.max_growth * old * (1 + 1e-12))) // m * m)
+            new = min(new, cap)
         if new != old:
             self._batch_size = new
             logger.info(
@@ -385,7 +405,12 @@ class AdaptiveBatchSize:
             )
 
     # ------------------------------------------------------------------ resume
-    def _config(self) -> dict[str, Any]:
+    # settings absent from checkpoints written before they existed, with the value the
+    # controller then had
+    _CONFIG_DEFAULTS = {"signal": "raw", "max_growth": None}
+
+    def config(self) -> dict[str, Any]:
+        """The settings (what ``state_dict()['config']`` holds and a strict load compares)."""
         return {
             "initial_batch_size": self.initial_batch_size,
             "theta": self.theta,
@@ -397,13 +422,23 @@ class AdaptiveBatchSize:
             "multiple_of": self.multiple_of,
             "lr_scaling": self.lr_scaling,
             "signal": self.signal,
+            "max_growth": self.max_growth,
         }
+
+    def config_differences(self, saved: dict[str, Any], ignore: tuple = ()) -> dict[str, tuple]:
+        """{name: (saved value, this controller's value)} for every setting whose saved
+        value (``state_dict()['config']``) differs, in name order; a checkpoint from before
+        a setting existed takes its old default; ``ignore``: names not compared."""
+        saved = {**self._CONFIG_DEFAULTS, **saved}
+        mine = self.config()
+        return {k: (saved.get(k), mine.get(k)) for k in sorted(set(mine) | set(saved))
+                if k not in ignore and mine.get(k) != saved.get(k)}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python snapshot (config + trajectory state); safe for torch.save / json."""
         return {
             "version": _STATE_VERSION,
-            "config": self._config(),
+            "config": self.config(),
             "batch_size": self._batch_size,
             "noise_ema": self._noise_ema,
             "signal_ema": self._signal_ema,
@@ -439,11 +474,9 @@ class AdaptiveBatchSize:
         if not isinstance(saved, dict):
             raise TypeError(f"state_dict['config']: expected a dict, got {type(saved).__name__}")
         if strict:
-            mine = self._config()
-            saved = {"signal": "raw", **saved}  # written before the signal option: raw
-            diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+            diff = self.config_differences(saved)
             if diff:
-                details = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
+                details = ", ".join(f"{k}: saved {a!r} vs {b!r}" for k, (a, b) in diff.items())
                 raise ValueError(
                     f"state_dict configuration differs ({details}); construct the controller "
                     "with the saved settings or pass strict=False"
@@ -502,5 +535,5 @@ class AdaptiveBatchSize:
         self._num_measurements, self._num_skipped = n_meas, n_skip
 
     def __repr__(self) -> str:
-        cfg = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        cfg = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"AdaptiveBatchSize({cfg}; batch_size={self._batch_size}, step={self._last_step})"

@@ -4,6 +4,7 @@ schedulers and several optimizers, exact resume (also on another world size)."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 import math
 import warnings
 
@@ -184,12 +185,8 @@ def test_stale_estimate_is_never_reused():
 
 
 def test_estimate_carrying_another_step_is_not_used():
-    class Stamped:
-        def __init__(self, step):
-            self.noise, self.signal, self.valid, self.gns, self.step = 2.0, 1.0, True, 2.0, step
-
     coord, state, _ = _ddp_coord(every=1)
-    _backward(state, Stamped(step=7))
+    _backward(state, replace(_est(2.0, 1.0), step=7))
     with pytest.warns(RuntimeWarning, match="measured at step 7"):
         coord.step()
     assert coord.controller.num_measurements == 0

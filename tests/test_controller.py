@@ -11,13 +11,18 @@ from dataclasses import dataclass
 import pytest
 
 from gns_kernels.controller import AdaptiveBatchSize
+from gns_kernels.estimators import GNSEstimate
 
 
-@dataclass
-class Est:
-    noise: float
-    signal: float
-    valid: bool = True
+def Est(noise, signal, valid=True, step=None, **kw):
+    """A GNSEstimate with these noise and signal (what the controller takes)."""
+    try:
+        gns = noise / signal
+    except (TypeError, ZeroDivisionError):
+        gns = float("nan")
+    return GNSEstimate(gns=gns, noise=noise, signal=signal, valid=valid, signal_unbiased=None,
+                       geometry="l1", num_samples=2, batch_size=8.0, bias_corrected=True,
+                       step=step, **kw)
 
 
 def ctrl(**kw):
@@ -199,9 +204,7 @@ def test_none_at_measuring_step_keeps_everything():
 
 
 def test_stale_estimate_with_step_attribute_skipped():
-    @dataclass
-    class StepEst(Est):
-        step: int = 0
+    StepEst = Est
 
     c = ctrl(every=2)
     c.update(0, StepEst(10.0, 1.0, step=0))
@@ -415,12 +418,8 @@ def test_random_trajectories_match_transcribed_algorithm(seed):
 
 
 # ----------------------------------------------------------------------------- signal
-@dataclass
-class KindEst:
-    noise: float
-    signal: float
-    signal_kind: str
-    valid: bool = True
+def KindEst(noise, signal, signal_kind, valid=True):
+    return Est(noise, signal, valid, signal_kind=signal_kind)
 
 
 def test_signal_option_checked_against_the_estimates():
@@ -433,8 +432,23 @@ def test_signal_option_checked_against_the_estimates():
     assert c.update(1, KindEst(40.0, 2.0, "debiased")) == 20
     with pytest.raises(ValueError, match="signal: this controller was built with signal='debiased'"):
         c.update(2, KindEst(40.0, 2.0, "raw"))
-    # objects without signal_kind (plain numbers) are taken as given
-    assert c.update(3, Est(80.0, 2.0)) == 40
+    assert c.update(3, KindEst(80.0, 2.0, "debiased")) == 40
+
+
+@dataclass
+class _NotAnEstimate:
+    noise: float
+    signal: float
+
+
+def test_the_controller_takes_a_gnsestimate():
+    """One type reaches the controller (it probed any object with getattr before)."""
+    c = ctrl()
+    before = c.state_dict()
+    with pytest.raises(TypeError, match="estimate: expected a gns_kernels.GNSEstimate or None, got _NotAnEstimate"):
+        c.update(0, _NotAnEstimate(1.0, 1.0))
+    assert c.state_dict() == before          # refused: nothing changed, step 0 still next
+    assert c.update(0, Est(8.0, 1.0)) == 8
 
 
 def test_state_dict_without_signal_loads_as_raw_and_round_trips():
@@ -465,3 +479,22 @@ def test_non_strict_load_across_signal_kinds_warns():
         _w.simplefilter("error")
         ctrl(signal="debiased").load_state_dict(sd_empty, strict=False)  # no EMAs yet: silent
         ctrl().load_state_dict(sd, strict=False)  # same kind: silent
+
+
+def test_max_growth_is_the_controllers_setting_and_saved():
+    """max_growth moved from the coordinator (which wrote the controller's private batch)
+    into the controller: B_{k+1} <= g B_k, rounded down to multiple_of, at least one step."""
+    c = ctrl(initial_batch_size=8, multiple_of=8, max_growth=2.0)
+    assert c.update(0, Est(1000.0, 1.0)) == 16
+    assert c.update(1, Est(1000.0, 1.0)) == 32
+    c3 = ctrl(initial_batch_size=8, multiple_of=8, max_growth=1.01)
+    assert c3.update(0, Est(1000.0, 1.0)) == 16      # at least one multiple_of
+    assert c.config()["max_growth"] == 2.0
+    with pytest.raises(ValueError, match="max_growth: saved 2.0 vs None"):
+        ctrl(initial_batch_size=8, multiple_of=8).load_state_dict(c.state_dict())
+    old = c.state_dict()
+    del old["config"]["max_growth"]                   # a checkpoint from before the setting
+    ctrl(initial_batch_size=8, multiple_of=8).load_state_dict(old)
+    for bad in (1.0, 0.5, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="max_growth"):
+            ctrl(max_growth=bad)

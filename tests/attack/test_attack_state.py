@@ -23,12 +23,15 @@ from gns_kernels.optim import SignSGD, Signum, SpecSGD
 from gns_kernels.sampler import AdaptiveBatchSampler, plan_split
 
 
-@dataclass
-class Est:
-    noise: float
-    signal: float
-    valid: bool = True
-    step: int | None = None
+def Est(noise, signal, valid=True, step=None):
+    """A GNSEstimate carrying these (possibly wrong) values."""
+    try:
+        gns = noise / signal
+    except (TypeError, ZeroDivisionError):
+        gns = math.nan
+    return gk.GNSEstimate(gns=gns, noise=noise, signal=signal, valid=valid, signal_unbiased=None,
+                          geometry="l1", num_samples=2, batch_size=8.0, bias_corrected=True,
+                          step=step)
 
 
 # ----------------------------------------------------------------------------------------
