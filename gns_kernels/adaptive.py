@@ -136,7 +136,12 @@ class AdaptiveBatching:
             (4.4x at theta 0.6) at pure noise, and by more when the EMAs mix
             measurements of different batches (not a bound; ``max_growth`` is one), see
             docs/controller.md.
-        theta, beta_noise, beta_signal, warmup_steps, lr_scaling: as ``AdaptiveBatchSize``.
+        theta, beta_signal, warmup_steps, lr_scaling: as ``AdaptiveBatchSize``.
+        beta_noise: the noise EMA factor. With a noise pool in the hook state (its
+            ``pool_beta``, on by default) the pooled noise IS the noise EMA, so one value
+            serves both: None (default) takes the state's ``pool_beta`` (0.9 without a
+            pool); given with the model, the state is built with ``pool_beta=beta_noise``;
+            given with a state whose ``pool_beta`` differs: ValueError.
         every: F, the measuring period; None takes the hook state's ``every``. Given and
             different from the state's: ValueError (one F drives both).
         schedulers: LR schedulers of ``optimizers`` (stepped by ``step()``, see the module
@@ -166,7 +171,7 @@ class AdaptiveBatching:
 
     def __init__(self, gns, optimizers, *, micro_batch_size: int, initial_batch_size: int,
                  max_batch_size: Optional[int] = None, theta: float = 0.6,
-                 every: Optional[int] = None, warmup_steps: int = 0, beta_noise: float = 0.9,
+                 every: Optional[int] = None, warmup_steps: int = 0, beta_noise: Optional[float] = None,
                  beta_signal: float = 0.9, lr_scaling: str = "sqrt", schedulers=None,
                  grad_scaler=None, max_growth: Optional[float] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
@@ -178,7 +183,8 @@ class AdaptiveBatching:
             model, gns = gns, self._measurement_for(gns, _as_list(optimizers), geometry,
                                                     100 if every is None else every,
                                                     initial_batch_size, micro_batch_size,
-                                                    world_size, signal)
+                                                    world_size, signal,
+                                                    0.9 if beta_noise is None else beta_noise)
         elif geometry is not None:
             raise ValueError("geometry: given with a measurement object (GNSHookState, "
                              "MicroBatchGNS, FSDP handle), whose own geometry applies; pass "
@@ -229,6 +235,15 @@ class AdaptiveBatching:
                 f"{self.state.every} steps; one period F must drive both: pass the same every to "
                 "both, or leave AdaptiveBatching's every=None to take the state's")
         self.every = every
+        pool_beta = getattr(self.state, "pool_beta", None)
+        if beta_noise is None:
+            beta_noise = 0.9 if pool_beta is None else pool_beta
+        elif pool_beta is not None and float(beta_noise) != pool_beta:
+            raise ValueError(
+                f"beta_noise: AdaptiveBatching(beta_noise={beta_noise}) but the hook state pools "
+                f"the noise with pool_beta={pool_beta}, and the pooled noise is the controller's "
+                f"noise EMA; build the state with pool_beta={beta_noise}, or leave beta_noise=None "
+                "to take the state's")
         state_signal = getattr(self.state, "signal", "raw")
         signal = _check_signal(signal, allow_none=True)
         if signal is None:
@@ -296,12 +311,13 @@ class AdaptiveBatching:
                                    for p in g["params"])
 
     @staticmethod
-    def _measurement_for(model, optimizers, geometry, every, B0, b, world_size, signal):
+    def _measurement_for(model, optimizers, geometry, every, B0, b, world_size, signal, beta_noise):
         """The GNS measurement for ``model``: a DDP model gets a GNSHookState registered as
         its comm hook, an FSDP2 model one attached to its reduce-scatters, a plain module on
         one rank a MicroBatchGNS. Measured parameters: the first optimizer's (Muon's
         matrices in Muon + AdamW, as the paper measures); geometry: ``geometry`` or
-        ``gk.geometry_for(optimizers)``."""
+        ``gk.geometry_for(optimizers)``; the noise pool's EMA factor is ``beta_noise``
+        (one setting: the pooled noise is the controller's noise EMA)."""
         import torch.distributed as dist
 
         from .distributed import GNSHookState, ddp_gns_hook
@@ -313,7 +329,7 @@ class AdaptiveBatching:
                             f"{optimizers!r:.200}")
         geometry = geometry_for(optimizers) if geometry is None else geometry
         params = [p for g in optimizers[0].param_groups for p in g["params"]]
-        kw = dict(geometry=geometry, every=every)
+        kw = dict(geometry=geometry, every=every, pool_beta=beta_noise)
         if signal is not None:
             kw["signal"] = signal
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -712,3 +712,19 @@ def test_model_form_arguments():
     coord = AdaptiveBatching(model, [muon, adam], micro_batch_size=4, initial_batch_size=8)
     assert coord.state.geometry == "nuclear" and coord.every == 100
     assert len(coord.state._params) == 2          # Muon's matrices are measured
+
+
+def test_beta_noise_and_pool_beta_are_one_setting():
+    """The hook's pool_beta silently replaced the controller's beta_noise; now the
+    coordinator takes the state's, builds the state with its own, or refuses a mismatch."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2,
+                       pool_beta=0.8)
+    assert AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8).controller.beta_noise == 0.8
+    with pytest.raises(ValueError, match="beta_noise=0.95.*pool_beta=0.8"):
+        AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, beta_noise=0.95)
+    model2 = _model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    c = AdaptiveBatching(model2, opt2, micro_batch_size=4, initial_batch_size=8, beta_noise=0.95)
+    assert c.state.pool_beta == 0.95 == c.controller.beta_noise
