@@ -32,6 +32,8 @@ SCENARIOS = {
     "nuclear_micro": dict(geometry="nuclear", micro=True),
     "l1_buckets": dict(geometry="l1", permuted=True, bucket_cap_mb=0.02, signal="debiased"),
     "l2_buckets": dict(geometry="l2", permuted=True, bucket_cap_mb=0.02),
+    # the model form: AdaptiveBatching(ddp, ...) builds and registers the hook, batches()
+    "nuclear_model_form": dict(geometry="nuclear", model_form=True),
 }
 DIMS = (32, 64, 64, 64, 10)
 
@@ -73,11 +75,12 @@ def _model(permuted: bool):
 
 
 def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=False,
-            bucket_cap_mb=None, signal="raw", steps=6, save_at=3, prime=False):
+            bucket_cap_mb=None, signal="raw", steps=6, save_at=3, prime=False, model_form=False):
     """One scenario; returns {rows, layout, weights, position}. prime: before the hook is
     registered and the checkpoint loaded, one synchronized forward / backward on a zero
     batch, so that DDP rebuilds its buckets (in the order the gradients became ready)
-    before the first resumed step (docs/coordinator.md)."""
+    before the first resumed step (docs/coordinator.md). model_form: the coordinator is
+    built on the DDP model and the loop is ``coord.batches`` (no layout is recorded)."""
     model = _model(permuted)
     ddp = DDP(model, **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
     if prime:
@@ -85,6 +88,8 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
         model.zero_grad(set_to_none=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     B0 = 8 * world  # two micro-batches of 4 per rank
+    if model_form:
+        return _run_model_form(ddp, model, opt, B0, path, geometry, resume, steps, save_at)
     if micro:
         state = MicroBatchGNS(model.parameters(), geometry=geometry, every=1, batch_size=B0,
                               micro_batches=2, signal=signal)
@@ -120,6 +125,30 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
         coord.step()
         rows.append(coord.metrics())
     return {"rows": rows, "layout": layout, "position": coord.sampler.position,
+            "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def _run_model_form(ddp, model, opt, B0, path, geometry, resume, steps, save_at):
+    coord = AdaptiveBatching(ddp, opt, micro_batch_size=4, initial_batch_size=B0,
+                             max_batch_size=8 * B0, theta=0.3, every=1, geometry=geometry)
+    if resume:
+        ckpt = torch.load(path, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        coord.load_state_dict(ckpt["coord"])
+    ds = _data()
+    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+    rows = []
+    for batch in coord.batches(loader, max_steps=steps):
+        for x, y in batch:
+            (F.cross_entropy(ddp(x), y) / len(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+        rows.append(coord.metrics())
+        if not resume and coord.current_step == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "coord": coord.state_dict()}, path)
+    return {"rows": rows, "layout": None, "position": coord.sampler.position,
             "weights": [p.detach().clone() for p in model.parameters()]}
 
 

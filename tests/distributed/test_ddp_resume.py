@@ -20,7 +20,8 @@ from _harness import run_world
 pytestmark = pytest.mark.distributed
 
 SAVE_AT = 3
-NAMES = ["nuclear", "nuclear_buckets", "nuclear_micro", "l1_buckets", "l2_buckets"]
+NAMES = ["nuclear", "nuclear_buckets", "nuclear_micro", "l1_buckets", "l2_buckets",
+         "nuclear_model_form"]
 
 
 def _bits(v):
@@ -53,9 +54,9 @@ def test_resume_on_two_ranks_is_bit_exact(two_ranks, name):
     full, resumed = two_ranks
     for rank in range(2):
         f, r = full[rank][name], resumed[rank][name]
-        # the premise: the first resumed step ran on another bucket layout
-        assert _layout_at(r, SAVE_AT) != _layout_at(f, SAVE_AT)
-        assert _layout_at(r, SAVE_AT + 1) == _layout_at(f, SAVE_AT + 1)
+        if f["layout"] is not None:  # the premise: the first resumed step ran on another layout
+            assert _layout_at(r, SAVE_AT) != _layout_at(f, SAVE_AT)
+            assert _layout_at(r, SAVE_AT + 1) == _layout_at(f, SAVE_AT + 1)
         rows_f, rows_r = f["rows"][SAVE_AT:], r["rows"]
         assert [row["step"] for row in rows_r] == list(range(SAVE_AT, 6))
         assert all(row["measured"] and row["valid"] for row in rows_r)
