@@ -76,7 +76,7 @@ _MOVED: dict[str, str] = {
 # submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
 _SUBMODULES = (
     "adaptive", "benchmarks", "bias", "cli", "controller", "data", "demo", "distributed",
-    "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim", "reference", "sampler", "spectral", "triton",
+    "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim", "reference", "spectral", "triton",
 )
 
 __all__ = [

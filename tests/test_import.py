@@ -53,7 +53,7 @@ def test_import_loads_no_dynamo_triton_or_fsdp():
 def test_lazy_names_load_on_first_access():
     code = (
         "import sys, gns_kernels as gk\n"
-        "lazy = ('gns_kernels.distributed', 'gns_kernels.sampler', 'gns_kernels.lr', 'gns_kernels.demo')\n"
+        "lazy = ('gns_kernels.distributed', 'gns_kernels.adaptive', 'gns_kernels.lr', 'gns_kernels.demo')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
         "print(gk.warmup_cosine.__module__, gk.AdaptiveBatching.__module__, gk.GNSHookState.__module__,"
         " gk.attach_fsdp_gns.__module__)\n"

@@ -1,4 +1,4 @@
-"""Attack suite: AdaptiveBatchSize, AdaptiveBatchSampler / plan_split, LRMultiplier /
+"""Attack suite: AdaptiveBatchSize, MicroBatchSampler, LRMultiplier /
 warmup_cosine and the optimizers' hyperparameters.
 
 Bad constructor arguments, out-of-order calls, extreme measurements (5e-324 signals,
@@ -20,7 +20,7 @@ from gns_kernels.estimators import estimate_from_stats
 from gns_kernels.controller import AdaptiveBatchSize
 from gns_kernels.lr import LRMultiplier, warmup_cosine
 from gns_kernels.optim import SignSGD, Signum, SpecSGD
-from gns_kernels.sampler import AdaptiveBatchSampler, plan_split
+from gns_kernels.data import MicroBatchSampler
 
 
 def Est(noise, signal, valid=True, step=None):
@@ -186,61 +186,46 @@ def test_controller_resume_round_trip_after_invalid_measurements():
 
 
 # ----------------------------------------------------------------------------------------
-# sampler
+# sampler (MicroBatchSampler, the one the coordinator makes)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,exc,pat", [
-    (dict(batch_size=0), ValueError, "batch_size"), (dict(batch_size=8.0), TypeError, "batch_size"),
-    (dict(batch_size="8"), TypeError, "batch_size"), (dict(num_replicas=0), ValueError, "ranks"),
-    (dict(num_replicas=True), TypeError, "ranks"), (dict(max_local_batch=0), ValueError, "max_local_batch"),
-    (dict(min_accum_steps=0), ValueError, "micro-batches"), (dict(batch_size=9, num_replicas=2), ValueError, "split"),
-])
-def test_plan_split_attacks(kw, exc, pat):
-    args = dict(batch_size=8, num_replicas=1)
-    args.update(kw)
-    with pytest.raises(exc, match=pat):
-        plan_split(**args)
-
-
-@pytest.mark.parametrize("kw,exc,pat", [
     (dict(num_samples=0), ValueError, "num_samples"), (dict(num_samples=10.0), TypeError, "num_samples"),
+    (dict(micro_batch_size=0), ValueError, "micro_batch_size"),
+    (dict(micro_batch_size=2.0), TypeError, "micro_batch_size"),
     (dict(rank=-1), ValueError, "rank"), (dict(rank=2, num_replicas=2), ValueError, "rank"),
+    (dict(num_replicas=0), ValueError, "num_replicas"), (dict(num_replicas=True), TypeError, "num_replicas"),
     (dict(seed=-1), ValueError, "seed"), (dict(seed=1.5), TypeError, "seed"),
-    (dict(max_local_batch=0), ValueError, "max_local_batch"),
+    (dict(num_samples=7, micro_batch_size=4, num_replicas=2), ValueError, "num_samples"),
 ])
 def test_sampler_bad_config(kw, exc, pat):
-    args = dict(num_samples=100, batch_size=8)
+    args = dict(num_samples=100, micro_batch_size=4, num_replicas=1, rank=0)
     args.update(kw)
     with pytest.raises(exc, match=pat):
-        AdaptiveBatchSampler(**args)
+        MicroBatchSampler(**args)
 
 
 def _sampler():
-    s = AdaptiveBatchSampler(100, 8, num_replicas=2, rank=0, seed=3)
-    for _ in range(7):
-        s.next_step()
+    s = MicroBatchSampler(100, 4, num_replicas=2, rank=0, seed=3)
+    s.advance(7)
     return s
 
 
 _SAMPLER_CORRUPT = [
-    ("not_a_dict", lambda st: list(st.items()), TypeError, "state"),
-    ("missing", lambda st: {k: v for k, v in st.items() if k != "position"}, ValueError, "missing"),
+    ("not_a_dict", lambda st: list(st.items()), ValueError, "state_dict"),
+    ("version", lambda st: {**st, "version": 9}, ValueError, "version"),
+    ("missing", lambda st: {k: v for k, v in st.items() if k != "position"}, ValueError, "position"),
     ("num_samples", lambda st: {**st, "num_samples": 99}, ValueError, "num_samples"),
     ("seed", lambda st: {**st, "seed": 4}, ValueError, "seed"),
+    ("shuffle", lambda st: {**st, "shuffle": False}, ValueError, "shuffle"),
     ("position_neg", lambda st: {**st, "position": -1}, ValueError, "position"),
-    ("position_past_end", lambda st: {**st, "position": 100}, ValueError, "position"),
     ("position_float", lambda st: {**st, "position": 3.0}, TypeError, "position"),
-    ("epoch_neg", lambda st: {**st, "epoch": -1}, ValueError, "epoch"),
-    ("batch_split", lambda st: {**st, "batch_size": 9}, ValueError, "split"),
-    ("batch_str", lambda st: {**st, "batch_size": "8"}, TypeError, "batch_size"),
-    ("steps_nan", lambda st: {**st, "steps": math.nan}, TypeError, "steps"),
-    ("min_accum", lambda st: {**st, "min_accum_steps": 0}, ValueError, "min_accum_steps"),
 ]
 
 
 @pytest.mark.parametrize("case,mutate,exc,pat", _SAMPLER_CORRUPT, ids=[c[0] for c in _SAMPLER_CORRUPT])
 def test_sampler_corrupt_state_rejected_unchanged(case, mutate, exc, pat):
-    target = AdaptiveBatchSampler(100, 8, num_replicas=2, rank=0, seed=3)
-    target.next_step()
+    target = MicroBatchSampler(100, 4, num_replicas=2, rank=0, seed=3)
+    target.advance(2)
     before = target.state_dict()
     with pytest.raises(exc, match=pat):
         target.load_state_dict(mutate(_sampler().state_dict()))
@@ -249,18 +234,10 @@ def test_sampler_corrupt_state_rejected_unchanged(case, mutate, exc, pat):
 
 def test_sampler_resume_continues_the_same_indices():
     a = _sampler()
-    b = AdaptiveBatchSampler(100, 8, num_replicas=2, rank=0, seed=3)
+    b = MicroBatchSampler(100, 4, num_replicas=2, rank=0, seed=3)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
-    for _ in range(20):
-        assert a.next_step() == b.next_step()
-
-
-def test_sampler_rejected_batch_size_keeps_old():
-    s = _sampler()
-    for bad, exc in ((7, ValueError), (0, ValueError), (8.5, TypeError)):
-        with pytest.raises(exc, match="batch_size|split"):
-            s.set_batch_size(bad)
-        assert s.batch_size == 8
+    a._next_start = a.position   # a continues from its consumed position too
+    assert list(iter(a))[:30] == list(iter(b))[:30]
 
 
 # ----------------------------------------------------------------------------------------
