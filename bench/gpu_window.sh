@@ -139,24 +139,29 @@ if [ "$DRY" -eq 0 ] && [ "$GPU" = none ]; then
 fi
 
 # ------------------------------------------------------------------ phases
+# the built extension and its libstdc++ (docs/cuda.md: a compiler wrapper once linked it
+# statically, and C++ errors then crashed)
+CHECK_SO='so=$(ls gns_kernels/_C*.so 2>/dev/null | head -n 1)
+if [ -z "$so" ]; then
+  echo "no built extension in gns_kernels/"
+elif ! command -v readelf >/dev/null 2>&1; then
+  echo "extension: $so (readelf not found: libstdc++ check skipped)"
+else
+  echo "extension: $so"
+  readelf -d "$so" | grep -i "libstdc++" || echo "warning: no libstdc++ among the NEEDED entries of $so (docs/cuda.md: build with CXX=/usr/bin/g++)"
+fi'
 if [ "$DRY" -eq 1 ]; then
   run_phase build build.log 60 5 bash -c '
     set -e
     '"$PY"' -c "import gns_kernels, gns_kernels.ops as o; print(\"installed:\", gns_kernels.__file__); print(\"C++ extension:\", o.cpp_available())"
-    so=$(ls gns_kernels/_C*.so 2>/dev/null | head -n 1)
-    if [ -n "$so" ]; then
-      echo "extension: $so (not rebuilt: dry run)"
-      readelf -d "$so" 2>/dev/null | grep -i "libstdc++" || echo "warning: no libstdc++ among its NEEDED entries (docs/cuda.md: build with CXX=/usr/bin/g++)"
-    else
-      echo "no built extension in gns_kernels/ (dry run: nothing rebuilt)"
-    fi'
+    echo "(dry run: nothing rebuilt)"
+    '"$CHECK_SO"
 else
   run_phase build build.log 240 60 bash -c '
     set -e
     nvcc --version | tail -n 1 || true
     CXX=/usr/bin/g++ CC=/usr/bin/gcc MAX_JOBS=${MAX_JOBS:-$(nproc)} '"$PY"' -m pip install --no-index --no-build-isolation --no-deps -e .
-    so=$(ls gns_kernels/_C*.so | head -n 1)
-    readelf -d "$so" | grep -i "libstdc++" || echo "warning: no libstdc++ among the NEEDED entries of $so (docs/cuda.md)"'
+    '"$CHECK_SO"
 fi
 run_phase smoke build.log 60 10 "$PY" bench/gpu_window.py smoke --device "$DEV"
 run_phase s1 s1.log 110 20 "$PY" bench/gpu_window.py s1 --device "$DEV" $TINY
