@@ -354,7 +354,8 @@ def estimate(
         rank means; gns_kernels.nuclear_dof.dof_from_samples_gaussian); R >= 3;
       'columns': (R-1) * n, n the matrix's longer side (Gaussian independent columns; an
         over-estimate of nu for correlated inputs: on real networks at local batch 16 it
-        removes 2-20% of the small-R bias, 'gauss-sums' 49-112%: docs/fidelity.md);
+        removes 2-20% of the small-R bias, 'gauss-sums' 49-112%:
+        docs/record/fidelity-experiments.md);
       'data': estimated from the samples' fourth moments without a Gaussian assumption
         (bias.nuclear_dof_from_samples; R >= 4; O(R^2 m^2 n), needs cross-sample terms a
         hook cannot form); 'rank_one': (R-1) * n b / (n + b).

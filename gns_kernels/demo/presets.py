@@ -45,8 +45,9 @@ from .plots import finish_figure
 #   (the cheapest set-up on a 2-core machine);
 # - a 30k-parameter model (width 32, 1 layer, MLP 96) and 200000 sequences of 64 bytes
 #   (12.8M bytes, about 400 per parameter): the constant baselines' validation loss
-#   flattens long before the budget ends (capacity-limited, as the protocol asks), and a
-#   step is cheap enough for ~20 runs on 2 cores;
+#   flattens long before the budget ends, as the protocol asks, and a step is cheap
+#   enough for ~20 runs on 2 cores (at 20 and 5 bytes per parameter the adaptive runs
+#   missed the baseline's loss too: docs/demo.md, "Results");
 # - val_windows 512 every 100 steps: 32768 validation bytes, the same windows for every run;
 # - lr_min_ratio 0: the cosine decays to zero (the paper's "learning rate min fraction 0.0");
 # - bias_correction False: the paper's estimator (no c4(R) correction of the l1 / nuclear
