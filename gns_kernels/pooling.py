@@ -71,6 +71,7 @@ from typing import Hashable, Optional
 
 import torch
 
+from ._validation import check_scale
 from .bias import c4_tensor
 
 Tensor = torch.Tensor
@@ -203,6 +204,7 @@ class NoisePool:
         """
         S = _check_samples(num_samples)
         gs = _check_grad_scale(grad_scale)
+        scale = check_scale(scale)   # positive and finite, as variance_norms requires
         if mean.shape != mean_sq.shape or mean.dim() != 1:
             raise ValueError(f"mean, mean_sq: expected two flat tensors of one length, got "
                              f"{tuple(mean.shape)} and {tuple(mean_sq.shape)}")

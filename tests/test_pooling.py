@@ -433,3 +433,32 @@ def test_nuclear_dof_floor_bounds_a_drifting_pool():
     e = pool._entries[0]
     raw = float(e.num) / float(e.var)
     assert raw < NU_S_MIN and float(nu) == pytest.approx(NU_S_MIN / float(e.U))
+
+
+@pytest.mark.parametrize("scale", [-4.0, 0.0, float("nan"), float("inf")])
+def test_fold_variance_refuses_a_bad_scale_and_folds_nothing(scale):
+    """NoisePool.fold_variance takes the same scale rule as variance_norms."""
+    from gns_kernels.pooling import NoisePool
+
+    pool = NoisePool(0.9)
+    m, sq = torch.randn(7), torch.rand(7) + 1
+    pool.fold_variance("w", m, sq, 2.0, 2)
+    before = pool.state_dict()
+    with pytest.raises(ValueError, match="^scale: expected a positive finite number"):
+        pool.fold_variance("w", m, sq, scale, 2)
+    after = pool.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(before["entries"]["w"].values(), after["entries"]["w"].values()))
+
+
+def test_pool_warnings_name_the_class_of_the_state():
+    """The pool's warnings named GNSHookState.load_state_dict on a MicroBatchGNS."""
+    from gns_kernels.distributed import MicroBatchGNS
+
+    model = torch.nn.Linear(4, 3)
+    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
+    sd = mb.state_dict()
+    sd["pool"] = {**sd["pool"], "rank": 1, "world": 2}
+    with pytest.warns(RuntimeWarning, match="^MicroBatchGNS.load_state_dict: the noise pool was saved by rank 1"):
+        mb.load_state_dict(sd)

@@ -631,6 +631,13 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("model: no FSDP2 module found (apply torch.distributed.fsdp.fully_shard first)")
+    chosen = [p for p in model.parameters() if state.measures(p)]
+    if not chosen:
+        raise ValueError(
+            "state: none of this model's parameters is measured: fully_shard replaces a "
+            "module's parameters with sharded ones, so GNSHookState(params=...) must be "
+            "built from model.parameters() AFTER fully_shard (and for the nuclear GNS, "
+            "shard_placement_fn=gk.fsdp_gns_shard_placement keeps wide matrices natural)")
     handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
     GNSReduceScatter = _reduce_scatter_class()
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo

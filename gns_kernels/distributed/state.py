@@ -528,7 +528,7 @@ class GNSHookState:
             unkeyed = [k for k in self.pool.keys() if isinstance(k, tuple)]
             if unkeyed:
                 warnings.warn(
-                    f"GNSHookState.state_dict: {len(unkeyed)} noise-pool entries are keyed by "
+                    f"{type(self).__name__}.state_dict: {len(unkeyed)} noise-pool entries are keyed by "
                     "object identity (no parameter order: pass params= or call bind_params), so "
                     "they are not saved; a resumed run starts their pool afresh", RuntimeWarning,
                     stacklevel=2)
@@ -577,13 +577,13 @@ class GNSHookState:
                                  f"size {pool_sd['world']}")
             if (pool_sd["rank"], pool_sd["world"]) != (rank, world):
                 warnings.warn(
-                    f"GNSHookState.load_state_dict: the noise pool was saved by rank "
+                    f"{type(self).__name__}.load_state_dict: the noise pool was saved by rank "
                     f"{pool_sd['rank']} of {pool_sd['world']}, this is rank {rank} of {world}: "
                     "it is not loaded (each rank pools its own share; save and load every "
                     "rank's state_dict) and starts afresh", RuntimeWarning, stacklevel=2)
             elif float(pool_sd["beta"]) != self.pool_beta:
                 warnings.warn(
-                    f"GNSHookState.load_state_dict: the noise pool was saved with pool_beta "
+                    f"{type(self).__name__}.load_state_dict: the noise pool was saved with pool_beta "
                     f"{pool_sd['beta']}, this state has {self.pool_beta}: it is not loaded and "
                     "starts afresh", RuntimeWarning, stacklevel=2)
             else:

@@ -98,3 +98,21 @@ def run_fsdp(rank, world, compiled=False, steps=6, backend="inductor"):
         opt.step(); opt.zero_grad(); coord.step()
         rows.append(coord.metrics())
     return {"rows": rows, "weights": [p.full_tensor().detach().clone() for p in model.parameters()]}
+
+
+def run_fsdp_params_before_shard(rank, world):
+    """GNSHookState(params=...) built from the parameters before fully_shard: attach refuses
+    it naming the order (every measurement was silently invalid)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gns_kernels.distributed.fsdp import attach_fsdp_gns
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    hidden = [model[0].weight, model[2].weight]           # collected too early
+    state = GNSHookState(geometry="nuclear", every=1, batch_size=16, params=hidden)
+    fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
+    try:
+        attach_fsdp_gns(model, state)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}

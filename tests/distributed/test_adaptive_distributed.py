@@ -74,3 +74,9 @@ def test_readme_loop_on_the_model_matches_the_explicit_loop(fsdp):
         for p, q in zip(r["weights"], e["weights"]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     assert explicit[0]["rows"][-1]["next_batch_size"] > 16
+
+
+def test_fsdp2_params_collected_before_fully_shard_are_refused():
+    out = run_world("_adaptive_workers", "run_fsdp_params_before_shard", 2)
+    for r in out:
+        assert r["error"] and "AFTER fully_shard" in r["error"] and "fsdp_gns_shard_placement" in r["error"]
