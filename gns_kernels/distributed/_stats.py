@@ -63,9 +63,10 @@ def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],
 def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
                          shifts: Optional[Sequence[Optional[Tensor]]], scale: float,
                          bias_correction: bool, num_samples: int, batch_size: float,
-                         hints: Optional[spectral.EigHints] = None, signal: str = "raw"):
+                         hints: Optional[spectral.EigHints] = None, signal: str = "raw",
+                         method: str = "auto"):
     """(noise Tensor[L], signal Tensor[L]) as spectral.nuclear_stats, or nan tensors.
-    signal: 'raw' or 'debiased' (spectral.nuclear_stats's signal).
+    signal: 'raw' or 'debiased' (spectral.nuclear_stats's signal); method: its solver.
 
     hints: the state's eigensolver hints (keyed by the shapes of mean_grads; reports applied
     when the measurement finishes). Validity is decided on the device: no host read here
@@ -81,7 +82,7 @@ def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tens
         noise, signal = spectral.nuclear_stats(
             list(mean_grams), list(mean_grads), scale=scale, shifts=shifts,
             bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
-            eig_hints=hints, signal=signal)
+            eig_hints=hints, signal=signal, method=method)
     except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
         warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement is "
                       "marked invalid", RuntimeWarning, stacklevel=2)

@@ -127,7 +127,7 @@ class _Measurement:
                                 float(state.batch_size), hints=state.eig_hints,
                                 dof=self.dof or "columns", signal=state.signal,
                                 pool=state.pool, grad_scale=state.grad_scale,
-                                owners=state.pool_owners)
+                                owners=state.pool_owners, method=state.method)
 
     def solve_nuclear(self, mean_grams, mean_grads, shifts, deviations=None, keys=None) -> None:
         """A bucket's reduced statistics: this rank solves its share of the bucket's

@@ -250,7 +250,7 @@ class _Measurement:
                                 float(state.batch_size), hints=state.eig_hints,
                                 dof=self.dof or "columns", signal=state.signal,
                                 pool=state.pool, grad_scale=state.grad_scale,
-                                owners=state.pool_owners)
+                                owners=state.pool_owners, method=state.method)
         # l1 noise pool: this rank folds its shard of every measured parameter; the sum of
         # its pooled, corrected ||s||_1 parts rides in the step's one small all-reduce
         self.l_pool: Optional[Tensor] = None

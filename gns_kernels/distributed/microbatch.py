@@ -108,6 +108,7 @@ class MicroBatchGNS(GNSHookState):
         nuclear_dof: str = "auto",
         signal: str = "raw",
         pool_beta: Optional[float] = 0.9,
+        method: str = "auto",
     ):
         if isinstance(params, Tensor):
             raise TypeError("params: expected an iterable of parameters, got a single tensor")
@@ -115,7 +116,7 @@ class MicroBatchGNS(GNSHookState):
         super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
                          params=plist, process_group=process_group,
                          bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
-                         pool_beta=pool_beta)
+                         pool_beta=pool_beta, method=method)
         self._params = [p for p in plist if self.measures(p)]
         if not self._params:
             what = "2-D parameters" if geometry == "nuclear" else "parameters"
@@ -249,7 +250,7 @@ class MicroBatchGNS(GNSHookState):
                 share = SolveShare(1, 0, scale, self.bias_correction, A, float(self._batch_size),
                                    hints=self.eig_hints, dof="columns", signal=self.signal,
                                    pool=self.pool, grad_scale=self.grad_scale,
-                                   owners=self.pool_owners)
+                                   owners=self.pool_owners, method=self.method)
                 share.add_grads(grams, grads, None, None, [self.pool_key(p) for p in live])
                 share.launch(None, None)
                 if share.stream is not None:
@@ -266,11 +267,12 @@ class MicroBatchGNS(GNSHookState):
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
                                                      A, float(self._batch_size),
-                                                     hints=self.eig_hints)
+                                                     hints=self.eig_hints, method=self.method)
                 n, s = noise.double().sum(), signal.double().sum()  # read with the estimate
                 if self.signal == "debiased":
                     _, sd = nuclear_stats_or_nan(grams, grads, None, scale, False, A,
-                                                 float(self._batch_size), signal="debiased")
+                                                 float(self._batch_size), signal="debiased",
+                                                 method=self.method)
                     deb = sd.double().sum()
             else:
                 n = s = float("nan")

@@ -70,6 +70,7 @@ from ..estimators import GEOMETRIES
 from ..pooling import NoisePool, check_pool_beta
 from ._stats import exact_sum
 from ..spectral.hints import EigHints
+from ..spectral.trace import METHODS as SOLVE_METHODS
 
 Tensor = torch.Tensor
 
@@ -149,6 +150,11 @@ class GNSHookState:
             passes over this rank's share of the reduced gradient and, under DDP, one more
             all-reduce of one float64; nuclear one more sqrt-trace per matrix (of its pooled
             covariance), solved by the rank that solves its noise.
+        method: the nuclear sqrt-trace solver the hooks run, as ``gk.nuclear_stats``'s
+            and ``gk.sqrt_trace``'s: "auto" (default: eigenvalues on CPU tensors, the
+            coupled Newton iteration on GPUs), "eigh" or "newton" (e.g. the GPU path on
+            CPU tensors, for tests and bench/bench_hook_ops.py). Not saved by
+            ``state_dict()`` (configuration, like ``signal``).
     """
 
     # nuclear_dof values this state accepts (the hooks cannot form 'data': it needs
@@ -168,6 +174,7 @@ class GNSHookState:
         nuclear_dof: str = "auto",
         signal: str = "raw",
         pool_beta: Optional[float] = 0.9,
+        method: str = "auto",
     ):
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry: expected one of {GEOMETRIES}, got {geometry!r}")
@@ -210,6 +217,9 @@ class GNSHookState:
                                  f"this process group has {world} (use 'auto', which falls back "
                                  "to 'columns' below 3)")
         self.signal = check_signal(signal)
+        if method not in SOLVE_METHODS:
+            raise ValueError(f"method: expected one of {SOLVE_METHODS}, got {method!r}")
+        self.method = method
         self.pool_beta = check_pool_beta(pool_beta)
         # the noise pool (l1 / nuclear with bias correction); keys: positions in the
         # parameter order (params / bind_params), else ("id", id(param))
@@ -606,4 +616,5 @@ class GNSHookState:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
                 f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r}, "
                 f"nuclear_dof={self.nuclear_dof!r}, signal={self.signal!r}, "
-                f"pool_beta={self.pool_beta!r})")
+                f"pool_beta={self.pool_beta!r}"
+                + (f", method={self.method!r})" if self.method != "auto" else ")"))
