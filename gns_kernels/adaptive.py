@@ -850,7 +850,13 @@ class AdaptiveBatching:
     def state_dict(self) -> dict:
         """Everything to resume: controller, step, samples, sampler position, LR state
         (multiplier, schedulers), the hook state's schedule. Plain Python values (and the
-        schedulers' own state dicts)."""
+        schedulers' own state dicts). For torch.distributed.checkpoint wrap the coordinator
+        in ``gns_kernels.integrations.dcp.DCPState`` (the state is per rank); handed to DCP
+        as it is, this raises RuntimeError."""
+        from .integrations.dcp import DCP_MESSAGE, called_by_dcp
+
+        if called_by_dcp():
+            raise RuntimeError(DCP_MESSAGE.format(what="AdaptiveBatching"))
         return {
             "version": _STATE_VERSION, "step": self._step, "samples_seen": self._samples,
             "batch_size": self._batch, "world_size": self.world_size,
