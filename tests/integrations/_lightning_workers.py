@@ -1,0 +1,129 @@
+"""Rank-side code of the Lightning tests (in the spawned gloo processes; the process group
+exists, so Lightning's DDP strategy joins it instead of launching processes)."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _env(rank, world):
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
+
+
+def _data(n=1024):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 12, generator=g)
+    y = (x @ torch.randn(12, 4, generator=g) + 2.0 * torch.randn(n, 4, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def _module(fsdp=False, sched=False):
+    import lightning as L
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+            self.losses, self.sizes = [], []
+
+        def configure_model(self):
+            if fsdp:
+                from torch.distributed.fsdp import fully_shard
+                fully_shard(self.net[0]); fully_shard(self.net[2]); fully_shard(self)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.sizes.append(x.shape[0])
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            if sched:
+                return [opt], [torch.optim.lr_scheduler.StepLR(opt, 10)]
+            return opt
+
+    return Net()
+
+
+def _trainer(strategy, callbacks, folder, max_steps, world):
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
+                     callbacks=callbacks, max_steps=max_steps, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=folder, log_every_n_steps=1,
+                     use_distributed_sampler=True)
+
+
+def fit(rank, world, folder, strategy="ddp", steps=8, resume=False):
+    from gns_kernels.integrations.lightning import GNSCallback
+
+    _env(rank, world)
+    if strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strat = strategy
+    logged = []
+
+    import lightning as L
+
+    class Spy(L.Callback):  # what the callback logged this step
+        def on_train_batch_end(self, trainer, pl_module, *a):
+            k = trainer.callback_metrics.get("gns/step")
+            if k is not None and (not logged or logged[-1]["gns/step"] != float(k)):
+                logged.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                               if k.startswith("gns/")})
+
+    gns = GNSCallback(micro_batch_size=4, initial_batch_size=8 * world, max_batch_size=64 * world,
+                      every=2, geometry="l1")
+    model = _module(fsdp=(strategy == "fsdp"))
+    loader = DataLoader(_data(), batch_size=4, shuffle=True)
+    trainer = _trainer(strat, [gns, Spy()], folder, steps, world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader)
+    rows = []
+    coord = gns.coord
+    ckpt = os.path.join(folder, "gns.ckpt")
+    trainer.save_checkpoint(ckpt)
+    out = {"sizes": model.sizes, "logged": logged, "global_step": trainer.global_step,
+           "coord_step": coord.current_step, "batch": coord.batch_size,
+           "accum": coord.accum_steps, "state": coord.state_dict()}
+    if resume:  # a new Trainer from the checkpoint: the callback restores every rank's state
+        _env(rank, world)   # Lightning's teardown removed them
+        gns2 = GNSCallback(micro_batch_size=4, initial_batch_size=8 * world, max_batch_size=64 * world,
+                           every=2, geometry="l1")
+        trainer2 = _trainer(strat if strategy != "fsdp" else ModelParallelStrategy(
+            data_parallel_size=world, tensor_parallel_size=1), [gns2], folder, steps + 2, world)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer2.fit(_module(fsdp=(strategy == "fsdp")), loader, ckpt_path=ckpt)
+        out["resumed_step"] = gns2.coord.current_step
+        out["resumed_pool_keys"] = sorted(map(str, gns2.coord.state.pool.keys()))
+    return out
+
+
+def refused(rank, world, folder, what):
+    from gns_kernels.integrations.lightning import GNSCallback
+
+    _env(rank, world)
+    gns = GNSCallback(micro_batch_size=4, initial_batch_size=8 * world, geometry="l1")
+    strat = "ddp"
+    if what == "fsdp1":
+        from lightning.pytorch.strategies import FSDPStrategy
+        strat = FSDPStrategy()
+    trainer = _trainer(strat, [gns], folder, 2, world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_module(sched=(what == "sched")), DataLoader(_data(64), batch_size=4))
+    except Exception as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,63 @@
+"""GNSCallback in a Lightning Trainer on 2 gloo processes: DDP measures, logs, grows the
+accumulation mid-epoch and checkpoints every rank's state (resumed through ckpt_path);
+LR schedulers, FSDP1 (FSDPStrategy) and, for now, ModelParallelStrategy are refused."""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning; in the test extra)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _harness import run_world  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+W = "_lightning_workers"
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_lightning_callback_adapts_and_logs(strategy):
+    with tempfile.TemporaryDirectory(prefix="gns_pl_") as folder:
+        res = run_world(W, "fit", 2, folder=folder, strategy=strategy, steps=8,
+                        resume=(strategy == "ddp"), timeout=150)
+    for rank, r in enumerate(res):
+        assert r["global_step"] == 8 and r["coord_step"] == 8
+        assert all(s == 4 for s in r["sizes"])
+        # the micro-batches the module saw: sum of A_k over the 8 steps
+        steps_logged = [int(d["gns/step"]) for d in r["logged"]]
+        assert steps_logged == list(range(8))
+        accum = [int(d["gns/accum_steps"]) for d in r["logged"]]
+        assert len(r["sizes"]) == sum(accum)
+        assert accum[-1] > accum[0], f"rank {rank}: the batch never grew ({accum})"
+        assert any("gns/gns" in d for d in r["logged"])
+        assert [d["gns/batch_size"] for d in r["logged"]] == [2 * 4 * a for a in accum]
+    assert res[0]["logged"] == res[1]["logged"]
+    if strategy == "ddp":  # resumed through trainer.save_checkpoint / ckpt_path
+        for r in res:
+            assert r["resumed_step"] == 10
+            assert r["resumed_pool_keys"]
+
+
+def test_lightning_callback_refuses_a_scheduler():
+    with tempfile.TemporaryDirectory(prefix="gns_pl_") as folder:
+        res = run_world(W, "refused", 2, folder=folder, what="sched", timeout=150)
+    for msg in res:
+        assert msg is not None and "lr_schedule" in msg, msg
+
+
+@pytest.mark.parametrize("cls,match", [("FSDPStrategy", "FSDP1"), ("ModelParallelStrategy", "FSDP2")])
+def test_lightning_callback_refuses_fsdp_strategies(cls, match):
+    """Lightning's FSDPStrategy needs a GPU to reach on_train_start, so the refusal is
+    checked on the strategy object itself."""
+    from types import SimpleNamespace
+
+    import lightning.pytorch.strategies as S
+
+    from gns_kernels.integrations.lightning import GNSCallback
+
+    strategy = getattr(S, cls)() if cls == "FSDPStrategy" else S.ModelParallelStrategy(1, 1)
+    cb = GNSCallback(micro_batch_size=4, initial_batch_size=8)
+    with pytest.raises(RuntimeError, match=match):
+        cb._measured_model(SimpleNamespace(strategy=strategy, world_size=2), None)
