@@ -55,6 +55,15 @@ results:
   became ready, so the first step of a resumed run presents the matrices in another order
   (and other buckets) than the uninterrupted run did at that step; its totals are the same.
 
+- one solve per measurement: ``add_grads`` / ``add_grams`` only assign the part's
+  matrices and keep, for the ones this rank owns, copies of the mean Gram, the Gram of the
+  mean gradient D D^T (and G G^T for a shifted matrix's signal) -- 2-3 k x k float32 per
+  owned matrix, held from the part until ``launch`` (DDP: after the last bucket) -- and the
+  deviation sums (rows q, a); ``launch`` (or ``vector``) then solves every owned matrix
+  of the measurement in one call (noise, signal, debiased signal and the pool's solves
+  each batched by Gram size) and spreads the values into this rank's columns. The
+  layout of the shared vector (columns in part order) is unchanged.
+
 With one rank the solver runs everything and no collective is issued. Nothing here reads
 a device value on the host: the totals stay device tensors until ``read()`` (called when
 the estimate is first read).
@@ -71,7 +80,8 @@ from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
-from ..spectral.nuclear import nuclear_stats_from_grams_select, nuclear_stats_select
+from ..spectral.grams import grams_on_sides
+from ..spectral.nuclear import nuclear_stats_from_grams_select
 from ._stats import all_finite, exact_sum
 
 Tensor = torch.Tensor
@@ -200,6 +210,9 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     if pool_fold is not None and covs:
         vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
         vals = torch.where(ok, vals, nan_like(vals))
+        if len(covs) == L:  # every matrix owned (the hooks' one solve): in column order
+            out[rows["pool"]:rows["pool"] + 2] = vals
+            return out
         cols = [out[rows["pool"]:rows["pool"] + 2, l] for l in range(L)]  # zeros (not owned)
         for j, (l, _) in enumerate(covs):  # device ops only (no index tensor from the host)
             cols[l] = vals[:, j]
@@ -245,6 +258,30 @@ def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional
     return share_columns(vec, rows, num_samples, scale).sum(1)
 
 
+def _spread(part: Tensor, cols: Sequence[int], L: int) -> Tensor:
+    """[rows, L] with part[:, j] in column cols[j] (ascending) and 0 elsewhere: one cat of
+    slices of part and of one zero block (runs of consecutive columns stay one slice; no
+    index tensor from the host)."""
+    zero = torch.zeros((part.shape[0], L), dtype=part.dtype, device=part.device)
+    pieces = []
+    prev = 0
+    j = 0
+    n = len(cols)
+    while j < n:
+        c0 = cols[j]
+        e = j
+        while e + 1 < n and cols[e + 1] == cols[e] + 1:
+            e += 1
+        if c0 > prev:
+            pieces.append(zero[:, prev:c0])
+        pieces.append(part[:, j:e + 1])
+        prev = cols[e] + 1
+        j = e + 1
+    if prev < L:
+        pieces.append(zero[:, prev:L])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
 class SolveShare:
     """The shared nuclear solves of one measurement (module docstring).
 
@@ -285,6 +322,10 @@ class SolveShare:
         self.loads = [0] * world
         self.parts: list[Tensor] = []
         self.shapes: list[tuple] = []
+        # the one solve (``_solve_kept``): owned matrices kept by the parts until launch
+        self.kept: list[tuple] = []
+        self.qa: list[Tensor] = []  # 'gauss-sums': [2, L_part] deviation sums per part
+        self.solved = False
         self.device = None
         self.stream = None  # CUDA: the side stream the solves run on
         self.future = None  # of the share all-reduce (None: nothing to share / one rank)
@@ -317,7 +358,7 @@ class SolveShare:
         """Run fn (the part's solve) on a side stream on CUDA, inline elsewhere."""
         if self.device is None:
             self.device = like.device
-        if like.device.type == "cuda":
+        if like is not None and like.device.type == "cuda":
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=like.device)
                 if self.pool is not None:
@@ -329,7 +370,7 @@ class SolveShare:
             self.stream.wait_stream(torch.cuda.current_stream(like.device))
             with torch.cuda.stream(self.stream):
                 part = fn()
-            for t in inputs:  # the pack they view is freed by the caller's stream
+            for t in inputs:  # freed by the caller's stream after this call
                 t.record_stream(self.stream)
         else:
             part = fn()
@@ -354,25 +395,15 @@ class SolveShare:
                     method=self.method, eig_hints=self.hints, record_hints=False)
 
     # ----------------------------------------------------------- parts
-    def _pool_fold(self, keys: Optional[Sequence], own: Sequence[bool], shapes: Sequence[tuple]):
-        """The pool_fold of solve_part for one part (None without a pool)."""
-        if self.pool is None:
-            return None
-        if keys is None or len(keys) != len(own):
-            raise ValueError(f"keys: a noise pool needs one key per matrix ({len(own)}), got "
-                             f"{None if keys is None else len(keys)}")
-        okeys = [k for k, o in zip(keys, own) if o]
-        oshapes = [sh for sh, o in zip(shapes, own) if o]
-        return lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, oshapes, self.num_samples,
-                                               self.grad_scale, self.method, self.hints)
-
     def add_grads(self, mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
                   shifts: Optional[Sequence[Optional[Tensor]]],
                   deviations: Optional[Sequence[Tensor]] = None,
                   keys: Optional[Sequence] = None) -> None:
         """A DDP bucket: mean Grams (k x k), mean shifted gradients D (m x n), shifts, and
         (dof 'gauss-sums') this rank's deviations d_j = G^j - G (m x n) per matrix; keys:
-        the noise pool's key of each matrix (needed with a pool)."""
+        the noise pool's key of each matrix (needed with a pool). Nothing is solved here:
+        the owned matrices' Grams are kept (``_keep``) and solved once, with every other
+        part's, by ``launch`` (or ``vector``)."""
         mean_grams, mean_grads = list(mean_grams), list(mean_grads)
         L = len(mean_grams)
         if L == 0:
@@ -380,67 +411,128 @@ class SolveShare:
         if self.gauss and (deviations is None or len(deviations) != L):
             raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
                              f"mean gradient for each of the {L} matrices")
+        self._check_keys(keys, L)
         ks = [A.shape[-1] for A in mean_grams]
         own = self._owners(ks, keys)
         shapes = [tuple(D.shape) for D in mean_grads]
-        self.shapes.extend(shapes)
         dev = mean_grams[0].device
-        inputs = [t for l in range(L) if own[l] for t in (mean_grams[l], mean_grads[l])]
         # on the calling stream, before the caller overwrites what the deviations view
-        qa = deviation_sums(deviations, dev) if self.gauss else None
-        fold = self._pool_fold(keys, own, shapes)
-
-        def solve(select, cov_out=None, signal="raw"):
-            return nuclear_stats_select(mean_grams, mean_grads, shifts=shifts, select=select,
-                                        signal=signal, return_sums=self.gauss and signal == "raw",
-                                        cov_out=cov_out, **self._kw())
-
-        self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, qa,
-                                                 lambda sel: solve(sel, signal="debiased"), fold),
-                              L, dev),
-                  mean_grams[0], list(mean_grams) + list(mean_grads) + ([] if qa is None else [qa]))
+        if self.gauss:
+            self.qa.append(deviation_sums(deviations, dev))
+        idx = [l for l in range(L) if own[l]]
+        # D D^T on the side spectral.nuclear_stats_select takes (the Gram's side; 'row'
+        # for a square matrix) and, for a shifted matrix, G G^T of G = D + S (its signal)
+        sides = ["row" if shapes[l][0] == ks[l] else "col" for l in idx]
+        dd = grams_on_sides([mean_grads[l] for l in idx], sides) if idx else []
+        gg = list(dd)
+        sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
+        if sh:
+            gs = grams_on_sides([mean_grads[idx[j]].float() + shifts[idx[j]].float() for j in sh],
+                                         [sides[j] for j in sh])
+            for j, G in zip(sh, gs):
+                gg[j] = G
+        self._keep(mean_grams, idx, dd, gg, shapes, keys, dev)
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
         """An FSDP2 param group: mean Grams, Grams of the mean gradient, parameter shapes;
-        keys: the noise pool's key of each matrix (needed with a pool)."""
+        keys: the noise pool's key of each matrix (needed with a pool). Solved with every
+        other part by ``launch`` (as ``add_grads``)."""
         mean_grams, dd = list(mean_grams), list(mean_grad_grams)
         L = len(mean_grams)
         if L == 0:
             return
-        ks = [A.shape[-1] for A in mean_grams]
-        own = self._owners(ks, keys)
-        shapes = [tuple(int(d) for d in s) for s in shapes]
-        self.shapes.extend(shapes)
-        dev = mean_grams[0].device
-        inputs = [t for l in range(L) if own[l] for t in (mean_grams[l], dd[l])]
-
         if self.gauss:
             raise ValueError("dof: 'gauss-sums' needs each rank's deviation from the full mean "
                              "gradient, which an FSDP2 rank does not hold (only its shard)")
+        self._check_keys(keys, L)
+        ks = [A.shape[-1] for A in mean_grams]
+        own = self._owners(ks, keys)
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        idx = [l for l in range(L) if own[l]]
+        # copies: the caller may reuse the buffers the Grams view before launch()
+        kept = [dd[l].detach().clone() for l in idx]
+        self._keep(mean_grams, idx, kept, kept, shapes, keys, mean_grams[0].device)
 
-        fold = self._pool_fold(keys, own, shapes)
+    def _check_keys(self, keys, L: int) -> None:
+        if self.pool is not None and (keys is None or len(keys) != L):
+            raise ValueError(f"keys: a noise pool needs one key per matrix ({L}), got "
+                             f"{None if keys is None else len(keys)}")
+
+    def _keep(self, mean_grams: list, idx: list, dd: list, gg: list, shapes: list, keys, dev) -> None:
+        """Keep a part's owned matrices for the one solve: a copy of the mean Gram, D D^T and
+        the signal's Gram (k x k each, float32), the parameter shape, the pool key and the
+        column (position in the measurement)."""
+        if self.device is None:
+            self.device = dev
+        base = len(self.shapes)
+        self.shapes.extend(shapes)
+        for j, l in enumerate(idx):
+            self.kept.append((mean_grams[l].detach().clone(), dd[j], gg[j], shapes[l],
+                              None if keys is None else keys[l], base + l))
+
+    def _solve_kept(self) -> None:
+        """The one solve of a measurement (module docstring): every owned matrix of every
+        part, batched by Gram size (spectral's _solve groups by size), spread into this
+        rank's rows x L part (0 in the columns it does not own); the deviation sums of
+        every matrix fill rows q, a. On CUDA on the side stream. Runs once, from
+        ``launch`` / ``vector``."""
+        L = len(self.shapes)
+        if L == 0 or self.solved:
+            return
+        self.solved = True
+        kept, self.kept = self.kept, []
+        qa = torch.cat(self.qa, dim=1) if self.qa else None
+        self.qa = []
+        dev = self.device
+        rows = self.rows
+        n = len(kept)
+        grams = [e[0] for e in kept]
+        dd = [e[1] for e in kept]
+        gg = [e[2] for e in kept]
+        shapes = [e[3] for e in kept]
+        cols = [e[5] for e in kept]
+        inputs = grams + [t for e in kept for t in ((e[1],) if e[2] is e[1] else (e[1], e[2]))]
+        fold = None
+        if self.pool is not None and n:
+            okeys = [e[4] for e in kept]
+            fold = lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, shapes,  # noqa: E731
+                                                   self.num_samples, self.grad_scale, self.method,
+                                                   self.hints)
 
         def solve(select, cov_out=None, signal="raw"):
-            return nuclear_stats_from_grams_select(mean_grams, dd, shapes=shapes, select=select,
-                                                   signal=signal, cov_out=cov_out, **self._kw())
+            return nuclear_stats_from_grams_select(
+                grams, dd, signal_grams=gg, shapes=shapes, select=select, signal=signal,
+                return_sums=self.gauss and signal == "raw", cov_out=cov_out, **self._kw())
 
-        self._run(self._guard(lambda: solve_part(solve, inputs, own, own, dev, self.rows, None,
-                                                 lambda sel: solve(sel, signal="debiased"), fold),
-                              L, dev),
-                  mean_grams[0], list(mean_grams) + list(dd))
+        def run() -> Tensor:
+            if n:
+                part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows, None,
+                                  lambda sel: solve(sel, signal="debiased"), fold)
+                out = _spread(part, cols, L)
+            else:
+                out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)
+            if qa is not None:
+                out[rows["q"]:rows["q"] + 2] = qa.to(device=dev, dtype=torch.float64)
+            return out
+
+        self._run(self._guard(run, L, dev), grams[0] if grams else None,
+                  inputs + ([] if qa is None else [qa]))
 
     # ----------------------------------------------------------- sharing
     def vector(self) -> Optional[Tensor]:
         """The float64 rows x L vector of this rank ([noise (L), signal (L), used64 (L)],
         plus the rows of share_rows; None: no matrix)."""
+        self._solve_kept()
         if not self.parts:
             return None
         return torch.cat(self.parts, dim=1).reshape(-1)
 
     def launch(self, group, all_reduce: Callable) -> None:
-        """Start the one share all-reduce (async; on CUDA on the side stream). With one
-        rank nothing is sent. all_reduce: torch.distributed.all_reduce."""
+        """Solve this rank's share (``_solve_kept``: the one solve of the measurement), then
+        start the one share all-reduce (async; on CUDA on the side stream). With one rank
+        nothing is sent. all_reduce: torch.distributed.all_reduce."""
+        self._solve_kept()
         if not self.parts:
             return
         if self.stream is not None:

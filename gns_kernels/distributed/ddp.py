@@ -20,9 +20,10 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   rounded sums (below, "Bucket layout").
 - nuclear: the bucket's gradients (float32 copy) followed by each measured matrix's local
   Gram (G^j - S)(G^j - S)^T on its smaller side (``spectral.gram``); after the all-reduce
-  this rank solves its share of the bucket's tr(C^{1/2}) and ||G||_S1 (the ranks share
-  the 2L sqrt-traces by cost, the same assignment on every rank: ``_share.py``), and after
-  the last bucket ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
+  this rank keeps, for the matrices of the bucket it owns (the ranks share the 2L
+  sqrt-traces by cost, the same assignment on every rank: ``_share.py``), the mean Gram and
+  the Gram of the mean gradient; after the last bucket it solves all of them ONCE (batched
+  by Gram size: one solve per measurement, not per bucket), and ONE all-reduce of 3L float64 (L measured matrices; R > 1 only) gives
   every rank every value and the eigensolver report. With the 'gauss-sums' dof (the
   default at R >= 3 ranks; not with micro-batch samples) each rank also computes
   ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
@@ -64,7 +65,12 @@ ones plain DDP would produce; the next measurement starts afresh.
 
 Memory of a measurement step: one packed buffer in flight (2x the bucket's elements in
 float32 for l1/l2; the bucket's elements plus the Grams for nuclear, which exist
-separately for the moment they are copied in). Before packing a bucket the hook waits for
+separately for the moment they are copied in). Nuclear also holds, from each bucket's
+statistics until the one solve after the last bucket, 2 k x k float32 per matrix this
+rank owns (3 for a shifted matrix; k its Gram side): about 2 sum_l k_l^2 / R floats
+(160M shapes, R = 8: 84 x 768^2 x 2 x 4 bytes / 8 = 50 MB per rank), freed when the
+estimate is read (CUDA: when the solve stream is done with them), and with 'gauss-sums'
+2 float64 per matrix. Before packing a bucket the hook waits for
 the previous measured bucket's all-reduce and statistics (gloo would otherwise queue the
 packs of all the tail buckets at once); on CUDA that wait only orders the streams. So the
 extra memory is bounded by the largest bucket (``bucket_cap_mb``), never by the model,

@@ -76,7 +76,7 @@ class _Recorder:
         self.buckets = []
         self.solved = []  # per solver call: (noise solves, signal solves, matrices)
         self._orig = dist.all_reduce
-        self._orig_solve = _share.nuclear_stats_select
+        self._orig_solve = _share.nuclear_stats_from_grams_select
 
     def __enter__(self):
         rec = self
@@ -87,17 +87,19 @@ class _Recorder:
 
         def counting_solve(mean_grams, *args, select=None, **kwargs):
             L = len(mean_grams)
+            if kwargs.get("project"):  # the noise pool's pooled solves (not counted)
+                return rec._orig_solve(mean_grams, *args, select=select, **kwargs)
             sel = select if select is not None else ([True] * L, [True] * L)
             rec.solved.append((sum(sel[0]), sum(sel[1]), L))
             return rec._orig_solve(mean_grams, *args, select=select, **kwargs)
 
         dist.all_reduce = counting_all_reduce
-        _share.nuclear_stats_select = counting_solve
+        _share.nuclear_stats_from_grams_select = counting_solve
         return self
 
     def __exit__(self, *exc):
         dist.all_reduce = self._orig
-        _share.nuclear_stats_select = self._orig_solve
+        _share.nuclear_stats_from_grams_select = self._orig_solve
 
     def hook(self, state, bucket):
         self.buckets.append({"index": bucket.index(), "numel": bucket.buffer().numel(),

@@ -214,7 +214,7 @@ def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch, pool_beta
     # without a pool the one-process path solves with spectral.nuclear_stats, with one the
     # shared-solve path (which also folds the pool)
     monkeypatch.setattr(spectral, "nuclear_stats", failing)
-    monkeypatch.setattr(_share, "nuclear_stats_select", failing)
+    monkeypatch.setattr(_share, "nuclear_stats_from_grams_select", failing)
     with pytest.warns(RuntimeWarning, match="marked invalid"):
         for a in range(A):
             (F.mse_loss(model(xs[a]), ys[a]) / A).backward()
