@@ -80,7 +80,8 @@ from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
-from ..spectral.grams import grams_on_sides
+from ..spectral.grams import grams64_on_sides, grams_on_sides
+from ..spectral.trace import resolve_method
 from ..spectral.nuclear import nuclear_stats_from_grams_select
 from ._stats import all_finite, exact_sum
 
@@ -423,7 +424,9 @@ class SolveShare:
         # D D^T on the side spectral.nuclear_stats_select takes (the Gram's side; 'row'
         # for a square matrix) and, for a shifted matrix, G G^T of G = D + S (its signal)
         sides = ["row" if shapes[l][0] == ks[l] else "col" for l in idx]
-        dd = grams_on_sides([mean_grads[l] for l in idx], sides) if idx else []
+        # (float64 on the Newton path, as spectral.nuclear_stats_select forms it there)
+        on_sides = grams64_on_sides if resolve_method(self.method, dev) == "newton" else grams_on_sides
+        dd = on_sides([mean_grads[l] for l in idx], sides) if idx else []
         gg = list(dd)
         sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
         if sh:

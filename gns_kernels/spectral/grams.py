@@ -201,3 +201,20 @@ def grams_on_sides(tensors: Sequence[Tensor], sides: Sequence[str]) -> list[Tens
             for i, G in zip(idx, gram([tensors[i] for i in idx], side=s)):
                 out[i] = G
     return out  # type: ignore[return-value]
+
+
+def grams64_on_sides(tensors: Sequence[Tensor], sides: Sequence[str]) -> list[Tensor]:
+    """float64 Grams (G G^T for 'row', G^T G for 'col') of each tensor, products in float64
+    (the Newton path's D D^T: the covariance scale (mean Gram - D D^T) cancels, and a
+    float32 D D^T's rounding, about u sqrt(n) ||D||^2, is then a large part of C on steep
+    spectra). Batched by (shape, side): one stack and one bmm per group; views of it."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, (g, s) in enumerate(zip(tensors, sides)):
+        groups.setdefault((tuple(g.shape), g.device, s), []).append(i)
+    for (_, _, s), idx in groups.items():
+        X = torch.stack([tensors[i].detach() for i in idx]).double()
+        res = torch.bmm(X.mT, X) if s == "col" else torch.bmm(X, X.mT)
+        for i, r in zip(idx, res.unbind(0)):
+            out[i] = r
+    return out  # type: ignore[return-value]

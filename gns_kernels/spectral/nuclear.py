@@ -29,11 +29,20 @@ import torch
 
 from ._checks import check_square, validate_requested, validate_symmetric
 from .eigh import EIGH_TOL
-from .grams import grams_on_sides
+from .grams import grams64_on_sides, grams_on_sides
 from .hints import EigHints
 from .newton import check_newton_args
 from .trace import resolve_method
 from .._validation import check_signal
+
+# (iters, eps) of the noise matrices' Newton solve (float64 matmuls, positive-part
+# projection): float64's smallest shift, 1e-12 relative to ||C||_F, and its default
+# iterations. Measured on a random family of steep spectra (tests/spectral/
+# test_newton_steep.py): within max(1e-3, 2 e_in) of float64 eigh of the same inputs
+# (worst err / bound 5e-5 over 90 cases),
+# where the float32 iteration with the shift relative to the subtraction's operands was
+# up to 13x over that bound.
+NOISE_NEWTON = check_newton_args(None, None, "float64")
 
 Tensor = torch.Tensor
 
@@ -243,7 +252,10 @@ def nuclear_stats_select(
     debias = _debias(signal, scale, batch_size)  # the debiased signal also needs D D^T
     need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and (l not in shifted or debias is not None))]
     dd: list = [None] * L
-    for l, G in zip(need_dd, grams_on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
+    meth = resolve_method(method, mean_grams[0].device)
+    # the Newton path: D D^T in float64 (grams64_on_sides; NOISE_NEWTON)
+    on_sides = grams64_on_sides if meth == "newton" else grams_on_sides
+    for l, G in zip(need_dd, on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
         dd[l] = G
     gg = list(dd)
     need_gg = [l for l in sorted(shifted) if want_s[l]]
@@ -254,7 +266,7 @@ def nuclear_stats_select(
             gg[l] = G
     shapes = [tuple(D.shape) for D in mean_grads]
     _covariances(mean_grams, dd, float(scale), want_n, cov_out)
-    return _solve(mean_grams, dd, gg, float(scale), others, resolve_method(method, mean_grams[0].device),
+    return _solve(mean_grams, dd, gg, float(scale), others, meth,
                   bias_correction, num_samples, batch_size, dof_model, eig_hints, shapes,
                   want_n, want_s, record_hints, bool(return_sums), debias)
 
@@ -347,13 +359,11 @@ def nuclear_stats_from_grams_select(
 ):
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
     signal[L], used64); select, record_hints, used64, signal, return_sums and cov_out as
-    nuclear_stats_select. project: on the Newton path, the noise matrices' sqrt-trace and
-    pair sum of their positive part (the sign-step projection) instead of the shift
-    relative to ||scale * mean_grams[l]||_F. Use it when C = scale (mean_grams - D D^T)
-    carries rounding from a larger operand than its own inputs show (an average of
-    covariances, like the noise pool's): the shift then no longer absorbs the negative
-    rounding eigenvalues and the iteration loses the pair sum (inf / NaN measured at a
-    negative eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way."""
+    nuclear_stats_select. project: kept for callers; no effect since the Newton path
+    always solves the noise matrices' positive part in float64 (NOISE_NEWTON), which the
+    pool's averaged covariances needed already (their negative rounding eigenvalues made
+    the old shifted float32 iteration lose the pair sum: inf / NaN at a negative
+    eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grad_grams is None:
@@ -418,8 +428,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     noise matrices' [tr C^{1/2}, pair sum, tr C, ||C||_F^2] is returned as well (0 where
     not selected), for a correction formed later (the hooks' 'gauss-sums' dof).
     debias: None, or c = scale / B: the signal is tr((G G^T - C / B)_+^{1/2}) of the
-    indefinite gg - c (mean_grams - dd) instead of ||G||_S1. project: Newton path, the
-    noise matrices through the positive-part projection (nuclear_stats_from_grams_select).
+    indefinite gg - c (mean_grams - dd) instead of ||G||_S1. project: no effect (the
+    Newton path projects the noise matrices always: NOISE_NEWTON).
     Returns (noise, signal, used64) as nuclear_stats_select (plus the sums when sums)."""
     from ..bias import _pair_sum
 
@@ -481,63 +491,52 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 else:
                     signal[l] = res[i]
             continue
-        # newton: C_l = scale * (mean_gram - D D^T) written straight into the stacked batch
-        mats = torch.empty((len(items), k, k), dtype=cdt, device=mean_grams[items[0][1]].device)
-        for i, (w, l) in enumerate(items):
-            if w == "n":
-                torch.sub(mean_grams[l].detach().to(cdt), dd[l].detach().to(cdt), out=mats[i])
-                mats[i].mul_(scale)
-            else:
-                mats[i].copy_(sig_matrix(l))
-        it, ep = check_newton_args(None, None)
-        # noise: shift relative to the subtraction's operand ||scale * mean_gram||_F (its
-        # rounding level); signal Grams: relative to their own norm. Both are PSD up to
-        # rounding, which the shift absorbs: no positive-part projection. The debiased
-        # signal's matrix is indefinite: its own call with the positive-part projection.
-        ref = torch.stack([
-            scale * torch.linalg.matrix_norm(mean_grams[l].detach().double()) if w == "n"
-            else torch.zeros((), dtype=torch.float64, device=mats.device) for w, l in items])
-        # items are sorted noise first: the noise matrices are mats[:nn], the signal ones
-        # mats[nn:] (slices, no index tensor)
-        n_idx = [i for i, (w, _) in enumerate(items) if w == "n"]
-        s_idx = [i for i, (w, _) in enumerate(items) if w != "n"]
-        nn = len(n_idx)
-        if s_idx and debias is not None:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[nn:], it, ep, None, True)
-            for j, i in enumerate(s_idx):
-                signal[items[i][1]] = res[j]
-            s_idx = []
+        # newton. Noise matrices: C_l = scale * (mean_gram - D D^T) formed in float64 from
+        # the (float32) operands and iterated in float64 through the positive-part
+        # projection (NOISE_NEWTON: accurate on steep spectra, where a float32
+        # iteration with a shift at the subtraction's rounding level came out 2-13% low).
+        # Signal matrices (Grams, PSD up to rounding relative to their own norm): float32
+        # (or the Grams' float64), shift relative to their own norm.
+        n_items = [(i, l) for i, (w, l) in enumerate(items) if w == "n"]
+        s_items = [(i, l) for i, (w, l) in enumerate(items) if w != "n"]
+        dev_k = mean_grams[items[0][1]].device
+        if s_items:
+            smats = torch.empty((len(s_items), k, k), dtype=cdt, device=dev_k)
+            for j, (i, l) in enumerate(s_items):
+                smats[j].copy_(sig_matrix(l))
+            it, ep = check_newton_args(None, None)
+            # the debiased signal's matrix is indefinite: the positive-part projection
+            proj_s = debias is not None
+            res = torch.ops.gns_kernels.newton_sqrt_trace(smats, it, ep, None, proj_s)
+            for j, (i, l) in enumerate(s_items):
+                signal[l] = res[j]
+        if not n_items:
+            continue
+        nmats = torch.empty((len(n_items), k, k), dtype=torch.float64, device=dev_k)
+        for j, (i, l) in enumerate(n_items):
+            torch.sub(mean_grams[l].detach().double(), dd[l].detach().double(), out=nmats[j])
+        nmats.mul_(scale)
+        it, ep = NOISE_NEWTON
         if not (correct or sums):
-            idx = n_idx + s_idx  # a prefix of items: mats[:len(idx)]
-            if idx:
-                res = torch.ops.gns_kernels.newton_sqrt_trace(
-                    mats[:len(idx)], it, ep, None if project else ref[:len(idx)], project)
-                for j, i in enumerate(idx):
-                    w, l = items[i]
-                    (noise if w == "n" else signal)[l] = res[j]
+            res = torch.ops.gns_kernels.newton_sqrt_trace(nmats, it, ep, None, True, "float64")
+            for j, (i, l) in enumerate(n_items):
+                noise[l] = res[j]
             continue
         # bias correction without eigenvalues: the noise matrices also give the pair sum
-        # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum), the signal matrices only the trace
-        if s_idx:
-            res = torch.ops.gns_kernels.newton_sqrt_trace(mats[nn:], it, ep, ref[nn:], False)
-            for j, i in enumerate(s_idx):
-                signal[items[i][1]] = res[j]
-        if n_idx:
-            from ..bias import nuclear_sqrt_trace_corrected_from_sums
+        # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum)
+        from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
-            tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
-                mats[:nn], it, ep, None if project else ref[:nn], project, "ieee", "float64")
-            for j, i in enumerate(n_idx):
-                l = items[i][1]
-                if sums:
-                    C = mats[i].to(torch.float64)
-                    noise[l] = tr[j]
-                    extra[:, l] = torch.stack([tr[j].double(), pair[j].double(),
-                                               torch.diagonal(C).sum(), (C * C).sum()]).to(dev0)
-                else:
-                    noise[l] = nuclear_sqrt_trace_corrected_from_sums(
-                        tr[j], pair[j], int(num_samples), batch_size, gram_dim=k,
-                        other_dim=others[l], dof_model=dof_model)
+        tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(nmats, it, ep, None, True, "float64", "float64")
+        for j, (i, l) in enumerate(n_items):
+            if sums:
+                C = nmats[j]
+                noise[l] = tr[j]
+                extra[:, l] = torch.stack([tr[j].double(), pair[j].double(),
+                                           torch.diagonal(C).sum(), (C * C).sum()]).to(dev0)
+            else:
+                noise[l] = nuclear_sqrt_trace_corrected_from_sums(
+                    tr[j], pair[j], int(num_samples), batch_size, gram_dim=k,
+                    other_dim=others[l], dof_model=dof_model)
     used: Tensor | None = None
     if meth == "eigh":
         dev = mean_grams[0].device
