@@ -175,6 +175,8 @@ class NoisePool:
         where a measurement starts, outside any collective's callback). No-op for entries
         already there."""
         dev = torch.device(device)
+        if any(e.P.device != dev for e in self._entries.values()):
+            self._join_stream()
         for e in self._entries.values():
             if e.P.device != dev:
                 self._move(e, dev)
@@ -270,12 +272,25 @@ class NoisePool:
         self._entries.pop(key, None)
 
     def clear(self) -> None:
+        self._join_stream()
         self._entries.clear()
+
+    def _join_stream(self) -> None:
+        """CUDA: order the current stream after the stream of the last fold (a nuclear fold
+        runs on its measurement's side stream), so a checkpoint taken before the estimate
+        is read does not copy a half-updated pool (issue 30 item 6). Device order only, no
+        host wait; called from state_dict / load_state_dict / clear / to, never from a
+        collective's callback."""
+        s = self.stream
+        if s is not None and torch.cuda.is_available():
+            torch.cuda.current_stream(s.device).wait_stream(s)
 
     def state_dict(self, key_map=None) -> dict:
         """{"beta": float, "entries": {key: {"P": tensor, "n": tensor, "U": tensor[, "num",
         "var", "npair"]}}} (tensors moved to the CPU). key_map(key) -> saved key (default:
-        the key itself); entries it maps to None are left out."""
+        the key itself); entries it maps to None are left out. Waits (device order) for the
+        last fold's stream first."""
+        self._join_stream()
         out = {}
         for k, e in self._entries.items():
             sk = k if key_map is None else key_map(k)
@@ -325,6 +340,7 @@ class NoisePool:
         device: where the tensors go (default: where they are, the CPU for a loaded
         checkpoint; ``to()`` moves them later)."""
         self.check_state_dict(sd, name)
+        self._join_stream()  # the entries it replaces may still be read by a fold
         entries = {}
         for sk, ent in sd["entries"].items():
             k = sk if key_map is None else key_map(sk)

@@ -462,3 +462,33 @@ def test_pool_warnings_name_the_class_of_the_state():
     sd["pool"] = {**sd["pool"], "rank": 1, "world": 2}
     with pytest.warns(RuntimeWarning, match="^MicroBatchGNS.load_state_dict: the noise pool was saved by rank 1"):
         mb.load_state_dict(sd)
+
+
+def test_checkpoint_waits_for_the_fold_stream(monkeypatch):
+    """Issue 30 item 6: state_dict / load_state_dict / clear order the current CUDA stream
+    after the stream of the last fold (a fold runs on the measurement's side stream), so a
+    checkpoint taken before the estimate is read cannot copy a half-updated pool. CPU
+    check with stand-in streams."""
+    import torch
+
+    from gns_kernels.pooling import NoisePool
+
+    waits = []
+
+    class _Stream:
+        device = "cuda:0"
+
+        def wait_stream(self, other):
+            waits.append(other)
+
+    side = _Stream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    pool = NoisePool(0.9)
+    pool.fold_covariance(0, torch.eye(3), 4, 1.0)
+    pool.stream = side
+    sd = pool.state_dict()
+    assert waits == [side]
+    pool.load_state_dict(sd)
+    pool.clear()
+    assert waits == [side, side, side]
