@@ -618,11 +618,7 @@ class AdaptiveBatching:
         ``coord.step()``); a step that a GradScaler skipped (inf gradient) ends when the
         next batch is drawn. The model for ``no_sync`` is the one given to the
         constructor (or to ``micro_batches``)."""
-        while True:
-            if max_steps is not None and self._step >= max_steps:
-                return
-            if max_samples is not None and self._samples + self._batch > max_samples:
-                return
+        while self._within_budget(max_samples, max_steps):
             k = self._step
             batch = Batch(self, loader, k)
             self._auto_end = True
@@ -633,6 +629,12 @@ class AdaptiveBatching:
                 self._auto_end = False
             if pending:
                 self._finish_unended(k)
+
+    def _within_budget(self, max_samples: Optional[int], max_steps: Optional[int]) -> bool:
+        """The next step's batch fits in ``max_samples`` (global examples) and k < ``max_steps``."""
+        if max_steps is not None and self._step >= max_steps:
+            return False
+        return max_samples is None or self._samples + self._batch <= max_samples
 
     def _finish_unended(self, k: int) -> None:
         """A batches() step whose optimizers did not all step: a GradScaler skipped it (inf
@@ -650,11 +652,7 @@ class AdaptiveBatching:
     def steps(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> Iterator[int]:
         """Yield k = current_step while the next step's batch fits in ``max_samples``
         (global examples) and k < ``max_steps``; raises if a step ended without ``step()``."""
-        while True:
-            if max_steps is not None and self._step >= max_steps:
-                return
-            if max_samples is not None and self._samples + self._batch > max_samples:
-                return
+        while self._within_budget(max_samples, max_steps):
             k = self._step
             yield k
             if self._step == k:
@@ -771,7 +769,6 @@ class AdaptiveBatching:
         measure = k % self.every == 0
         est = self._measurement(k) if measure else None
         ctrl = self.controller
-        old = ctrl.batch_size
         ctrl.update(k, est)
         new = ctrl.batch_size
         A_used, B_used, scale_used = self.accum_steps, self._batch, self._scale

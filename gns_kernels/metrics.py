@@ -27,7 +27,7 @@ import os
 from numbers import Integral, Real
 from typing import Any, Iterable, Mapping, Optional
 
-__all__ = ["CSVWriter", "to_tensorboard", "tensorboard_writer"]
+__all__ = ["CSVWriter", "to_tensorboard", "tensorboard_writer", "scalars"]
 
 
 def as_scalar(v: Any) -> Any:
@@ -118,6 +118,30 @@ class CSVWriter:
         self._header_written = True
 
 
+def scalars(metrics: Mapping[str, Any], prefix: str = "gns/", keep_step: bool = False) -> dict:
+    """The finite numbers of ``coord.metrics()`` as {prefix + key: float} (booleans as 0/1;
+    None, nan, inf, strings and multi-element tensors left out; 'step' left out unless
+    ``keep_step``): what a logger takes."""
+    out = {}
+    for key, v in metrics.items():
+        if (key == "step" and not keep_step) or v is None:
+            continue
+        try:
+            v = as_scalar(v)
+        except ValueError:
+            continue
+        if isinstance(v, bool):
+            v = 1.0 if v else 0.0
+        elif isinstance(v, Real):
+            v = float(v)
+            if not math.isfinite(v):
+                continue
+        else:
+            continue
+        out[prefix + key] = v
+    return out
+
+
 def to_tensorboard(writer, metrics: Mapping[str, Any], step: Optional[int] = None,
                    prefix: str = "gns/") -> int:
     """Write the finite numbers of ``metrics`` as scalars; returns how many were written.
@@ -130,25 +154,10 @@ def to_tensorboard(writer, metrics: Mapping[str, Any], step: Optional[int] = Non
     if step is None:
         step = metrics.get("step")
     step = as_scalar(step)
-    n = 0
-    for key, v in metrics.items():
-        if key == "step" or v is None:
-            continue
-        try:
-            v = as_scalar(v)
-        except ValueError:  # a tensor of several elements is not a scalar: skipped
-            continue
-        if isinstance(v, bool):
-            v = 1.0 if v else 0.0
-        elif isinstance(v, Real):
-            v = float(v)
-            if not math.isfinite(v):
-                continue
-        else:
-            continue
-        writer.add_scalar(prefix + key, v, step)
-        n += 1
-    return n
+    values = scalars(metrics, prefix)
+    for tag, v in values.items():
+        writer.add_scalar(tag, v, step)
+    return len(values)
 
 
 def tensorboard_writer(log_dir: Optional[str] = None, **kwargs):
