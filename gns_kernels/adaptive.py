@@ -305,7 +305,7 @@ class AdaptiveBatching:
         self._apply_batch()
         self.state.step = 0
         self.state.grad_scale = self._scale
-        if getattr(self.state, "pool", None) is not None and self.state._order is None:
+        if getattr(self.state, "pool", None) is not None and not self.state.has_param_order:
             # the noise pool is saved keyed by the optimizers' parameter order
             self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
                                    for p in g["params"])

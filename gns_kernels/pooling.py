@@ -271,6 +271,18 @@ class NoisePool:
     def drop(self, key: Hashable) -> None:
         self._entries.pop(key, None)
 
+    def rekey(self, key_map) -> None:
+        """Move every entry to ``key_map(key)``; an entry whose new key is None is dropped
+        (the keys' owner changed its parameter order)."""
+        entries = {k: self._entries[k] for k in self.keys()}
+        moved = {}
+        for k, e in entries.items():
+            new = key_map(k)
+            if new is not None:
+                moved[new] = e
+        self._entries.clear()
+        self._entries.update(moved)
+
     def clear(self) -> None:
         self._join_stream()
         self._entries.clear()

@@ -297,15 +297,16 @@ class GNSHookState:
             return order.get(old_ids.get(key))
 
         if self.pool is not None and len(self.pool):
-            ents = {k: self.pool._entries[k] for k in self.pool.keys()}
-            self.pool.clear()
-            for k, e in ents.items():
-                new = remap(k)
-                if new is not None:
-                    self.pool._entries[new] = e
+            self.pool.rekey(remap)
         owners = ((remap(k), o) for k, o in self.pool_owners.items())
         self.pool_owners = {k: o for k, o in owners if k is not None}
         self._order = order
+
+    @property
+    def has_param_order(self) -> bool:
+        """Whether a parameter order keys the noise pool (``params=`` or ``bind_params``),
+        so that ``state_dict()`` can save it."""
+        return self._order is not None
 
     def pool_key(self, param: Tensor):
         """The noise pool's key of ``param``: its position in the parameter order, else
