@@ -60,6 +60,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from ._dcp_guard import refuse_unwrapped_dcp
 from ._validation import check_int as _check_int
 from ._validation import check_signal as _check_signal
 from .controller import AdaptiveBatchSize
@@ -850,10 +851,7 @@ class AdaptiveBatching:
         schedulers' own state dicts). For torch.distributed.checkpoint wrap the coordinator
         in ``gns_kernels.integrations.dcp.DCPState`` (the state is per rank); handed to DCP
         as it is, this raises RuntimeError."""
-        from .integrations.dcp import DCP_MESSAGE, called_by_dcp
-
-        if called_by_dcp():
-            raise RuntimeError(DCP_MESSAGE.format(what="AdaptiveBatching"))
+        refuse_unwrapped_dcp("AdaptiveBatching")
         return {
             "version": _STATE_VERSION, "step": self._step, "samples_seen": self._samples,
             "batch_size": self._batch, "world_size": self.world_size,

@@ -67,6 +67,7 @@ import warnings
 from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
 from ..estimators import GEOMETRIES
+from .._dcp_guard import refuse_unwrapped_dcp
 from ..pooling import NoisePool, check_pool_beta
 from ._stats import exact_sum
 from ..spectral.hints import EigHints
@@ -531,6 +532,7 @@ class GNSHookState:
         to resume (the estimate and a 'last' shift are not kept). Reads a measurement not yet
         read (its hints). The pool is saved only with a parameter order (``params`` or
         ``bind_params``; otherwise a RuntimeWarning says it is left out)."""
+        refuse_unwrapped_dcp(type(self).__name__)  # the pool is this rank's
         if self._pending is not None:
             self._materialize()
         sd = {"step": self._step, "every": self.every, "batch_size": self._batch_size,

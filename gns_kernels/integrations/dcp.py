@@ -41,11 +41,11 @@ untrusted source can run code through DCP's own reading whatever this module doe
 from __future__ import annotations
 
 import io
-import sys
 import warnings
 from typing import Any
 
 import torch
+
 
 __all__ = ["DCPState", "PREFIX"]
 
@@ -90,30 +90,6 @@ def _without_pool(sd: dict) -> dict:
 
 def _has_pool(sd: dict) -> bool:
     return "pool" in sd or (isinstance(sd.get("hook"), dict) and "pool" in sd["hook"])
-
-
-def called_by_dcp() -> bool:
-    """True when a ``state_dict()`` call comes straight from torch.distributed.checkpoint's
-    save or load (a frame of its state_dict_saver / state_dict_loader is on the stack with
-    no ``DCPState`` frame in between)."""
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            return False
-        mod = frame.f_globals.get("__name__", "")
-        if mod == __name__:
-            return False
-        if mod in ("torch.distributed.checkpoint.state_dict_saver",
-                   "torch.distributed.checkpoint.state_dict_loader"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-DCP_MESSAGE = ("{what}: handed to torch.distributed.checkpoint as it is; DCP keeps one copy "
-               "of a key that every rank holds, so every rank would load one rank's noise "
-               "pool. Wrap it: {{'coord': gns_kernels.integrations.dcp.DCPState(coord)}} "
-               "(docs/integrations.md)")
 
 
 class DCPState:

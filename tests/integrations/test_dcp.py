@@ -68,3 +68,19 @@ def test_dcp_on_a_smaller_world():
         saved = run_world(W, "save_only", 3, folder=folder, timeout=120)
         shrunk = run_world(W, "load_resized", 2, folder=folder, timeout=120)
     _check_resized(saved, shrunk)
+
+
+def test_hook_state_handed_to_dcp_unwrapped_is_refused(tmp_path):
+    """A hook state's noise pool is per rank; DCP keeps one copy of a shared key, so the
+    state handed to dcp.save as it is raises, naming the DCPState wrapper."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from gns_kernels.distributed import GNSHookState, MicroBatchGNS
+
+    for state in (GNSHookState(geometry="l1", every=1, batch_size=8),
+                  MicroBatchGNS(torch.nn.Linear(3, 2).parameters(), geometry="l1", every=1,
+                                batch_size=8, micro_batches=2)):
+        with pytest.raises(RuntimeError, match=f"^{type(state).__name__}: handed to torch.distributed.checkpoint.*DCPState"):
+            dcp.save({"gns": state}, checkpoint_id=str(tmp_path / type(state).__name__))
+        state.state_dict()          # a plain call still works
