@@ -98,16 +98,23 @@ def _problem(n=400, seed=0):
     return X, Y
 
 
-def _one_rank_run(steps=6, geometry="l1", seed=3):
-    """A real one-rank coordinator (MicroBatchGNS, pool on) after ``steps`` steps."""
-    X, Y = _problem()
+def _fresh_coord(geometry="l1", seed=3, max_batch_size=32):
+    """A one-rank coordinator (MicroBatchGNS, pool on) on a fresh model, before any step:
+    (coordinator, MicroBatchGNS, optimizer, model)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
     mb = MicroBatchGNS(model.parameters(), geometry=geometry, every=2, batch_size=8, micro_batches=2)
-    coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, max_batch_size=32,
-                             theta=0.6, schedulers=[sched])
+    coord = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8,
+                             max_batch_size=max_batch_size, theta=0.6, schedulers=[sched])
+    return coord, mb, opt, model
+
+
+def _one_rank_run(steps=6, geometry="l1", seed=3):
+    """A real one-rank coordinator (MicroBatchGNS, pool on) after ``steps`` steps."""
+    X, Y = _problem()
+    coord, mb, opt, model = _fresh_coord(geometry, seed)
     loader = DataLoader(TensorDataset(X, Y), batch_sampler=coord.batch_sampler(len(X), seed=3))
     for _ in coord.steps(max_steps=steps):
         for (x, y), ctx in coord.micro_batches(loader):
@@ -125,13 +132,7 @@ def test_rejected_sampler_load_leaves_no_half_made_sampler():
     assert saved_pos > 0
 
     X, Y = _problem()
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 1.0 / (1 + 0.1 * k))
-    mb2 = MicroBatchGNS(model.parameters(), geometry="l1", every=2, batch_size=8, micro_batches=2)
-    c2 = AdaptiveBatching(mb2, opt2, micro_batch_size=4, initial_batch_size=8, max_batch_size=32,
-                          theta=0.6, schedulers=[sched2])
+    c2, *_ = _fresh_coord()
     c2.load_state_dict(ck)
     with pytest.raises(ValueError, match="seed=3"):
         c2.batch_sampler(len(X), seed=4)          # the checkpoint used seed 3
@@ -255,13 +256,7 @@ def test_coordinator_resume_under_a_smaller_cap():
     sd = coord.state_dict()
     sd["controller"]["batch_size"] = 32
     sd["batch_size"] = 32
-    X, Y = _problem()
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
-    mb = MicroBatchGNS(model.parameters(), geometry="l1", every=2, batch_size=8, micro_batches=2)
-    c2 = AdaptiveBatching(mb, opt, micro_batch_size=4, initial_batch_size=8, max_batch_size=16,
-                          theta=0.6, schedulers=[sched])
+    c2, mb, *_ = _fresh_coord(max_batch_size=16)
     with pytest.warns(RuntimeWarning, match="max_batch_size"):
         c2.load_state_dict(sd, strict=False)
     assert c2.batch_size == 16 and mb.batch_size == 16
