@@ -103,6 +103,13 @@ def _calling_grad_scaler():
     return None
 
 
+def _lr_moved(group: dict, multiplier: float) -> bool:
+    """A param group's lr is not its scheduled lr x the multiplier: set outside the
+    coordinator."""
+    return not math.isclose(float(group["lr"]), group["scheduled_lr"] * multiplier,
+                            rel_tol=1e-12, abs_tol=0.0)
+
+
 class _FSDPSync:
     """Context: FSDP2 ``set_requires_gradient_sync(flag)`` inside, sync re-enabled after."""
 
@@ -583,8 +590,7 @@ class AdaptiveBatching:
                             "once per coord.step()")
         m = self._lrm.multiplier
         for i, opt in enumerate(self.optimizers):
-            changed = any(not math.isclose(float(g["lr"]), g["scheduled_lr"] * m, rel_tol=1e-12,
-                                           abs_tol=0.0) for g in opt.param_groups)
+            changed = any(_lr_moved(g, m) for g in opt.param_groups)
             if (changed and getattr(opt.step, "_wrapped_by_lr_sched", False)
                     and not any(getattr(s, "optimizer", None) is opt for s in self.schedulers)):
                 raise RuntimeError(
@@ -735,8 +741,7 @@ class AdaptiveBatching:
         m = self._lrm.multiplier
         for opt in self.optimizers:
             for group in opt.param_groups:
-                expected = group["scheduled_lr"] * m
-                if not math.isclose(float(group["lr"]), expected, rel_tol=1e-12, abs_tol=0.0):
+                if _lr_moved(group, m):
                     self._warn_once(
                         "lr", "a param group's lr was changed outside the coordinator (a scheduler "
                         "stepped by hand?); it is taken as the new scheduled rate. Pass "
