@@ -279,18 +279,11 @@ class AdaptiveBatchSize:
 
     # ------------------------------------------------------------------ the rule
     def _invalid_reason(self, step: int, estimate: Any) -> str | None:
-        try:
-            noise = estimate.noise
-            signal = estimate.signal
-        except AttributeError:
-            raise TypeError(
-                "estimate must be None or have float attributes noise, signal (and "
-                f"optionally valid, step), e.g. gk.GNSEstimate; got {type(estimate).__name__}"
-            ) from None
-        est_step = getattr(estimate, "step", None)
+        noise, signal = estimate.noise, estimate.signal  # a GNSEstimate (update checked it)
+        est_step = estimate.step
         if isinstance(est_step, Integral) and not isinstance(est_step, bool) and est_step != step:
             return f"stale estimate (measured at step {est_step})"
-        if not bool(getattr(estimate, "valid", True)):
+        if not bool(estimate.valid):
             return "estimate.valid is False"
         try:
             noise = float(noise)
