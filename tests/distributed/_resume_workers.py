@@ -105,13 +105,7 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
     ddp.register_comm_hook(state, hook)
     coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=B0,
                              max_batch_size=8 * B0, theta=0.3)
-    if resume:
-        ckpt = torch.load(path, weights_only=True)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-        coord.load_state_dict(ckpt["coord"])
-    ds = _data()
-    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+    loader = _resume_and_loader(coord, model, opt, path, resume)
     rows = []
     for k in coord.steps(max_steps=steps):
         if not resume and k == save_at:
@@ -128,16 +122,22 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
             "weights": [p.detach().clone() for p in model.parameters()]}
 
 
-def _run_model_form(ddp, model, opt, B0, path, geometry, resume, steps, save_at):
-    coord = AdaptiveBatching(ddp, opt, micro_batch_size=4, initial_batch_size=B0,
-                             max_batch_size=8 * B0, theta=0.3, every=1, geometry=geometry)
+def _resume_and_loader(coord, model, opt, path, resume):
+    """Load model, optimizer and coordinator from ``path`` when resuming; the loader over
+    the coordinator's sampler."""
     if resume:
         ckpt = torch.load(path, weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         coord.load_state_dict(ckpt["coord"])
     ds = _data()
-    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+    return DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)), num_workers=0)
+
+
+def _run_model_form(ddp, model, opt, B0, path, geometry, resume, steps, save_at):
+    coord = AdaptiveBatching(ddp, opt, micro_batch_size=4, initial_batch_size=B0,
+                             max_batch_size=8 * B0, theta=0.3, every=1, geometry=geometry)
+    loader = _resume_and_loader(coord, model, opt, path, resume)
     rows = []
     for batch in coord.batches(loader, max_steps=steps):
         for x, y in batch:
