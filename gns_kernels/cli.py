@@ -30,6 +30,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "gns_kernels.demo.train",
         "train a byte-level transformer with DDP, growing the batch by the GNS (Algorithm 1)",
     ),
+    ("probe",): (
+        "gns_kernels.demo.probe",
+        "critical batch size from a demo run's checkpoint (short branches at several B) beside its GNS",
+    ),
     ("bench", "overhead"): (
         "gns_kernels.benchmarks.overhead",
         "step-time overhead of the l1 and S1 GNS hooks under DDP or FSDP2 (the paper's Table 9)",

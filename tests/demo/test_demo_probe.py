@@ -1,0 +1,100 @@
+"""`gns-kernels probe RUN_DIR`: the plumbing on a tiny one-rank demo run stopped with
+--stop-at-step (branches restored from its checkpoint, the run's LR rule and validation
+windows, the report), and bad input. The criterion's arithmetic: tests/test_probe.py."""
+import json
+import math
+import os
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from gns_kernels.cli import main
+from gns_kernels.demo.probe import DemoRun, load_run
+
+TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--mlp", "64", "--context", "32",
+        "--val-windows", "16", "--quiet"]
+RUN = ["--ranks", "1", "--optimizer", "signum", "--lr", "4e-3", "--samples", "640",
+       "--initial-batch-size", "8", "--every", "2", "--eval-every", "5", "--raw-gns",
+       "--max-local-batch", "4", "--seed", "3", "--stop-at-step", "6", *TINY]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    std = sysconfig.get_paths()["stdlib"]
+    for n in ["argparse.py", "csv.py", "textwrap.py", "string.py", "fractions.py", "heapq.py",
+              "bisect.py", "random.py", "shutil.py", "dataclasses.py", "enum.py", "functools.py"]:
+        shutil.copy(os.path.join(std, n), root / n)
+    out = str(tmp_path_factory.mktemp("run") / "r")
+    assert main(["demo", *RUN, "--corpus", str(root), "--out", out]) == 0
+    return out
+
+
+@pytest.mark.distributed
+def test_branch_restores_the_checkpoint_and_the_runs_lr_rule(stopped):
+    cfg, ck = load_run(stopped)
+    run = DemoRun(cfg, ck)
+    assert run.step == 6 and run.samples_seen == 48 and run.batch_size == 8 and run.micro_batch == 4
+    model, opts = run.start()
+    for k, v in ck["model"].items():
+        torch.testing.assert_close(model.state_dict()[k], v)
+    # the momentum buffers came back
+    assert any("momentum_buffer" in st for st in opts[0].state.values())
+    # the LR rule: base lr x warmup_cosine(samples) x sqrt(B / B_0), by hand
+    import gns_kernels as gk
+    warm = cfg.lr_warmup * cfg.samples
+    for n, B in ((0, 8), (16, 32)):
+        f = gk.warmup_cosine(48 + n, cfg.samples, warm, cfg.lr_min_ratio) * math.sqrt(B / 8)
+        assert run.lr_rule(n, B) == pytest.approx(f)
+    # the run's own lr at the checkpoint is base x schedule(samples seen) x omega (B = B_0)
+    assert opts[0].param_groups[0]["lr"] == pytest.approx(
+        opts[0].param_groups[0]["base_lr"] * run.lr_rule(0, 8), rel=1e-6)
+    assert 0 < run.evaluate(model) < math.log(256) + 1
+
+
+@pytest.mark.distributed
+def test_probe_command_writes_its_report(stopped, tmp_path, capsys):
+    out = str(tmp_path / "p")
+    rc = main(["probe", stopped, "--batch-sizes", "8,16,32", "--samples", "48", "--seeds", "0,1",
+               "--repeats", "2", "--evals", "4", "--out", out, "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "B_crit: median" in text and "theta for B_crit" in text
+    r = json.load(open(os.path.join(out, "probe.json")))
+    assert set(r["per_seed"]) == {"0", "1"}
+    assert set(r["gns"]["fresh"]) == {"l1", "nuclear", "l2"}
+    for seed, v in r["per_seed"].items():
+        curves = v["curves"]
+        assert curves["8"][0][-1] == 48                   # the smallest B ran --samples
+        assert curves["8"][1][-1] == pytest.approx(v["target"])
+        assert all(c[0][-1] <= 96 for c in curves.values())   # cap 2 x 48
+        assert v["ratios"]["8"] == pytest.approx(1.0)
+    # the two seeds start from the same point and read different data
+    assert r["per_seed"]["0"]["curves"]["8"][1][0] == r["per_seed"]["1"]["curves"]["8"][1][0]
+    assert r["per_seed"]["0"]["target"] != r["per_seed"]["1"]["target"]
+    for g, v in r["gns"]["fresh"].items():
+        if v["theta_for_b_crit"] is not None:
+            assert v["theta_for_b_crit"] == pytest.approx(math.sqrt(v["gns"] / r["summary"]["b_crit_median"]))
+    assert os.path.exists(os.path.join(out, "probe.txt"))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batch-sizes", "16"], "--batch-sizes"),
+    (["--batch-sizes", "16,x"], "--batch-sizes"),
+    (["--samples", "4"], "--samples"),
+    (["--tolerance", "0.5"], "--tolerance"),
+    (["--cap", "1.1", "--tolerance", "1.25"], "--cap"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_input_one_line(argv, needle, tmp_path, capsys):
+    assert main(["probe", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gns-kernels probe: error:") and needle in err[0]
+
+
+def test_missing_checkpoint_named(tmp_path, capsys):
+    assert main(["probe", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.pt" in err
