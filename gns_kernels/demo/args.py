@@ -35,11 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "comes from DIR/config.json, except --quiet, --stop-at-step and --timeout)")
     g.add_argument("--compare", action="store_true",
                    help="constant small, constant large, adaptive l2, adaptive in the optimizer's geometry")
-    g.add_argument("--preset", default=None, choices=["paper-cpu"],
+    g.add_argument("--preset", default=None, choices=["paper-cpu", "paper-cpu-20"],
                    help="fixed options of a named experiment (see docs/demo.md; an option given "
                         "on the command line wins over the preset's); with --compare, paper-cpu "
                         "runs the paper's Table 2 protocol (B_0 grid, Signum and Muon, 3 seeds; "
-                        "with --optimizer, that optimizer alone)")
+                        "with --optimizer, that optimizer alone; with --theta, the "
+                        "geometry-matched runs at that theta); paper-cpu-20: the same at 20 "
+                        "bytes per parameter (84,720 parameters, 26475 sequences)")
     g.add_argument("--jobs", type=int, default=1,
                    help="--compare --preset: runs at a time (each run's process gets "
                         "OMP_NUM_THREADS threads, else cpu_count // jobs)")

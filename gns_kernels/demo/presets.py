@@ -60,6 +60,11 @@ PRESETS: dict[str, dict] = {
                       max_batch_size=512, max_local_batch=64, checkpoint_every=100000,
                       bias_correction=False, lr_min_ratio=0.0),
 }
+# the 20-bytes-per-parameter regime of issue 34 (docs/record/demo-experiments.md): the
+# same protocol with an 84,720-parameter model and 26475 sequences (1.69M bytes), the
+# constant baselines step-limited rather than flat at the end
+PRESETS["paper-cpu-20"] = dict(PRESETS["paper-cpu"], dim=48, layers=2, heads=4, mlp=144,
+                               samples=26475, eval_every=50)
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class Protocol:
         raise DemoError(f"Protocol.select: expected 'all' or 'first', got {self.select!r}")
 
 
-PROTOCOLS = {"paper-cpu": Protocol()}
+PROTOCOLS = {"paper-cpu": Protocol(), "paper-cpu-20": Protocol()}
 
 
 def apply_preset(cfg: DemoConfig, name: str, keep=()) -> DemoConfig:
@@ -393,15 +398,22 @@ def _const_folder(B: int, lr: float | None, seed: int, first_seed: int) -> str:
             else f"const_B{B}{_lr_tag(lr)}_seed{seed}")
 
 
+def _theta_tag(theta: float | None) -> str:
+    return "" if theta is None else f"_th{theta:.6g}"
+
+
 def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folder: str,
-                 lrs: dict | None = None) -> dict:
+                 lrs: dict | None = None, theta: float | None = None) -> dict:
     """The three runs of one seed: {"baseline", "euclidean", "adaptive"} -> DemoConfig with
     its run folder under `folder` (the baseline of grid_seed is the grid's run at B0).
-    lrs: kind -> peak LR (None or missing: the optimizer's default)."""
+    lrs: kind -> peak LR (None or missing: the optimizer's default). theta: Algorithm 1's
+    theta of the geometry-matched run (None: 0.6; its folder and label then name no
+    theta), e.g. from ``--theta`` or the critical-batch probe; the l2 run keeps 0.3."""
     lrs = lrs or {}
     geom = base_cfg.resolved_geometry()
     lb, le, la = (lrs.get(k) for k in ("baseline", "euclidean", "adaptive"))
     base_out = _const_folder(B0, lb, seed, grid_seed)
+    geom_label = f"Non-Euclidean GNS ({geom})" + ("" if theta is None else f" theta {theta:g}")
     return {
         "baseline": replace(base_cfg, adaptive=False, initial_batch_size=B0, seed=seed, lr=lb,
                             label=f"B={B0}", multiple_of=None, out=os.path.join(folder, base_out)),
@@ -409,8 +421,8 @@ def seed_configs(base_cfg: DemoConfig, B0: int, seed: int, grid_seed: int, folde
                              geometry="l2", label="Euclidean GNS (l2)",
                              out=os.path.join(folder, f"l2{_lr_tag(le)}_seed{seed}")),
         "adaptive": replace(base_cfg, adaptive=True, initial_batch_size=B0, seed=seed, lr=la,
-                            label=f"Non-Euclidean GNS ({geom})",
-                            out=os.path.join(folder, f"{geom}{_lr_tag(la)}_seed{seed}")),
+                            theta=theta, label=geom_label,
+                            out=os.path.join(folder, f"{geom}{_lr_tag(la)}{_theta_tag(theta)}_seed{seed}")),
     }
 
 
@@ -441,6 +453,9 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     t0 = time.time()
     per_opt, grid_res, curves = {}, {}, {}
+    theta = cfg.theta   # --theta: the geometry-matched runs' (the l2 runs keep 0.3)
+    if theta is not None and not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+        raise DemoError(f"--theta must be a finite number > 0, got {theta!r}")
     base_cfgs = {opt: replace(cfg, optimizer=opt, geometry=None, theta=None, lr=None)
                  for opt in protocol.optimizers}
     for opt, bc in base_cfgs.items():
@@ -477,7 +492,7 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
                  for lr in lrs[opt] for k in ("euclidean", "adaptive")]
     tune_rcs = [seed_configs(base_cfgs[opt], B0s[opt], seed, first, os.path.join(top, opt),
                              {"baseline": tuned[opt]["baseline"], "euclidean": lr,
-                              "adaptive": lr})[k]
+                              "adaptive": lr}, theta)[k]
                 for opt, lr, k in tune_keys for seed in sel]
     done = _run_all(tune_rcs, log, jobs)
     tuning, searched = {}, {}
@@ -493,7 +508,7 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
             f"(lowest mean final validation loss over seeds {', '.join(str(x) for x in sel)})")
     # 3. baseline, l2 and geometry-matched adaptive runs per seed
     seed_runs = {(opt, seed): seed_configs(base_cfgs[opt], B0s[opt], seed, first,
-                                           os.path.join(top, opt), tuned[opt])
+                                           os.path.join(top, opt), tuned[opt], theta)
                  for opt in protocol.optimizers for seed in protocol.seeds}
     order = [(key, k) for key, runs in seed_runs.items() for k in runs]
     order.sort(key=lambda item: item[1] != "baseline")  # the longest runs (constant B_0) first

@@ -425,3 +425,59 @@ def test_per_optimizer_grids_and_selection_seeds_are_checked():
         Protocol(select="best").select_seeds()
     with pytest.raises(DemoError, match="Protocol.seeds: expected at least one seed"):
         Protocol(seeds=()).select_seeds()
+
+
+def test_paper_cpu_20_is_twenty_bytes_per_parameter():
+    """The issue-34 regime: 84,720 parameters (counted here on the model) and 26475
+    sequences of 64 bytes, 20.0 bytes per parameter; everything else as paper-cpu."""
+    from gns_kernels.demo.model import ByteTransformer
+
+    p, base = PRESETS["paper-cpu-20"], PRESETS["paper-cpu"]
+    model = ByteTransformer(vocab=256, dim=p["dim"], n_layers=p["layers"], n_heads=p["heads"],
+                            mlp_hidden=p["mlp"], context=p["context"])
+    n = sum(t.numel() for t in model.parameters())
+    assert n == 84720
+    assert p["samples"] * p["context"] / n == pytest.approx(20.0, abs=1e-3)
+    assert p["eval_every"] == 50
+    assert {k: v for k, v in p.items() if k not in ("dim", "layers", "heads", "mlp", "samples", "eval_every")} == \
+        {k: v for k, v in base.items() if k not in ("dim", "layers", "heads", "mlp", "samples", "eval_every")}
+
+
+def test_every_preset_is_a_command_line_choice():
+    from gns_kernels.cli import build_parser
+    from gns_kernels.demo.presets import PROTOCOLS
+
+    parser = build_parser(["demo"]).parse_args(["demo"])._parser
+    choices = next(a.choices for a in parser._actions if "--preset" in a.option_strings)
+    assert sorted(choices) == sorted(PRESETS) == sorted(PROTOCOLS)
+
+
+def test_theta_applies_to_the_geometry_matched_runs(monkeypatch, tmp_path):
+    """--theta with --compare --preset: the geometry-matched runs (search and table) run at
+    it in folders named by it, so runs at another theta are never reused or overwritten;
+    the l2 runs and the baselines are the same runs as without --theta."""
+    import dataclasses
+
+    import gns_kernels.demo.plots as plots
+    import gns_kernels.demo.presets as presets
+
+    launched = []
+    monkeypatch.setattr(presets, "_run", _fake_protocol_run(lambda rc: 1.0 + 0.01 * rc.seed, launched))
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
+    proto = Protocol(optimizers=("signum",), seeds=(0, 1), grid=(16,), lrs=(("signum", (4e-3,)),))
+    run_paper(dataclasses.replace(DemoConfig(), theta=1.5), proto, str(tmp_path / "a"), log=lambda m: None)
+    with_theta = list(launched)
+    launched.clear()
+    run_paper(DemoConfig(), proto, str(tmp_path / "a"), log=lambda m: None)
+    geo = [rc for rc in with_theta if rc.adaptive and rc.resolved_geometry() == "l1"]
+    assert geo and all(rc.theta == 1.5 and rc.resolved_theta() == 1.5 for rc in geo)
+    assert all(os.path.basename(rc.out).startswith("l1_lr0.004_th1.5_seed") for rc in geo)
+    l2 = [rc for rc in with_theta if rc.adaptive and rc.resolved_geometry() == "l2"]
+    assert l2 and all(rc.resolved_theta() == 0.3 for rc in l2)
+    others = sorted(rc.out for rc in with_theta if rc not in geo)
+    assert others == sorted(rc.out for rc in launched
+                            if not (rc.adaptive and rc.resolved_geometry() == "l1"))
+    assert not any("_th" in os.path.basename(rc.out) for rc in launched)
+    with pytest.raises(DemoError, match="--theta"):
+        run_paper(dataclasses.replace(DemoConfig(), theta=-1.0), proto, str(tmp_path / "b"),
+                  log=lambda m: None)
