@@ -1,5 +1,7 @@
-"""Hugging Face ``Trainer``: ``GNSTrainerCallback`` measures and logs the GNS of a run's
-gradient-accumulation micro-batches. What the user adds::
+"""Hugging Face ``Trainer``: ``AdaptiveTrainer`` (a ``Trainer`` subclass) adapts the batch
+size from the GNS; ``GNSTrainerCallback`` only measures and logs the GNS of a run's
+gradient-accumulation micro-batches. ``AdaptiveTrainer`` is documented on the class; the
+callback, what the user adds::
 
     from gns_kernels.integrations.huggingface import GNSTrainerCallback
     args = TrainingArguments(..., gradient_accumulation_steps=4, max_grad_norm=0.0)
@@ -29,16 +31,19 @@ ratio, does not depend on a constant scale. Reporters that run before this callb
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from typing import Any, Optional
 
 from ._common import missing, scalars
 
 try:
+    from transformers import Trainer as _Trainer
     from transformers import TrainerCallback as _TrainerCallback
 except ImportError as exc:  # pragma: no cover
     raise missing("transformers", "hf", "gns_kernels.integrations.huggingface") from exc
 
-__all__ = ["GNSTrainerCallback"]
+__all__ = ["GNSTrainerCallback", "AdaptiveTrainer"]
 
 
 class GNSTrainerCallback(_TrainerCallback):
@@ -121,3 +126,311 @@ class GNSTrainerCallback(_TrainerCallback):
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(self._pending)  # the Trainer appended it before on_log
             self._pending = None
+
+
+# ---------------------------------------------------------------------------- the trainer
+_STATE_FILE = "gns_kernels_rank{}.pt"
+
+
+class _StepTick(dict):
+    """What the Trainer's own loop iterates: one item per optimizer step (empty: the
+    step's micro-batches come from the coordinator's loader inside ``training_step``)."""
+
+
+class _Ticks:
+    """The Trainer's "train dataloader": endless ticks, no length (the Trainer then runs
+    ``max_steps`` optimizer steps in one "epoch")."""
+
+    def __iter__(self):
+        while True:
+            yield _StepTick()
+
+
+class _CoordinatedScheduler:
+    """The Trainer's ``lr_scheduler`` while the coordinator owns the lr: the Trainer's own
+    ``step()`` after each optimizer step does nothing (``coord.step()`` steps the real
+    scheduler on the un-multiplied rates and sets lr = scheduled x omega); the rest is
+    the real scheduler's (state_dict, load_state_dict, ...); ``get_last_lr`` reads the
+    rates the optimizer runs with."""
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+
+    def step(self, *args, **kwargs):
+        return None
+
+    def get_last_lr(self):
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+
+class _AdaptiveSteps(_TrainerCallback):
+    """AdaptiveTrainer's own callback: ends the coordinator's step after the optimizer
+    step (``on_step_end``, before logging and saving) and writes the coordinator's state
+    into each checkpoint (``on_save``, every rank its own file)."""
+
+    def __init__(self, trainer: "AdaptiveTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t.coord is not None:
+            t.coord.step()
+            t.gns_history.append(t.coord.metrics())
+
+    def on_save(self, args, state, control, **kwargs):
+        import torch
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        t = self.trainer
+        if t.coord is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(t.coord.state_dict(), os.path.join(folder, _STATE_FILE.format(t.coord.rank)))
+
+
+class AdaptiveTrainer(_Trainer):
+    """A Hugging Face ``Trainer`` whose batch size adapts from the GNS: step k accumulates
+    A_k micro-batches of ``per_device_train_batch_size`` = b per process, A_k from
+    ``gk.AdaptiveBatching`` (Algorithm 1; the lr multiplied by omega_k)::
+
+        from gns_kernels.integrations.huggingface import AdaptiveTrainer
+        args = TrainingArguments(..., per_device_train_batch_size=b, max_steps=N)
+        trainer = AdaptiveTrainer(model, args, train_dataset=ds,
+                                  initial_batch_size=64, max_batch_size=1024)
+        trainer.train()                    # resume: trainer.train(resume_from_checkpoint=...)
+
+    How (transformers 5.x): a callback cannot change the loop, and the Trainer decides the
+    accumulation inside ``_run_epoch`` from ``args.gradient_accumulation_steps`` (which
+    micro-batch steps, ``(step + 1) % A == 0``, so A cannot change mid-run). This class
+    keeps the Trainer's loop with ``gradient_accumulation_steps=1`` (one loop iteration =
+    one optimizer step) and overrides three public methods: ``get_train_dataloader``
+    returns endless step ticks, ``get_batch_samples`` hands one tick per step (and stops
+    at ``max_samples``), and ``training_step`` runs the step's A_k micro-batches from
+    ``coord.micro_batches`` (the coordinator's sampler over ``train_dataset``, the first
+    A_k - 1 under DDP's ``no_sync()``), each micro-batch's mean loss divided by A_k. The
+    Trainer then clips (the GNS was read before: clipping is allowed), steps the
+    optimizer, and a callback calls ``coord.step()``. The Trainer's LR scheduler is
+    stepped by the coordinator (the Trainer's own ``lr_scheduler.step()`` becomes a
+    no-op), so the lr is scheduled x omega. Logs: ``coord.metrics()`` under ``gns/`` in
+    every training log (``logging_steps``); every step's metrics in
+    ``trainer.gns_history``. Checkpoints: each rank's ``coord.state_dict()`` in the
+    checkpoint folder (``gns_kernels_rank{r}.pt``), read back by
+    ``train(resume_from_checkpoint=...)``: the data position, batch, EMAs and noise pool
+    continue (the Trainer restores model, optimizer, scheduler and RNG).
+
+    What it changes or replaces: the data (``train_dataset`` must be map-style; it is read
+    through the coordinator's ``batch_sampler``, so a custom ``get_train_dataloader``,
+    ``group_by_length`` or a train sampler is not used; ``dataloader_num_workers``,
+    ``dataloader_pin_memory`` and the collator are), the accumulation, the lr multiplier,
+    ``ignore_data_skip`` (set True: the coordinator keeps the data position). The loss:
+    each micro-batch's mean loss / A_k (the Trainer's token-count normalization,
+    ``num_items_in_batch``, is not used: the GNS treats each micro-batch, and each rank,
+    as a sample of equal weight). ``state.epoch`` counts max_steps, not data passes
+    (``gns/samples_seen`` counts examples). Refused: ``gradient_accumulation_steps`` != 1,
+    ``max_steps`` <= 0 (epochs have no fixed number of steps when the batch grows; give
+    ``max_samples`` to stop by examples), ``ddp_find_unused_parameters=True`` (set False
+    on several processes: with it the DDP comm hook hit a gloo collective mismatch, also
+    in a plain loop), fp16 (its GradScaler is not handed to the
+    coordinator; use bf16), DeepSpeed, FSDP, several GPUs in one process (DataParallel),
+    an ``IterableDataset``. Hyperparameter search (``trial``) checkpoints are not handled.
+
+    Args (besides the ``Trainer``'s):
+        initial_batch_size: B_0, global examples of step 0 (a multiple of processes x b;
+            one process: >= 2 b, the micro-batches are the GNS samples).
+        max_batch_size: cap on B (a multiple of processes x b), or None.
+        max_samples: stop before a step would pass this many global examples (None:
+            ``max_steps`` only).
+        coordinator: other ``gk.AdaptiveBatching`` arguments (theta, every, geometry,
+            warmup_steps, max_growth, signal, lr_scaling, ...).
+        gns_prefix: the logged keys' prefix.
+    """
+
+    def __init__(self, *args: Any, initial_batch_size: int, max_batch_size: Optional[int] = None,
+                 max_samples: Optional[int] = None, coordinator: Optional[dict] = None,
+                 gns_prefix: str = "gns/", **kwargs: Any):
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if targs is not None and targs.world_size > 1:
+            if targs.ddp_find_unused_parameters:
+                raise ValueError(
+                    "ddp_find_unused_parameters: True is not supported: DDP with "
+                    "find_unused_parameters=True and the GNS comm hook ended in a gloo collective "
+                    "mismatch (SIGABRT) in tests, also in a plain gk.AdaptiveBatching loop; set it "
+                    "False (the default here)")
+            # read when the Trainer builds its accelerator; its None means True for a
+            # PreTrainedModel
+            targs.ddp_find_unused_parameters = False
+        super().__init__(*args, **kwargs)
+        coordinator = dict(coordinator or {})
+        for bad in ("micro_batch_size", "world_size", "rank", "schedulers", "grad_scaler",
+                    "initial_batch_size", "max_batch_size"):
+            if bad in coordinator:
+                raise ValueError(f"coordinator: {bad!r} is set by AdaptiveTrainer (from the "
+                                 "TrainingArguments or its own arguments); leave it out")
+        a = self.args
+        if a.gradient_accumulation_steps != 1:
+            raise ValueError(f"gradient_accumulation_steps: {a.gradient_accumulation_steps}; "
+                             "AdaptiveTrainer sets the accumulation per step (A_k = B_k / "
+                             "(processes x per_device_train_batch_size)): leave it 1")
+        if a.max_steps is None or a.max_steps <= 0:
+            raise ValueError("max_steps: AdaptiveTrainer needs max_steps > 0 (optimizer steps): "
+                             "as the batch grows an epoch has no fixed number of steps "
+                             "(num_train_epochs is not used; max_samples= stops by examples)")
+        if a.fp16:
+            raise ValueError("fp16: its GradScaler is not handed to the coordinator (noise and "
+                             "signal would read scale^2 too large); use bf16")
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False) \
+                or getattr(a, "fsdp", None):
+            raise ValueError("AdaptiveTrainer: DeepSpeed and FSDP through the Trainer are not "
+                             "supported (DDP and one process are); for FSDP2 use "
+                             "gk.AdaptiveBatching in your own loop (docs/fsdp.md)")
+        if a.n_gpu > 1:
+            raise ValueError(f"n_gpu: {a.n_gpu} GPUs in one process (DataParallel) are not "
+                             "supported; run one process per GPU (torchrun, DDP)")
+        import torch
+
+        ds = self.train_dataset
+        if ds is None or isinstance(ds, torch.utils.data.IterableDataset) or not hasattr(ds, "__len__"):
+            raise ValueError("train_dataset: AdaptiveTrainer reads a map-style dataset (len and "
+                             "indexing) through the coordinator's sampler; got "
+                             f"{type(ds).__name__}")
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                        or max_samples < initial_batch_size):
+            raise ValueError(f"max_samples: expected an int >= initial_batch_size "
+                             f"({initial_batch_size}), got {max_samples!r}")
+        a.ignore_data_skip = True   # the coordinator keeps the data position
+        self.gns_options = dict(micro_batch_size=a.per_device_train_batch_size,
+                                initial_batch_size=initial_batch_size,
+                                max_batch_size=max_batch_size, **coordinator)
+        self.gns_prefix, self.max_samples = gns_prefix, max_samples
+        self.coord = None
+        self.gns_history: list = []
+        self._gns_loader = None
+        self._gns_resume: Optional[str] = None
+        self._gns_flops = 0.0
+        self.add_callback(_AdaptiveSteps(self))
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        path = resume_from_checkpoint
+        if isinstance(path, bool):
+            if path:
+                from transformers.trainer_utils import get_last_checkpoint
+                path = get_last_checkpoint(self.args.output_dir)
+            else:
+                path = None
+        self._gns_resume = path
+        self.coord, self._gns_loader = None, None   # built at the first training_step
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def get_train_dataloader(self):
+        return _Ticks()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        c = self.coord
+        if (c is not None and self.max_samples is not None
+                and c.samples_seen + c.batch_size > self.max_samples):
+            self.control.should_training_stop = True
+            return [], None
+        return [next(epoch_iterator)], None
+
+    def _gns_setup(self, model):
+        import torch
+
+        from ..adaptive import AdaptiveBatching
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)   # accelerate's wrapper
+        sched = self.lr_scheduler
+        if isinstance(sched, _CoordinatedScheduler):
+            sched = sched.scheduler
+        schedulers = [] if sched is None else [sched]
+        coord = AdaptiveBatching(model, [opt], schedulers=schedulers, **self.gns_options)
+        if self._gns_resume is not None:
+            coord.load_state_dict(self._load_gns_state(self._gns_resume, coord.rank))
+        ds = self.train_dataset
+        try:
+            import datasets
+            is_hf = isinstance(ds, datasets.Dataset)
+        except ImportError:
+            is_hf = False
+        if is_hf:
+            ds, collate = self._remove_unused_columns(ds, description="training"), self.data_collator
+        else:
+            collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        a = self.args
+        seed = a.data_seed if a.data_seed is not None else a.seed
+        # a generator of its own: iter(DataLoader) draws its base seed from it, not from the
+        # global RNG (which the Trainer restores on resume: dropout continues bit-exactly)
+        kw = dict(collate_fn=collate, num_workers=a.dataloader_num_workers,
+                  pin_memory=a.dataloader_pin_memory,
+                  generator=torch.Generator().manual_seed(seed))
+        if a.dataloader_num_workers > 0:
+            kw.update(persistent_workers=a.dataloader_persistent_workers,
+                      prefetch_factor=a.dataloader_prefetch_factor)
+        self._gns_loader = torch.utils.data.DataLoader(
+            ds, batch_sampler=coord.batch_sampler(len(ds), shuffle=True, seed=seed), **kw)
+        if sched is not None:
+            self.lr_scheduler = _CoordinatedScheduler(sched, opt)
+        self.coord = coord
+        return coord
+
+    @staticmethod
+    def _load_gns_state(folder: str, rank: int) -> dict:
+        import torch
+
+        path = os.path.join(folder, _STATE_FILE.format(rank))
+        if not os.path.exists(path):
+            first = os.path.join(folder, _STATE_FILE.format(0))
+            if not os.path.exists(first):
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint: {folder} has no {_STATE_FILE.format(rank)} (the "
+                    "coordinator's state, written by AdaptiveTrainer at each save); was the "
+                    "checkpoint written by a plain Trainer?")
+            warnings.warn(f"AdaptiveTrainer: {folder} has no state of rank {rank} (saved on "
+                          "fewer processes); resuming from rank 0's", RuntimeWarning, stacklevel=3)
+            path = first
+        return torch.load(path, weights_only=True)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        import torch
+
+        if not isinstance(inputs, _StepTick):
+            raise RuntimeError("AdaptiveTrainer.training_step runs a whole optimizer step (the "
+                               "coordinator's A_k micro-batches); it is called by the Trainer's "
+                               "loop with a step tick, not with a batch")
+        coord = self.coord if self.coord is not None else self._gns_setup(model)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        A = coord.accum_steps
+        total = torch.zeros((), device=self.args.device)
+        self._gns_flops = 0.0
+        for batch, ctx in coord.micro_batches(self._gns_loader, model):
+            self._gns_flops += float(super().floating_point_ops(batch))
+            self._track_num_input_tokens(batch)
+            with ctx:
+                micro = self._prepare_inputs(batch)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, micro)
+                self.accelerator.backward(loss / A)
+            total += loss.detach() / A
+        return total
+
+    def floating_point_ops(self, inputs):
+        if isinstance(inputs, _StepTick):
+            return self._gns_flops       # the step's micro-batches, counted in training_step
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs):
+        if isinstance(inputs, _StepTick):
+            return                       # counted per micro-batch in training_step
+        return super()._track_num_input_tokens(inputs)
+
+    def log(self, logs, start_time=None):
+        if self.coord is not None and "loss" in logs and self.coord.metrics():
+            logs = {**logs, **scalars(self.coord.metrics(), self.gns_prefix, keep_step=True)}
+        return super().log(logs, start_time)

@@ -1,0 +1,138 @@
+"""AdaptiveTrainer (a Hugging Face Trainer subclass) on a tiny GPT-2 built locally (no hub
+download): the accumulation A_k changes from the GNS inside one run, the loss of a step is
+the mean over its A_k micro-batches, GNS metrics reach the Trainer's logs, a resume from a
+Trainer checkpoint continues bit-exactly (weights, batch, EMAs, data position), on one
+process and on 2 gloo processes (DDP); wrong settings are refused naming the argument."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                   "(pip install transformers accelerate; in the test extra)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it)")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "distributed"))
+import _hf_workers as W  # noqa: E402
+from _harness import run_world  # noqa: E402
+
+from gns_kernels.integrations.huggingface import AdaptiveTrainer  # noqa: E402
+
+
+def _same_rows(a, b):
+    """Equal metric rows (nan equal to nan: an unmeasured step)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            same = x[k] == y[k] or (isinstance(x[k], float) and x[k] != x[k] and y[k] != y[k])
+            assert same, (x["step"], k, x[k], y[k])
+
+
+def _check_run(out, world):
+    hist = out["history"]
+    assert [h["step"] for h in hist] == list(range(6))
+    sizes = [h["batch_size"] for h in hist]
+    assert sizes[0] == 8 * world and max(sizes) > sizes[0], sizes      # the batch grew mid-run
+    for h in hist:
+        assert h["batch_size"] == world * 4 * h["accum_steps"]
+    samples = [h["samples_seen"] for h in hist]
+    assert samples == [sum(sizes[: i + 1]) for i in range(6)]
+    measured = [h["gns"] for h in hist if h["measured"]]
+    assert len(measured) == 3 and all(g > 0 for g in measured)        # every=2: steps 0, 2, 4
+    # the Trainer's logs carry the coordinator's metrics of the same step
+    logs = out["logs"]
+    assert [int(h["gns/step"]) for h in logs] == list(range(6))
+    assert [h["gns/batch_size"] for h in logs] == [float(s) for s in sizes]
+    # lr = base x sqrt(B / B_0) (constant schedule)
+    for h, lg in zip(hist, logs):
+        assert lg["learning_rate"] == pytest.approx(1e-3 * (h["batch_size"] / sizes[0]) ** 0.5)
+    # resumed from checkpoint-3: steps 3-5 and the final weights bit-exact
+    _same_rows(out["resumed"], hist[3:])
+    for k, v in out["params"].items():
+        assert torch.equal(v, out["resumed_params"][k]), k
+
+
+def test_adaptive_trainer_one_process(tmp_path):
+    out = W.fit(0, 1, str(tmp_path))
+    assert out["ddp"] == "GPT2LMHeadModel"
+    _check_run(out, 1)
+    assert os.path.exists(tmp_path / "checkpoint-3" / "gns_kernels_rank0.pt")
+
+
+@pytest.mark.distributed
+def test_adaptive_trainer_two_gloo_processes():
+    with tempfile.TemporaryDirectory(prefix="gns_hf_") as folder:
+        res = run_world("_hf_workers", "fit", 2, folder=folder, timeout=240)
+    for out in res:
+        assert out["ddp"] == "DistributedDataParallel"
+        _check_run(out, 2)
+    _same_rows(res[0]["history"], res[1]["history"])
+    for k, v in res[0]["params"].items():     # DDP: the same weights on both ranks
+        assert torch.equal(v, res[1]["params"][k]), k
+
+
+def test_adaptive_trainer_step_loss_is_the_micro_batch_mean(tmp_path):
+    """The loss a step reports is the mean of its micro-batches' mean losses (each divided
+    by A_k before backward), recomputed here from the data the coordinator's sampler drew."""
+    seen = []
+
+    class Spy(AdaptiveTrainer):
+        def compute_loss(self, model, inputs, **kw):
+            loss = super().compute_loss(model, inputs, **kw)
+            seen.append(float(loss))
+            return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = Spy(W.model(), W.args(str(tmp_path), max_steps=3, save_strategy="no"),
+                train_dataset=W.DS(), initial_batch_size=8, max_batch_size=32,
+                coordinator=dict(every=1, theta=0.3))
+        t.train()
+    logs = [h for h in t.state.log_history if "gns/step" in h]
+    i = 0
+    for lg in logs:
+        A = int(lg["gns/accum_steps"])
+        assert lg["loss"] == pytest.approx(sum(seen[i:i + A]) / A, rel=1e-5)
+        i += A
+    assert i == len(seen) and len(seen) > 3 * 2          # A grew after step 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+    ({"max_steps": -1}, "max_steps"),
+])
+def test_adaptive_trainer_refusals(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveTrainer(W.model(), W.args(str(tmp_path), **kw), train_dataset=W.DS(),
+                        initial_batch_size=8)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        AdaptiveTrainer(W.model(), W.args(str(tmp_path)), train_dataset=W.DS(),
+                        initial_batch_size=8, coordinator={"micro_batch_size": 2})
+
+    class It(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(ValueError, match="train_dataset"):
+        AdaptiveTrainer(W.model(), W.args(str(tmp_path)), train_dataset=It(), initial_batch_size=8)
+
+
+def test_adaptive_trainer_resume_needs_its_state(tmp_path):
+    """A checkpoint without the coordinator's file (a plain Trainer's) is refused by name."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = transformers.Trainer(W.model(), W.args(str(tmp_path), max_steps=3), train_dataset=W.DS())
+        plain.train()
+        t = AdaptiveTrainer(W.model(), W.args(str(tmp_path), max_steps=6), train_dataset=W.DS(),
+                            initial_batch_size=8)
+        with pytest.raises(FileNotFoundError, match="gns_kernels_rank0.pt"):
+            t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
