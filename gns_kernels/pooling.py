@@ -228,33 +228,64 @@ class NoisePool:
         grad_scale^2: the measurement's units), nu the pool's degrees of freedom
         nu_s / U (float64 0-d), first a 0-d bool tensor, True while no pair of measurements
         exists (the first valid fold: nu is then 0 and meaningless). When C is not finite
-        nothing is folded and nu is NaN. No host synchronization.
+        nothing is folded and nu is NaN. No host synchronization. ``fold_covariances``
+        with one key (the same values).
         """
+        if not isinstance(C, Tensor) or C.dim() != 2 or C.shape[0] != C.shape[1]:
+            raise ValueError(f"C: expected a square k x k matrix, got "
+                             f"{tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__}")
+        P, nu, first = self.fold_covariances([key], C.unsqueeze(0), num_samples, grad_scale)
+        return P[0], nu[0], first[0]
+
+    def fold_covariances(self, keys, C: Tensor, num_samples: int,
+                         grad_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+        """``fold_covariance`` of n distinct keys at once: C (n, k, k) (any float dtype), one
+        covariance per key, all of one side k. Returns (P (n, k, k) float32, nu (n,)
+        float64, first (n,) bool), row i as fold_covariance(keys[i], C[i]) would give. The
+        keys' states are stacked, updated by one vectorized expression and copied back
+        (elementwise and per-matrix reductions only: a key's values do not depend on the
+        other keys of the call). No host synchronization."""
         S = _check_samples(num_samples)
         gs = _check_grad_scale(grad_scale)
-        if C.dim() != 2 or C.shape[0] != C.shape[1]:
-            raise ValueError(f"C: expected a square k x k matrix, got {tuple(C.shape)}")
-        x = C.detach().float() / (gs * gs)
-        ok = torch.isfinite(x.sum(dtype=torch.float64))
-        e = self._entry(key, x, pair=True)
+        keys = list(keys)
+        if not isinstance(C, Tensor) or C.dim() != 3 or C.shape[-1] != C.shape[-2] or C.shape[0] != len(keys):
+            raise ValueError(f"C: expected {len(keys)} square matrices (n, k, k), one per key, got "
+                             f"{tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__}")
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys: expected distinct keys (one fold per key and call)")
+        x = C.detach()
+        x = (x if x.dtype == torch.float32 else x.float()) / (gs * gs)
+        ok = torch.isfinite(x.sum((-2, -1), dtype=torch.float64))
+        es = [self._entry(key, x[i], pair=True) for i, key in enumerate(keys)]
+        P = torch.stack([e.P for e in es])
+        st = torch.stack([t for e in es for t in (e.n, e.U, e.num, e.var, e.npair)]).view(len(es), 5)
+        n, U, num, var, npair = st.unbind(1)
         # the pair moments of this measurement against the pool so far (independent of it)
-        have = ok & (e.n > 0)
-        x64, P64 = x.double(), e.P.double()
-        tr = lambda a: torch.diagonal(a).sum()  # noqa: E731
-        num_k = tr(x64) * tr(P64) + (x64 * P64).sum()
+        have = ok & (n > 0)
+        x64, P64 = x.double(), P.double()
+        num_k = (x64.diagonal(dim1=-2, dim2=-1).sum(-1) * P64.diagonal(dim1=-2, dim2=-1).sum(-1)
+                 + (x64 * P64).sum((-2, -1)))
         d = x64 - P64
-        var_k = (d * d).sum() / (1.0 / (S - 1) + e.U)
-        bp = torch.where(e.npair > 0, torch.full_like(e.npair, self.beta), torch.zeros_like(e.npair))
-        e.num.copy_(torch.where(have, bp * e.num + (1.0 - bp) * num_k, e.num))
-        e.var.copy_(torch.where(have, bp * e.var + (1.0 - bp) * var_k, e.var))
-        e.npair.add_(have.to(torch.float64))
-        b = self._weights(e, ok, S).float()
-        e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * x, e.P))
-        nu_s = torch.where(e.var > 0, e.num.clamp_min(0) / torch.where(e.var > 0, e.var, torch.ones_like(e.var)),
-                           torch.full_like(e.var, math.inf)).clamp_min(NU_S_MIN)
-        first = e.npair == 0
-        nu = torch.where(first, torch.zeros_like(nu_s), nu_s / e.U)
-        return e.P * (gs * gs), torch.where(ok, nu, torch.full_like(nu, math.nan)), first
+        var_k = (d * d).sum((-2, -1)) / (1.0 / (S - 1) + U)
+        bp = torch.where(npair > 0, self.beta, 0.0)
+        num = torch.where(have, bp * num + (1.0 - bp) * num_k, num)
+        var = torch.where(have, bp * var + (1.0 - bp) * var_k, var)
+        npair = npair + have.to(torch.float64)
+        # the weights (as _weights)
+        b = torch.where(n > 0, self.beta, 0.0)
+        U = torch.where(ok, b * b * U + (1.0 - b) ** 2 / (S - 1), U)
+        n = n + ok.to(torch.float64)
+        bf = b.float().view(-1, 1, 1)
+        P = torch.where(ok.view(-1, 1, 1), P * bf + (1.0 - bf) * x, P)
+        new = torch.stack([n, U, num, var, npair], 1)
+        torch._foreach_copy_([t for e in es for t in (e.n, e.U, e.num, e.var, e.npair)],
+                             list(new.reshape(-1).unbind(0)))
+        torch._foreach_copy_([e.P for e in es], list(P.unbind(0)))
+        nu_s = torch.where(var > 0, num.clamp_min(0) / torch.where(var > 0, var, 1.0),
+                           math.inf).clamp_min(NU_S_MIN)
+        first = npair == 0
+        nu = torch.where(first, 0.0, nu_s / U)
+        return P * (gs * gs), torch.where(ok, nu, math.nan), first
 
     # ------------------------------------------------------------------ bookkeeping
     def __len__(self) -> int:

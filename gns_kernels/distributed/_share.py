@@ -70,6 +70,7 @@ the estimate is first read).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -81,6 +82,7 @@ from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
 from ..spectral.grams import grams64_on_sides, grams_on_sides
+from ..spectral.precision import bmm
 from ..spectral.trace import resolve_method
 from ..spectral.nuclear import nuclear_stats_from_grams_select
 from ._stats import all_finite, exact_sum
@@ -115,6 +117,44 @@ def share_rows(signal_debiased: bool = False, gauss_sums: bool = False, pooled: 
     return {n: i for i, n in enumerate(names)}
 
 
+def pool_folder(pool: NoisePool, keys: Sequence, num_samples: int, grad_scale: float) -> tuple[Callable, list]:
+    """(fold, folds): fold(ls, C) folds the covariances C (n, k, k) of the matrices ls
+    (indices into keys) into the pool (NoisePool.fold_covariances, one call per Gram size)
+    and returns their pooled matrices P; each call appends (ls, nu, first) to folds. The
+    ``pool_fold`` of spectral's nuclear_stats_from_grams_select (the pooled matrices join
+    the noise matrices' Newton chain)."""
+    folds: list = []
+
+    def fold(ls, C):
+        P, nu, first = pool.fold_covariances([keys[l] for l in ls], C, num_samples, grad_scale)
+        folds.append((list(ls), nu, first))
+        return P
+
+    return fold, folds
+
+
+def pooled_values(sums: Tensor, folds: list, L: int, device) -> Tensor:
+    """float64 Tensor[2, L] rows [pooled value, new] from the pooled matrices' [tr P^{1/2},
+    pair sum] (sums, Tensor[2, L]) and the folds' (ls, nu, first): the value is
+    tr P^{1/2} corrected for the pool's nu degrees of freedom, 0 where new (no pair yet),
+    NaN where the covariance was not finite (nu NaN)."""
+    nu = torch.zeros(L, dtype=torch.float64, device=device)
+    new = torch.zeros(L, dtype=torch.bool, device=device)
+    for ls, nu_k, first_k in folds:
+        if len(ls) == L:
+            nu, new = nu_k.to(device), first_k.to(device)
+        else:
+            from ..spectral.nuclear import _scatter_cols
+
+            nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
+            new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
+    sums = sums.to(device=device, dtype=torch.float64)
+    value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, 1.0))
+    value = torch.where(new, 0.0, value)
+    value = torch.where(torch.isnan(nu), math.nan, value)
+    return torch.stack([value, new.to(torch.float64)])
+
+
 def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
                        shapes: Sequence[tuple], num_samples: int, grad_scale: float,
                        method: str = "auto", hints=None) -> Tensor:
@@ -123,50 +163,66 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     the pool has no pair yet: the caller uses the measurement's own corrected noise there;
     the value is then 0). NaN values where a covariance is not finite. The sqrt-traces and
     pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
-    in one call, of their positive parts (Newton: the sign-step projection; a pool averages
-    covariances whose rounding negatives the per-measurement shift no longer absorbs; the
-    shifted iteration loses the pair sum then: the likely cause of the NaN pooled noise of
-    a demo run on an H100); no host synchronization."""
+    in one call, of their positive parts; no host synchronization. (The hooks' Newton path
+    folds inside the noise solve instead: ``pool_folder``.)"""
     L = len(covs)
     dev = covs[0].device
-    Ps, nus, firsts = [], [], []
-    for key, C in zip(keys, covs):
-        P, nu, first = pool.fold_covariance(key, C, num_samples, grad_scale)
-        Ps.append(P)
-        nus.append(nu)
-        firsts.append(first)
-    nu = torch.stack(nus).to(dev)
-    new = torch.stack(firsts).to(dev)
+    fold, folds = pool_folder(pool, keys, num_samples, grad_scale)
+    by_k: dict = {}
+    for l, C in enumerate(covs):
+        by_k.setdefault(C.shape[-1], []).append(l)
+    Ps: list = [None] * L
+    for k, ls in by_k.items():
+        P = fold(ls, torch.stack([covs[l] for l in ls]))
+        for j, l in enumerate(ls):
+            Ps[l] = P[j]
     zeros = [torch.zeros_like(P) for P in Ps]
     _, _, _, sums = nuclear_stats_from_grams_select(
         Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
         eig_hints=hints, record_hints=False, return_sums=True, project=True)
-    sums = sums.to(device=dev, dtype=torch.float64)
-    value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, torch.ones_like(nu)))
-    value = torch.where(new, torch.zeros_like(value), value)
-    value = torch.where(torch.isnan(nu), torch.full_like(value, float("nan")), value)
-    return torch.stack([value, new.to(torch.float64)])
+    return pooled_values(sums[:2], folds, L, dev)
 
 
 def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
     """float64 Tensor[2, L]: per matrix [q, a] = [||d d^T||_F^2, ||d||_F^4] of this rank's
     deviation d = G^j - G (m x n) from the mean gradient, from the Gram d d^T on the smaller
-    side (float32 matmul, sums in float64). No host synchronization."""
+    side (float32 matmul, sums in float64). No host synchronization. Each run of
+    consecutive matrices of one shape is stacked into one float32 batch and multiplied by
+    one bmm when every matrix of the stack starts on a 64-byte boundary (its size a
+    multiple of 64 bytes: the CPU GEMM's bits depend on the operand's alignment, so a
+    matrix's values must not depend on its place in the stack); other shapes go through
+    spectral.gram per matrix (an aligned copy each)."""
+    L = len(deviations)
     if not deviations:
         return torch.zeros((2, 0), dtype=torch.float64, device=device)
-    cols = []
-    for d in deviations:
-        side = spectral.smaller_side(tuple(d.shape))
-        (G,) = spectral.gram([d.float()], side=side)
-        G = G.to(torch.float64)
-        cols.append(torch.stack([(G * G).sum(), torch.diagonal(G).sum() ** 2]))
-    return torch.stack(cols, dim=1).to(device)
+    runs: list = []
+    for i, d in enumerate(deviations):
+        if runs and tuple(deviations[runs[-1][0]].shape) == tuple(d.shape):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = []
+    for idx in runs:
+        m, n = deviations[idx[0]].shape
+        if (m * n * 4) % 64 == 0 and m * n > 0:
+            X = torch.stack([deviations[i] for i in idx])
+            X = X if X.dtype == torch.float32 else X.float()
+            G = (bmm(X, X.mT, "ieee") if m <= n else bmm(X.mT, X, "ieee")).double()
+            parts.append(torch.stack([(G * G).sum((-2, -1)), G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2]))
+        else:
+            for i in idx:
+                d = deviations[i]
+                (G,) = spectral.gram([d.float()], side=spectral.smaller_side(tuple(d.shape)))
+                G = G.to(torch.float64)
+                parts.append(torch.stack([(G * G).sum(), torch.diagonal(G).sum() ** 2]).view(2, 1))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out if out.device == torch.device(device) else out.to(device)
 
 
 def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
                owned_s: Sequence[bool], device, rows: Optional[dict] = None,
                qa: Optional[Tensor] = None, solve_debiased: Optional[Callable] = None,
-               pool_fold: Optional[Callable] = None) -> Tensor:
+               pool_fold: Optional[Callable] = None, finite_from_outputs: bool = False) -> Tensor:
     """One part (bucket / param group) of a rank's share: float64 Tensor[len(rows), L_part].
 
     solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
@@ -191,8 +247,15 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     covs: list = []
     res = solve((list(owned_n), list(owned_s)), covs) if pool_fold is not None else \
         solve((list(owned_n), list(owned_s)))
+    chained = pool_fold is not None and len(res) > 4  # the pool solved in the noise chain
     noise, signal, used = res[0], res[1], res[2]
-    ok = all_finite(inputs, device)
+    if finite_from_outputs:
+        # the Newton path: a non-finite input element makes its matrix's trace (and sums)
+        # NaN (the normalization divides inf by inf), so the outputs decide, in one check
+        parts = [noise, signal] + ([res[3]] if len(res) > 3 else []) + ([res[4]] if len(res) > 4 else [])
+        ok = torch.isfinite(torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in parts])).all()
+    else:
+        ok = all_finite(inputs, device)
     nan_like = lambda v: torch.full_like(v, float("nan"))  # noqa: E731
     vals = torch.stack([noise, signal]).to(device=device, dtype=torch.float64)
     if "pair" in rows:  # the float64 raw trace of the owned noise matrices
@@ -208,7 +271,10 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     if "signal_deb" in rows and any(owned_s):
         deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
         out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
-    if pool_fold is not None and covs:
+    if chained:  # pool_fold(the pooled matrices' sums) -> rows pool, pool_new, every column
+        vals = pool_fold(res[4]).to(device=device, dtype=torch.float64)
+        out[rows["pool"]:rows["pool"] + 2] = torch.where(ok, vals, nan_like(vals))
+    elif pool_fold is not None and covs:
         vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
         vals = torch.where(ok, vals, nan_like(vals))
         if len(covs) == L:  # every matrix owned (the hooks' one solve): in column order
@@ -497,21 +563,29 @@ class SolveShare:
         cols = [e[5] for e in kept]
         inputs = grams + [t for e in kept for t in ((e[1],) if e[2] is e[1] else (e[1], e[2]))]
         fold = None
+        chain = None  # the pool's fold inside the Newton chain ('gauss-sums' sums)
         if self.pool is not None and n:
             okeys = [e[4] for e in kept]
-            fold = lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, shapes,  # noqa: E731
-                                                   self.num_samples, self.grad_scale, self.method,
-                                                   self.hints)
+            if self.gauss and resolve_method(self.method, dev) == "newton":
+                chain, folds = pool_folder(self.pool, okeys, self.num_samples, self.grad_scale)
+                fold = lambda sums: pooled_values(sums, folds, n, dev)  # noqa: E731
+            else:
+                fold = lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, shapes,  # noqa: E731
+                                                       self.num_samples, self.grad_scale, self.method,
+                                                       self.hints)
 
         def solve(select, cov_out=None, signal="raw"):
+            raw = signal == "raw"
             return nuclear_stats_from_grams_select(
                 grams, dd, signal_grams=gg, shapes=shapes, select=select, signal=signal,
-                return_sums=self.gauss and signal == "raw", cov_out=cov_out, **self._kw())
+                return_sums=self.gauss and raw, cov_out=None if chain is not None else cov_out,
+                pool_fold=chain if raw else None, **self._kw())
 
         def run() -> Tensor:
             if n:
                 part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows, None,
-                                  lambda sel: solve(sel, signal="debiased"), fold)
+                                  lambda sel: solve(sel, signal="debiased"), fold,
+                                  finite_from_outputs=resolve_method(self.method, dev) == "newton")
                 out = _spread(part, cols, L)
             else:
                 out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)

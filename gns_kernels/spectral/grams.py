@@ -89,6 +89,30 @@ def _gram_cpu(xs: Sequence[Tensor], col: bool) -> list[Tensor]:
     return _map_cpu(one, list(xs))
 
 
+_STACK_MAX_SIDE = 128  # CPU: Grams up to this side are formed as one stacked batch (gram())
+
+
+def _stackable_cpu(shape: tuple, col: bool) -> bool:
+    """Whether CPU Grams of (m, n) matrices go through one stacked bmm (``_gram_cpu_stacked``):
+    a small Gram side (the per-matrix path's launches dominate there) and a matrix size that
+    is a multiple of 64 bytes in float32, so every matrix of a fresh stack starts on the
+    alignment the CPU GEMM's bits depend on (``_gram_cpu``): a matrix's Gram is then a
+    function of its values, not of its place in the batch."""
+    m, n = shape
+    k = n if col else m
+    return 0 < k <= _STACK_MAX_SIDE and (m * n * 4) % _CPU_ALIGN == 0 and min(m, n) > 0
+
+
+def _gram_cpu_stacked(x: Tensor, col: bool) -> Tensor:
+    """x x^T (or x^T x) of a contiguous float32 stack (a fresh copy of x: aligned, see
+    ``_stackable_cpu``), one bmm (float32 whatever the process flag says), symmetrized as
+    (G + G^T) / 2. (L, k, k) float32."""
+    x = torch.empty(x.shape, dtype=torch.float32).copy_(x)
+    xt = x.mT if col else x
+    G = _bmm_in(xt, xt.mT, "ieee")
+    return torch.add(G, G.mT).mul_(0.5)
+
+
 @torch.library.custom_op("gns_kernels::gram_list", mutates_args=())
 def gram_list(xs: list[Tensor], col: bool) -> list[Tensor]:
     """Grams in float32 of equal-shape 2-D tensors: xs[l] (m, n) -> out[l] = xs[l] xs[l]^T
@@ -122,6 +146,8 @@ def gram_batched(x: Tensor, col: bool) -> Tensor:
         if x.shape[0] == 0:
             k = x.shape[-1] if col else x.shape[-2]
             return x.new_empty((0, k, k), dtype=torch.float32)
+        if _stackable_cpu(tuple(x.shape[1:]), col):
+            return _gram_cpu_stacked(x, col)
         return torch.stack(_gram_cpu(list(x.unbind(0)), col))
     if x.device.type == "cuda" and x.dtype != torch.float64:
         tg = _triton_gram()
@@ -164,7 +190,8 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
     in float32 (float64 inputs are rounded to float32 first). Tensors of equal shape, dtype
     and device go to one batched op call: on CPU torch.ops.gns_kernels.gram_list, without
     stacking them, one matrix per single-threaded worker, only upper-triangle strips
-    multiplied and mirrored; on CUDA torch.ops.gns_kernels.gram_batched on the stacked
+    multiplied and mirrored (small Grams, side <= 128 with 64-byte matrices: one stacked
+    bmm, ``_stackable_cpu``); on CUDA torch.ops.gns_kernels.gram_batched on the stacked
     batch, a Triton kernel computing only upper-triangle tiles (the Grams are views of its
     result). A zero-size side gives a 0 x 0 Gram; an empty reduction dimension a zero Gram.
     Returns a list in input order.
@@ -183,7 +210,7 @@ def gram(tensors: Sequence[Tensor], side: str = "auto") -> list[Tensor]:
     out: list[Tensor | None] = [None] * len(tensors)
     for (_, _, _, s), idx in groups.items():
         xs = [tensors[i].detach() for i in idx]
-        if xs[0].device.type == "cpu":
+        if xs[0].device.type == "cpu" and not _stackable_cpu(tuple(xs[0].shape), s == "col"):
             res = torch.ops.gns_kernels.gram_list(xs, s == "col")
         else:  # one stacked batch; the Grams are views of its result
             res = torch.ops.gns_kernels.gram_batched(torch.stack(xs), s == "col").unbind(0)

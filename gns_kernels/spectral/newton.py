@@ -54,7 +54,7 @@ import math
 
 import torch
 
-from .precision import bmm, check_precision
+from .precision import bmm, bmm_add, check_precision
 
 Tensor = torch.Tensor
 
@@ -164,18 +164,27 @@ _Q_COEFFS = _Q_COEFFS + (-sum(_Q_COEFFS),)
 
 
 def _poly(W: Tensor, coeffs: tuple, eye: Tensor, prec: str) -> Tensor:
-    """sum_k coeffs[k] W^k by Horner (len(coeffs) - 2 matmuls)."""
-    Q = coeffs[-1] * W + coeffs[-2] * eye
+    """sum_k coeffs[k] W^k by Horner (len(coeffs) - 2 matmuls, each with its added
+    constant in the same launch: c I + W Q)."""
+    Q = torch.add(coeffs[-2] * eye, W, alpha=coeffs[-1])
     for c in reversed(coeffs[:-2]):
-        Q = bmm(W, Q, prec) + c * eye
+        Q = bmm_add(eye, W, Q, prec, beta=c)
     return Q
 
 
-def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor, prec: str = "ieee") -> Tensor:
-    """tr(Y q(W)), W = e Z^2 (module docstring, step 4); Horner in W. Shape (B,)."""
-    W = e * bmm(Z, Z, prec)
+def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor, prec: str = "ieee",
+                      W: Tensor | None = None) -> Tensor:
+    """tr(Y q(W)), W = e Z^2 (module docstring, step 4); Horner in W. Shape (B,).
+    W: that matrix when the caller formed it already."""
+    if W is None:
+        W = _shift_w(Z, e, prec)
     Q = _poly(W, _Q_COEFFS, eye, prec)
     return (Y * Q.mT).sum((-2, -1))
+
+
+def _shift_w(Z: Tensor, e: Tensor, prec: str) -> Tensor:
+    """W = e Z^2 (e per matrix, (B, 1, 1))."""
+    return bmm(Z, Z, prec).mul_(e)
 
 
 def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -197,14 +206,44 @@ def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _positive_part(x: Tensor, eps: float, eye: Tensor, prec: str = "ieee") -> Tensor:
-    """x_+ = (x + x sign(x)) / 2 for symmetric x with spec(x) in [-1, 1] (module step 2)."""
+    """x_+ = (x + x sign(x)) / 2 for symmetric x with spec(x) in [-1, 1] (module step 2).
+    A step X <- (1.5 a) X - (0.5 a^3) X X^2 is two launches (bmm, baddbmm)."""
     X = x
     sched = scaled_schedule(eps / 2.0)
     for k in range(sign_iters(eps)):
         a = sched[k] if k < len(sched) else 1.0
-        X = bmm(X, (1.5 * a) * eye - (0.5 * a ** 3) * bmm(X, X, prec), prec)
+        X = bmm_add(X, X, bmm(X, X, prec), prec, beta=1.5 * a, alpha=-0.5 * a ** 3)
     H = bmm(x, X, prec)
-    return 0.5 * x + 0.25 * (H + H.mT)
+    return torch.add(H, H.mT).mul_(0.25).add_(x, alpha=0.5)
+
+
+def _lean(prec: str, project: bool) -> bool:
+    """Whether the coupled iteration runs without the per-iteration guard (module step 3):
+    float64 matmuls after the positive-part projection. M = x_+ / (1 + e) + e' I is then
+    positive definite up to float64 rounding of the projection (~1e-15 relative, far
+    below the smallest shift 1e-12), i.e. inside the contract of the scaled steps, so the
+    guard could only act on non-finite input, which gives NaN either way. A step is
+    three launches (bmm and two baddbmm). Everything else (float32 / tf32 matmuls, whose
+    rounding reaches the shift, or input without the projection) keeps the guard."""
+    return prec == "float64" and project
+
+
+def _coupled_lean(x: Tensor, e: Tensor, eye: Tensor, iters: int, eps: float, prec: str) -> tuple[Tensor, Tensor]:
+    """(Y, Z) after ``iters`` scaled-then-plain coupled steps on Y0 = x + e I, Z0 = I, no
+    guard (``_lean``): P = Z Y, Y <- (1.5 a) Y - (0.5 a^3) Y P, Z <- (1.5 a) Z - (0.5 a^3) P Z.
+    The first step uses Z0 = I (P = Y0): one product instead of three."""
+    sched = scaled_schedule(math.sqrt(eps / 2.0))
+    Y = torch.addcmul(x, e, eye)
+    a = sched[0] if sched else 1.0
+    b, c = 1.5 * a, -0.5 * a ** 3
+    Z = torch.add(b * eye, Y, alpha=c)
+    Y = bmm_add(Y, Y, Y, prec, beta=b, alpha=c)
+    for k in range(1, iters):
+        a = sched[k] if k < len(sched) else 1.0
+        b, c = 1.5 * a, -0.5 * a ** 3
+        P = bmm(Z, Y, prec)
+        Y, Z = bmm_add(Y, Y, P, prec, beta=b, alpha=c), bmm_add(Z, P, Z, prec, beta=b, alpha=c)
+    return Y, Z
 
 
 def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
@@ -228,6 +267,9 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
     x = x / top
     e = e / top
     c = c * top.double()
+    if _lean(prec, project):
+        Y, Z = _coupled_lean(x, e, eye, iters, eps, prec)
+        return Y, Z, e, c, eye
     Y = x + e * eye
     Z = eye.clone()
     sched, lows = _scaled_steps(math.sqrt(eps / 2.0))
@@ -297,13 +339,20 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
     return out if A.dtype == torch.float64 else out.float()
 
 
-_NEWTON_CHUNK = 16  # matrices per batched iteration: bounds the workspace (~8 x 16 x m^2 floats)
+# matrices per batched iteration: as many as keep the workspace (~8 iterates of the chunk)
+# within that of 16 matrices of side 768 (all of a small model's matrices in one chain)
+_CHUNK_ELEMS = 16 * 768 * 768
+
+
+def chunk_size(m: int) -> int:
+    """Matrices of side m per batched Newton chain: max(1, 16 x 768^2 // m^2)."""
+    return max(1, _CHUNK_ELEMS // max(1, m * m))
 
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())
 def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
                project: bool = True, precision: str = "ieee") -> Tensor:
-    """tr(A_+^{1/2}) per matrix of A (..., m, m) by _newton_impl, in chunks of _NEWTON_CHUNK
+    """tr(A_+^{1/2}) per matrix of A (..., m, m) by _newton_impl, in chunks of chunk_size(m)
     matrices, matmuls in ``precision`` ("ieee" or "float64", see precision.bmm); shape
     (...), float64 for float64 A, else float32. m = 0 gives 0."""
     check_precision(precision, "precision", NEWTON_PRECISIONS)
@@ -313,10 +362,11 @@ def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None
         return A.new_zeros(A.shape[:-2], dtype=out_dtype)
     flat = A.reshape(-1, m, m)
     refs = None if ref_norm is None else ref_norm.reshape(-1)
-    outs = [_newton_impl(flat[i:i + _NEWTON_CHUNK], iters, eps,
-                         None if refs is None else refs[i:i + _NEWTON_CHUNK], project, precision)
-            for i in range(0, flat.shape[0], _NEWTON_CHUNK)]
-    return torch.cat(outs).reshape(A.shape[:-2])
+    ch = chunk_size(m)
+    outs = [_newton_impl(flat[i:i + ch], iters, eps,
+                         None if refs is None else refs[i:i + ch], project, precision)
+            for i in range(0, flat.shape[0], ch)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(A.shape[:-2])
 
 
 @_newton_op.register_fake

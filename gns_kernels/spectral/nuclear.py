@@ -356,6 +356,7 @@ def nuclear_stats_from_grams_select(
     return_sums: bool = False,
     cov_out: list | None = None,
     project: bool = False,
+    pool_fold=None,
 ):
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
     signal[L], used64); select, record_hints, used64, signal, return_sums and cov_out as
@@ -363,7 +364,13 @@ def nuclear_stats_from_grams_select(
     always solves the noise matrices' positive part in float64 (NOISE_NEWTON), which the
     pool's averaged covariances needed already (their negative rounding eigenvalues made
     the old shifted float32 iteration lose the pair sum: inf / NaN at a negative
-    eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way."""
+    eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way.
+    pool_fold (method 'newton' only, with return_sums): None, or a callable
+    (ls, C) -> P called once per Gram size with the selected noise matrices' layer indices
+    ls (ascending) and their covariances C (len(ls), k, k, float64); it returns the pooled
+    matrices P (same shape) whose sqrt-traces and pair sums join the same Newton chain as
+    the noise and signal matrices. Their float64 [tr P^{1/2}, pair sum] per layer (0 where
+    not selected) are then appended to the returned tuple (a Tensor[2, L])."""
     mean_grams = list(mean_grams)
     L = len(mean_grams)
     if mean_grad_grams is None:
@@ -409,18 +416,21 @@ def nuclear_stats_from_grams_select(
             if signal_grams is not None:
                 validate_symmetric(signal_grams[l], f"signal_grams[{l}]")
     gg = signal_grams if signal_grams is not None else mean_grad_grams
+    meth = resolve_method(method, mean_grams[0].device)
+    if pool_fold is not None and not (meth == "newton" and return_sums):
+        raise ValueError("pool_fold: needs method 'newton' and return_sums=True")
     _covariances(mean_grams, mean_grad_grams, float(scale), want_n, cov_out)
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
-                  resolve_method(method, mean_grams[0].device), bias_correction, num_samples,
+                  meth, bias_correction, num_samples,
                   batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints,
-                  bool(return_sums), _debias(signal, scale, batch_size), bool(project))
+                  bool(return_sums), _debias(signal, scale, batch_size), bool(project), pool_fold)
 
 
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
            record_hints: bool, sums: bool = False, debias: float | None = None,
-           project: bool = False):
+           project: bool = False, pool_fold=None):
     """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
     Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call.
     Only the sqrt-traces selected by want_n / want_s are solved (the others are 0).
@@ -440,6 +450,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     signal: list = [None] * L
     dev0 = mean_grams[0].device
     extra = torch.zeros((4, L), dtype=torch.float64, device=dev0) if sums else None
+    pooled = torch.zeros((2, L), dtype=torch.float64, device=dev0) if pool_fold is not None else None
     correct = bias_correction and not sums  # correct here, from this solve's spectra
 
     def sig_matrix(l: int) -> Tensor:
@@ -450,9 +461,13 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         return A - debias * (mean_grams[l].detach().to(cdt) - dd[l].detach().to(cdt))
 
     by_k: dict[int, list[tuple[str, int]]] = {}
+    zeros: dict = {}
     for l in range(L):
         k = mean_grams[l].shape[-1]
-        zero = torch.zeros((), dtype=torch.float32, device=mean_grams[l].device)
+        d = mean_grams[l].device
+        zero = zeros.get(d)
+        if zero is None:
+            zero = zeros[d] = torch.zeros((), dtype=torch.float32, device=d)
         noise[l] = signal[l] = zero  # an empty side or not selected: 0
         if k == 0:  # an empty side: no noise, no signal
             continue
@@ -491,52 +506,51 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 else:
                     signal[l] = res[i]
             continue
-        # newton. Noise matrices: C_l = scale * (mean_gram - D D^T) formed in float64 from
-        # the (float32) operands and iterated in float64 through the positive-part
-        # projection (NOISE_NEWTON: accurate on steep spectra, where a float32
-        # iteration with a shift at the subtraction's rounding level came out 2-13% low).
-        # Signal matrices (Grams, PSD up to rounding relative to their own norm): float32
-        # (or the Grams' float64), shift relative to their own norm.
-        n_items = [(i, l) for i, (w, l) in enumerate(items) if w == "n"]
-        s_items = [(i, l) for i, (w, l) in enumerate(items) if w != "n"]
+        # newton: ONE chain per Gram size (float64 matmuls, positive-part projection,
+        # NOISE_NEWTON) for the noise matrices C_l = scale (mean_gram - D D^T) (formed in
+        # float64 from the float32 operands: accurate on steep spectra, where a float32
+        # iteration with a shift at the subtraction's rounding level came out 2-13% low),
+        # the pooled matrices (pool_fold) and the signal matrices, stacked in that order;
+        # the pair sum only for the first two groups (when a correction needs it).
+        n_ls = [l for w, l in items if w == "n"]
+        s_ls = [l for w, l in items if w != "n"]
         dev_k = mean_grams[items[0][1]].device
-        if s_items:
-            smats = torch.empty((len(s_items), k, k), dtype=cdt, device=dev_k)
-            for j, (i, l) in enumerate(s_items):
-                smats[j].copy_(sig_matrix(l))
-            it, ep = check_newton_args(None, None)
-            # the debiased signal's matrix is indefinite: the positive-part projection
-            proj_s = debias is not None
-            res = torch.ops.gns_kernels.newton_sqrt_trace(smats, it, ep, None, proj_s)
-            for j, (i, l) in enumerate(s_items):
-                signal[l] = res[j]
-        if not n_items:
-            continue
-        nmats = torch.empty((len(n_items), k, k), dtype=torch.float64, device=dev_k)
-        for j, (i, l) in enumerate(n_items):
-            torch.sub(mean_grams[l].detach().double(), dd[l].detach().double(), out=nmats[j])
-        nmats.mul_(scale)
+        parts = []
+        if n_ls:
+            Cn = torch.stack([mean_grams[l].detach() for l in n_ls]).double()
+            Cn = Cn.sub_(torch.stack([dd[l].detach() for l in n_ls]).double()).mul_(scale)
+            parts.append(Cn)
+            if pool_fold is not None:
+                parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
+        n_pair = sum(p.shape[0] for p in parts) if (correct or sums) else 0
+        if s_ls:
+            parts.append(torch.stack([sig_matrix(l) for l in s_ls]).to(device=dev_k, dtype=torch.float64))
+        mats = parts[0] if len(parts) == 1 else torch.cat(parts)
         it, ep = NOISE_NEWTON
-        if not (correct or sums):
-            res = torch.ops.gns_kernels.newton_sqrt_trace(nmats, it, ep, None, True, "float64")
-            for j, (i, l) in enumerate(n_items):
-                noise[l] = res[j]
+        tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(mats, it, ep, None, True, "float64",
+                                                               "float64", n_pair)
+        nn = len(n_ls)
+        np_ = nn if pool_fold is not None else 0
+        if s_ls:
+            _put(signal, s_ls, tr[nn + np_:])
+        if not n_ls:
             continue
-        # bias correction without eigenvalues: the noise matrices also give the pair sum
-        # sum_ij s_i s_j / (s_i + s_j) (spectral.pairsum)
-        from ..bias import nuclear_sqrt_trace_corrected_from_sums
+        if sums:
+            _put(noise, n_ls, tr[:nn])
+            cols = torch.stack([tr[:nn], pair[:nn], Cn.diagonal(dim1=-2, dim2=-1).sum(-1),
+                                (Cn * Cn).sum((-2, -1))])
+            extra = extra + _scatter_cols(cols.to(dev0), n_ls, L)
+        elif correct:
+            from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
-        tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(nmats, it, ep, None, True, "float64", "float64")
-        for j, (i, l) in enumerate(n_items):
-            if sums:
-                C = nmats[j]
-                noise[l] = tr[j]
-                extra[:, l] = torch.stack([tr[j].double(), pair[j].double(),
-                                           torch.diagonal(C).sum(), (C * C).sum()]).to(dev0)
-            else:
+            for j, l in enumerate(n_ls):
                 noise[l] = nuclear_sqrt_trace_corrected_from_sums(
                     tr[j], pair[j], int(num_samples), batch_size, gram_dim=k,
                     other_dim=others[l], dof_model=dof_model)
+        else:
+            _put(noise, n_ls, tr[:nn])
+        if pool_fold is not None:
+            pooled = pooled + _scatter_cols(torch.stack([tr[nn:2 * nn], pair[nn:2 * nn]]).to(dev0), n_ls, L)
     used: Tensor | None = None
     if meth == "eigh":
         dev = mean_grams[0].device
@@ -547,5 +561,47 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         used = torch.stack(per)
         if eig_hints is not None and record_hints:  # reads the flags; newton tells nothing
             eig_hints.record(shapes, used.tolist())
-    out = (torch.stack([x.float() for x in noise]), torch.stack([x.float() for x in signal]), used)
-    return out + (extra,) if sums else out
+    out = (_gather(noise), _gather(signal), used)
+    out = out + (extra,) if sums else out
+    return out + (pooled,) if pooled is not None else out
+
+
+def _put(dst: list, ls: list, vals: Tensor) -> None:
+    """dst[l] = vals[j] for l = ls[j]; a run that covers the whole list (the hooks' case)
+    is kept as one tensor (``_gather`` then takes it as it is)."""
+    if len(ls) == len(dst) and ls == list(range(len(dst))):
+        dst[:] = [vals]
+        return
+    for j, l in enumerate(ls):
+        dst[l] = vals[j]
+
+
+def _gather(vals: list) -> Tensor:
+    """float32 Tensor[L] of the per-layer values (or the one tensor ``_put`` kept)."""
+    if len(vals) == 1 and vals[0].dim() == 1:
+        return vals[0] if vals[0].dtype == torch.float32 else vals[0].float()
+    return torch.stack(vals).float()
+
+
+def _scatter_cols(part: Tensor, cols: list, L: int) -> Tensor:
+    """[rows, L] with part[:, j] in column cols[j] (ascending) and 0 elsewhere: slices of
+    part and of one zero block (runs of consecutive columns stay one slice; no index
+    tensor from the host)."""
+    if len(cols) == L:
+        return part
+    zero = torch.zeros((part.shape[0], L), dtype=part.dtype, device=part.device)
+    pieces = []
+    prev = j = 0
+    n = len(cols)
+    while j < n:
+        e = j
+        while e + 1 < n and cols[e + 1] == cols[e] + 1:
+            e += 1
+        if cols[j] > prev:
+            pieces.append(zero[:, prev:cols[j]])
+        pieces.append(part[:, j:e + 1])
+        prev = cols[e] + 1
+        j = e + 1
+    if prev < L:
+        pieces.append(zero[:, prev:L])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

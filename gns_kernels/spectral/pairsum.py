@@ -40,8 +40,8 @@ import math
 
 import torch
 
-from .newton import NEWTON_PRECISIONS, _newton_iterate, _poly, _shift_correction
-from .precision import bmm, check_precision
+from .newton import NEWTON_PRECISIONS, _newton_iterate, _poly, _shift_correction, _shift_w, chunk_size
+from .precision import bmm, bmm_add, check_precision
 
 Tensor = torch.Tensor
 
@@ -69,8 +69,8 @@ def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64") -> Tensor:
     """P(S) for symmetric S (B, m, m) with spectrum in [~0, 1] by the module's quadrature
     (step 2), matmuls in ``prec``. Shape (B,), S's dtype for float64, float32 otherwise."""
     dt = torch.float64 if prec == "float64" else torch.float32
-    S = S.to(dt)
-    S = 0.5 * (S + S.mT)
+    S = S if S.dtype == dt else S.to(dt)
+    S = torch.add(S, S.mT).mul_(0.5)
     eye = torch.eye(S.shape[-1], dtype=dt, device=S.device).expand_as(S)
     t0 = 2.0**PAIR_T0_LOG2
     h = math.log(2.0)
@@ -79,44 +79,51 @@ def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64") -> Tensor:
     mu2 = torch.diagonal(S2, dim1=-2, dim2=-1).sum(-1)
     mu3 = (S2 * S).sum((-2, -1))
     # F0 = 1 - exp(-T) = T (1 - T/2 (1 - T/3 (1 - T/4 (1 - T/5)))), T = t0 S
-    T = t0 * S
-    inner = eye - T / 5.0
+    inner = torch.add(eye, S, alpha=-t0 / 5.0)
     for d in (4.0, 3.0, 2.0):
-        inner = eye - bmm(T, inner, prec) / d
-    F = bmm(T, inner, prec)
+        inner = bmm_add(eye, S, inner, prec, alpha=-t0 / d)
+    F = bmm(S, inner, prec).mul_(t0)
     # nodes k < 0: sum_{k<0} t_k^{n+1} = t0^{n+1} / (2^{n+1} - 1)
     total = h * (mu1 * mu1 * t0 - 2.0 * mu1 * mu2 * t0**2 / 3.0 + (mu2 * mu2 + mu1 * mu3) * t0**3 / 7.0)
-    t = t0
+    # <S, F_k> per node k, stacked: the node sum is one vectorized expression after the loop
+    sf = []
     for k in range(K + 1):
-        g = mu1 - (S * F).sum((-2, -1))
-        total = total + h * t * g * g
+        sf.append((S * F).sum((-2, -1)))
         if k < K:
-            F = 2.0 * F - bmm(F, F, prec)
-            t *= 2.0
-    return total
+            F = bmm_add(F, F, F, prec, beta=2.0, alpha=-1.0)
+    g = mu1.unsqueeze(-1) - torch.stack(sf, -1)  # (B, K + 1): g(t_k)
+    w = torch.tensor([h * t0 * 2.0**k for k in range(K + 1)], dtype=g.dtype, device=g.device)
+    return total + (g * g * w).sum(-1)
 
 
 def _pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
-               prec: str, pair_prec: str) -> tuple[Tensor, Tensor]:
+               prec: str, pair_prec: str, pair_rows: int = -1) -> tuple[Tensor, Tensor]:
+    """(trace (B,), pair (B,)) of A (B, m, m); the pair sum only for the first pair_rows
+    matrices (-1: all), 0 for the others (the chain shared by matrices that need it and
+    matrices that do not: one chain, the pair's products only where used)."""
     Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec)
     sc = c.reshape(-1).sqrt()
-    trace = _shift_correction(Y, Z, e, eye, prec).double() * sc
-    W = e * bmm(Z, Z, prec)
-    S = bmm(Y, _poly(W, _QHAT_COEFFS, eye, prec), prec)
-    pair = _pair_sum_normalized(S, pair_nodes(eps), pair_prec).double() * sc
+    W = _shift_w(Z, e, prec)
+    trace = _shift_correction(Y, Z, e, eye, prec, W).double() * sc
+    B = A.shape[0]
+    n = B if pair_rows < 0 else min(pair_rows, B)
+    pair = torch.zeros_like(trace)
+    if n:
+        S = bmm(Y[:n], _poly(W[:n], _QHAT_COEFFS, eye[:n], prec), prec)
+        p = _pair_sum_normalized(S, pair_nodes(eps), pair_prec).double() * sc[:n]
+        pair = p if n == B else torch.cat([p, pair[n:]])
     return trace, pair
 
-
-_CHUNK = 16
 
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace_pair", mutates_args=())
 def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True,
-             precision: str = "ieee", pair_precision: str = "float64") -> tuple[Tensor, Tensor]:
+             precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1) -> tuple[Tensor, Tensor]:
     """(tr(A_+^{1/2}), P(A)) per matrix of A (..., m, m): the Newton sqrt-trace (as
     newton_sqrt_trace, matmuls in ``precision``) and the pair sum (module docstring,
     squarings in ``pair_precision``), each of shape (...), float64 for float64 A, else
-    float32. m = 0 gives zeros."""
+    float32. pair_rows >= 0: the pair sum of the first pair_rows matrices (of the
+    flattened batch) only, 0 for the rest. m = 0 gives zeros."""
     check_precision(precision, "precision", NEWTON_PRECISIONS)
     check_precision(pair_precision, "pair_precision", ("ieee", "float64"))
     m = A.shape[-1]
@@ -126,16 +133,20 @@ def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, 
         return z, z.clone()
     flat = A.reshape(-1, m, m)
     refs = None if ref_norm is None else ref_norm.reshape(-1)
-    res = [_pair_impl(flat[i:i + _CHUNK], iters, eps, None if refs is None else refs[i:i + _CHUNK], project,
-                      precision, pair_precision) for i in range(0, flat.shape[0], _CHUNK)]
-    tr = torch.cat([r[0] for r in res]).reshape(A.shape[:-2]).to(out_dtype)
-    pr = torch.cat([r[1] for r in res]).reshape(A.shape[:-2]).to(out_dtype)
-    return tr, pr
+    ch = chunk_size(m)
+    nb = flat.shape[0]
+    npair = nb if pair_rows < 0 else min(int(pair_rows), nb)
+    res = [_pair_impl(flat[i:i + ch], iters, eps, None if refs is None else refs[i:i + ch], project,
+                      precision, pair_precision, max(0, min(ch, npair - i))) for i in range(0, nb, ch)]
+    tr = res[0][0] if len(res) == 1 else torch.cat([r[0] for r in res])
+    pr = res[0][1] if len(res) == 1 else torch.cat([r[1] for r in res])
+    tr, pr = tr.reshape(A.shape[:-2]), pr.reshape(A.shape[:-2])
+    return (tr if tr.dtype == out_dtype else tr.to(out_dtype)), (pr if pr.dtype == out_dtype else pr.to(out_dtype))
 
 
 @_pair_op.register_fake
 def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True,
-      precision: str = "ieee", pair_precision: str = "float64") -> tuple[Tensor, Tensor]:
+      precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1) -> tuple[Tensor, Tensor]:
     dt = torch.float64 if A.dtype == torch.float64 else torch.float32
     return A.new_empty(A.shape[:-2], dtype=dt), A.new_empty(A.shape[:-2], dtype=dt)
 

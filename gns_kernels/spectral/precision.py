@@ -126,30 +126,51 @@ def round_to(x: Tensor, precision: str) -> Tensor:
     return x.double() if precision == "float64" else x.float()
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in ``dtype``, with no op issued when it already is (a no-op ``.to`` is still an
+    aten op per call: the Newton loops issue hundreds)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def bmm(a: Tensor, b: Tensor, precision: str) -> Tensor:
     """a @ b (batched, (B, m, k) x (B, k, n)) in ``precision`` (module docstring), whatever
     the process-wide matmul flags say. Result float64 for "float64", else float32."""
+    return bmm_add(None, a, b, precision)
+
+
+def bmm_add(c: Tensor | None, a: Tensor, b: Tensor, precision: str, beta: float = 1.0,
+            alpha: float = 1.0) -> Tensor:
+    """beta c + alpha (a @ b) in one launch (torch.baddbmm; c None: alpha a @ b by bmm), the
+    product in ``precision`` as ``bmm`` (c, beta and alpha in the result's dtype: float64 for
+    "float64", else float32; the term beta c is not rounded to the product's precision).
+    Recorded by ``record_matmuls`` like ``bmm``."""
     flag = fp32_matmul_flag(a.device)
     if precision == "float64":
-        route = "float64"
-        out = torch.bmm(a.double(), b.double())
+        route, dt = "float64", torch.float64
+        a, b = _as(a, dt), _as(b, dt)
     elif precision == "ieee":
+        a, b = _as(a, torch.float32), _as(b, torch.float32)
         if flag == "ieee":
-            route = "float32"
-            out = torch.bmm(a.float(), b.float())
+            route, dt = "float32", torch.float32
         else:
-            route = "float64"
-            out = torch.bmm(a.float().double(), b.float().double()).float()
+            route, dt = "float64", torch.float64
+            a, b = a.double(), b.double()
     elif precision in _MANTISSA_BITS:
-        ra, rb = round_to(a, precision), round_to(b, precision)
+        a, b = round_to(a, precision), round_to(b, precision)
         if flag == "bf16" and precision != "bf16":
-            route = "float64"
-            out = torch.bmm(ra.double(), rb.double()).float()
+            route, dt = "float64", torch.float64
+            a, b = a.double(), b.double()
         else:
-            route = "rounded+float32"
-            out = torch.bmm(ra, rb)
+            route, dt = "rounded+float32", torch.float32
     else:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if c is None:
+        out = torch.bmm(a, b) if alpha == 1.0 else torch.baddbmm(
+            torch.empty((), dtype=dt, device=a.device), a, b, beta=0.0, alpha=alpha)
+    else:
+        out = torch.baddbmm(_as(c, dt), a, b, beta=beta, alpha=alpha)
+    if dt == torch.float64 and precision != "float64":
+        out = out.float()
     log = _RECORDER.get()
     if log is not None:
         log.append(MatmulRecord(precision, route, flag, a.device.type, (a.shape[0], a.shape[1], a.shape[2], b.shape[2])))
