@@ -83,7 +83,7 @@ from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
 from ..spectral.grams import grams64_on_sides, grams_on_sides
 from ..spectral.precision import bmm
-from ..spectral.trace import resolve_method
+from ..spectral.trace import NEWTON_METHODS, resolve_method
 from ..spectral.nuclear import nuclear_stats_from_grams_select
 from ._stats import all_finite, exact_sum
 
@@ -491,7 +491,7 @@ class SolveShare:
         # for a square matrix) and, for a shifted matrix, G G^T of G = D + S (its signal)
         sides = ["row" if shapes[l][0] == ks[l] else "col" for l in idx]
         # (float64 on the Newton path, as spectral.nuclear_stats_select forms it there)
-        on_sides = grams64_on_sides if resolve_method(self.method, dev) == "newton" else grams_on_sides
+        on_sides = grams64_on_sides if resolve_method(self.method, dev) in NEWTON_METHODS else grams_on_sides
         dd = on_sides([mean_grads[l] for l in idx], sides) if idx else []
         gg = list(dd)
         sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
@@ -566,7 +566,7 @@ class SolveShare:
         chain = None  # the pool's fold inside the Newton chain ('gauss-sums' sums)
         if self.pool is not None and n:
             okeys = [e[4] for e in kept]
-            if self.gauss and resolve_method(self.method, dev) == "newton":
+            if self.gauss and resolve_method(self.method, dev) in NEWTON_METHODS:
                 chain, folds = pool_folder(self.pool, okeys, self.num_samples, self.grad_scale)
                 fold = lambda sums: pooled_values(sums, folds, n, dev)  # noqa: E731
             else:
@@ -585,7 +585,7 @@ class SolveShare:
             if n:
                 part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows, None,
                                   lambda sel: solve(sel, signal="debiased"), fold,
-                                  finite_from_outputs=resolve_method(self.method, dev) == "newton")
+                                  finite_from_outputs=resolve_method(self.method, dev) in NEWTON_METHODS)
                 out = _spread(part, cols, L)
             else:
                 out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)

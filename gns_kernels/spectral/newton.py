@@ -63,11 +63,18 @@ NEWTON_EPS_RANGE = (1e-6, 1e-2)
 # Precisions the iteration runs in (precision.bmm, passed per call) and the smallest shift
 # each supports: the shift must stay above the rounding noise of the iterates, ~17 u
 # (u = 2^-24 for float32 "ieee": 1e-6; 2^-53 for "float64": 1e-12, reached in
-# newton_min_iters(1e-12) = 39 iterations). tf32 / bf16 (u >= 2^-11) would need a shift
-# near 1e-2, which eats the small eigenvalues of a decaying gradient spectrum beyond the
-# 1e-3 budget (docs/spectral.md): not offered.
-NEWTON_PRECISIONS = ("ieee", "float64")
-NEWTON_EPS_BY_PRECISION = {"ieee": 1e-6, "float64": 1e-12}
+# newton_min_iters(1e-12) = 24 iterations). "tf32" (opt in, off by default): every
+# product's operands rounded to nearest with a 10-bit mantissa (u = 2^-11), float32
+# iterates and sums, the guarded iteration (its rounding reaches the shift); the shift
+# stays 1e-6: eigenvalues perturbed below it are what the guard is for. Its trace error
+# budget is TF32_TRACE_BUDGET (half of the 1e-3 end-to-end budget; the other half is the
+# Grams'): measured in emulation 1.6e-4 - 3e-4 on sample covariances and i^-p spectra
+# with p <= 1 (steeper spectra leave it: 1.2e-3 at i^-2, m = 33), where truncated operands (what a tensor core does to float32 inputs that were not
+# rounded first) give 1.1e-3 - 1.3e-3 (tests/spectral/test_newton_tf32.py). Not measured
+# on a GPU. bf16 (u = 2^-8): not offered.
+NEWTON_PRECISIONS = ("ieee", "tf32", "float64")
+NEWTON_EPS_BY_PRECISION = {"ieee": 1e-6, "tf32": 1e-6, "float64": 1e-12}
+TF32_TRACE_BUDGET = 5e-4
 NEWTON_MAX_ITERS = 200
 _FREEZE_SLACK = 1e-3  # guard: freeze when ||ZY - I||_F exceeds its minimum by this factor
 _BOUND_SLACK = 1e-3  # guard of the scaled steps: absolute slack on (1 - l_k^2)

@@ -32,7 +32,7 @@ from .eigh import EIGH_TOL
 from .grams import grams64_on_sides, grams_on_sides
 from .hints import EigHints
 from .newton import check_newton_args
-from .trace import resolve_method
+from .trace import METHODS, NEWTON_METHODS, newton_precision, resolve_method
 from .._validation import check_signal
 
 # (iters, eps) of the noise matrices' Newton solve (float64 matmuls, positive-part
@@ -56,8 +56,8 @@ def _check_common(scale, bias_correction, num_samples, method: str, eig_hints) -
         raise ValueError("num_samples: bias_correction=True needs the number of samples R")
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: expected a positive finite number (B/(R-1)), got {scale!r}")
-    if method not in ("auto", "eigh", "newton"):
-        raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
     if eig_hints is not None and not isinstance(eig_hints, EigHints):
         raise ValueError(f"eig_hints: expected a gns_kernels.spectral.EigHints, got {type(eig_hints).__name__}")
 
@@ -254,7 +254,7 @@ def nuclear_stats_select(
     dd: list = [None] * L
     meth = resolve_method(method, mean_grams[0].device)
     # the Newton path: D D^T in float64 (grams64_on_sides; NOISE_NEWTON)
-    on_sides = grams64_on_sides if meth == "newton" else grams_on_sides
+    on_sides = grams64_on_sides if meth in NEWTON_METHODS else grams_on_sides
     for l, G in zip(need_dd, on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
         dd[l] = G
     gg = list(dd)
@@ -417,7 +417,7 @@ def nuclear_stats_from_grams_select(
                 validate_symmetric(signal_grams[l], f"signal_grams[{l}]")
     gg = signal_grams if signal_grams is not None else mean_grad_grams
     meth = resolve_method(method, mean_grams[0].device)
-    if pool_fold is not None and not (meth == "newton" and return_sums):
+    if pool_fold is not None and not (meth in NEWTON_METHODS and return_sums):
         raise ValueError("pool_fold: needs method 'newton' and return_sums=True")
     _covariances(mean_grams, mean_grad_grams, float(scale), want_n, cov_out)
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
@@ -523,12 +523,27 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             if pool_fold is not None:
                 parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
         n_pair = sum(p.shape[0] for p in parts) if (correct or sums) else 0
-        if s_ls:
-            parts.append(torch.stack([sig_matrix(l) for l in s_ls]).to(device=dev_k, dtype=torch.float64))
-        mats = parts[0] if len(parts) == 1 else torch.cat(parts)
-        it, ep = NOISE_NEWTON
-        tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(mats, it, ep, None, True, "float64",
-                                                               "float64", n_pair)
+        smats = torch.stack([sig_matrix(l) for l in s_ls]).to(device=dev_k, dtype=torch.float64) if s_ls else None
+        prec = newton_precision(meth)
+        if prec == "tf32" and n_pair:
+            # the pair sum needs S = A_+^{1/2} positive semidefinite to rounding; TF32
+            # iterates perturb its near-zero eigenvalues by ~2^-11 ||S||, which its
+            # quadrature (e^{-tS}) amplifies without bound: the matrices whose pair sum is
+            # needed stay in the float64 chain, the others take the TF32 one
+            mats = parts[0] if len(parts) == 1 else torch.cat(parts)
+            it, ep = NOISE_NEWTON
+            tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(mats, it, ep, None, True, "float64",
+                                                                   "float64", n_pair)
+            if smats is not None:
+                it, ep = check_newton_args(None, None, prec)
+                tr = torch.cat([tr, torch.ops.gns_kernels.newton_sqrt_trace(smats, it, ep, None, True, prec)])
+        else:
+            if smats is not None:
+                parts.append(smats)
+            mats = parts[0] if len(parts) == 1 else torch.cat(parts)
+            it, ep = NOISE_NEWTON if prec == "float64" else check_newton_args(None, None, prec)
+            tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(mats, it, ep, None, True, prec,
+                                                                   "float64", n_pair)
         nn = len(n_ls)
         np_ = nn if pool_fold is not None else 0
         if s_ls:

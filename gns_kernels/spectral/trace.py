@@ -10,13 +10,22 @@ from .precision import check_precision
 
 Tensor = torch.Tensor
 
-METHODS = ("auto", "eigh", "newton")
+# "newton-tf32": the Newton path with TF32 products (operands rounded to nearest), opt in
+# (newton.NEWTON_PRECISIONS); the hooks' ``method=`` takes it as well
+METHODS = ("auto", "eigh", "newton", "newton-tf32")
+NEWTON_METHODS = ("newton", "newton-tf32")
+
+
+def newton_precision(method: str) -> str:
+    """The Newton chain's matmul precision of a resolved method of the nuclear solves:
+    "tf32" for 'newton-tf32', else "float64" (the noise chain, NOISE_NEWTON)."""
+    return "tf32" if method == "newton-tf32" else "float64"
 
 
 def resolve_method(method: str, device: torch.device) -> str:
     """'auto' -> 'eigh' on CPU, 'newton' elsewhere (docs/spectral.md); others validated."""
     if method not in METHODS:
-        raise ValueError(f"method: expected 'auto', 'eigh' or 'newton', got {method!r}")
+        raise ValueError(f"method: expected one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
     if method != "auto":
         return method
     return "eigh" if device.type == "cpu" else "newton"
@@ -51,8 +60,11 @@ def sqrt_trace(
                this is closer to the exact value than float64 eigvalsh of the rounded
                input. Within 1e-3 of tr(|A|^{1/2}) (for PSD A: of the result) of float64
                eigvalsh.
+      'newton-tf32'  'newton' with precision "tf32" (opt in; trace within
+               newton.TF32_TRACE_BUDGET = 5e-4 in emulation, not measured on a GPU).
       'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
-    precision ('newton'): the precision of its matmuls, "ieee" (float32, default) or
+    precision ('newton'): the precision of its matmuls, "ieee" (float32, default),
+      "tf32" (operands rounded to nearest to TF32, float32 sums; opt in) or
       "float64" (default shift 1e-12), delivered per call whatever
       torch.set_float32_matmul_precision / allow_tf32 say (spectral.precision.bmm).
     Returns float64 for float64 input, else float32; shape (...). Non-finite matrices give
@@ -70,5 +82,7 @@ def sqrt_trace(
     if meth == "eigh":
         lam = torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
         return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
+    if meth == "newton-tf32":
+        precision = "tf32"
     it, ep = check_newton_args(iters, eps, precision)
     return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep, None, True, precision).to(out_dtype)
