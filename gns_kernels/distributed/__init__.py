@@ -1,10 +1,12 @@
-"""Distributed GNS: the DDP comm hook, its state, and micro-batch statistics.
+"""Distributed GNS: one measurement core and three sibling transports over it.
 
 - GNSHookState: schedule (k % F == 0), global batch size, geometry, shift, results.
 - ddp_gns_hook: DDP comm hook (one all-reduce per bucket on every step).
 - MicroBatchGNS: gradient-accumulation micro-batches as samples (one rank, or ranks x
   micro-batches through the DDP hook).
-See docs/distributed.md.
+- fsdp.attach_fsdp_gns (imported lazily by gns_kernels): the FSDP2 reduce-scatter.
+The core (_measurement.py: the typed sums, the per-measurement plan, the shared solve's
+reader) is what the transports share; none imports another. See docs/distributed.md.
 """
 from .state import GNSHookState
 from .ddp import ddp_gns_hook

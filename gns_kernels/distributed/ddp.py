@@ -2,7 +2,10 @@
 
 Register with ``ddp.register_comm_hook(state, gk.ddp_gns_hook)`` (state: GNSHookState or
 MicroBatchGNS). DDP calls the hook once per gradient bucket per synchronized backward,
-buckets in index order 0, 1, ..., last.
+buckets in index order 0, 1, ..., last. The measurement itself (its plan, taken from the
+state once per measurement; its sums; the shared nuclear solve) is the core's
+(``_measurement.py``), shared with the FSDP2 and micro-batch transports; this module packs,
+reduces and unpacks the buckets.
 
 Other steps (k % F != 0): exactly DDP's default hook -- buffer /= R, one all-reduce of the
 bucket buffer -- nothing else is computed, allocated or communicated.
@@ -84,7 +87,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
-from ._share import SolveShare
+from ._measurement import Measurement
 from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
 
@@ -103,66 +106,36 @@ def _default_allreduce(group, buf: Tensor) -> torch.futures.Future:
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-class _Measurement:
-    """Statistics of one measurement backward (one per measured optimizer step)."""
+class _Sync:
+    """The hook's bookkeeping of one measured synchronized backward: the measurement (the
+    core's ``Measurement``), the future of the last measured bucket (bounds the packs in
+    flight) and every bucket's future."""
 
-    def __init__(self, state: GNSHookState, world: int, num_samples: int, rank: int = 0,
-                 micro=None):
-        self.state = state
-        self.world = world
-        self.num_samples = num_samples
-        self.scale = float(state.batch_size) / (num_samples - 1)
-        self.step = state.step
-        self.micro = micro
-        self.pending = None  # future of the last measured bucket (bounds packs in flight)
+    __slots__ = ("m", "pending", "futures")
+
+    def __init__(self, m: Measurement):
+        self.m = m
+        self.pending = None
         self.futures: list = []
-        # l1 / l2: one float64 row per measured parameter, [||s||_1, ||g||_1, sum s2,
-        # ||g||_2^2] (and the debiased l1 signal sum with signal='debiased'), summed after
-        # the last bucket with exactly rounded sums: a function of the parameters' values,
-        # not of how DDP's bucket layout grouped and ordered them
-        self.l_rows: list[Tensor] = []
-        # l1 noise pool: this rank folds its 1/world slice of every measured parameter;
-        # (pool key, float64 pooled, corrected ||s||_1 part), summed in key order
-        self.rank = rank
-        self.l_pool: list[tuple] = []
-        self.device = None  # the buckets' device (set by the hook)
-        # nuclear: the ranks share the sqrt-trace solves (_share.py); 'gauss-sums' dof when
-        # each sample is one rank's gradient (its deviation from the mean is then known)
-        self.dof = state.resolved_nuclear_dof(num_samples, per_sample=micro is None)
-        self.share = SolveShare(world, rank, self.scale, state.bias_correction, num_samples,
-                                float(state.batch_size), hints=state.eig_hints,
-                                dof=self.dof or "columns", signal=state.signal,
-                                pool=state.pool, grad_scale=state.grad_scale,
-                                owners=state.pool_owners, method=state.method)
 
-    def solve_nuclear(self, mean_grams, mean_grads, shifts, deviations=None, keys=None) -> None:
-        """A bucket's reduced statistics: this rank solves its share of the bucket's
-        sqrt-traces (on CUDA on a side stream); no host synchronization. deviations: this
-        rank's G^j - G per matrix (dof 'gauss-sums'); keys: the noise pool's keys."""
-        self.share.add_grads(mean_grams, mean_grads, shifts, deviations, keys)
 
-    def finish(self, group) -> None:
-        """After the last bucket: nuclear -- the share all-reduce is launched (not waited
-        for); the estimate is built from device tensors on its first read."""
-        st = self.state
-        if st.geometry == "nuclear":
-            self.share.launch(group, dist.all_reduce)
-            reader = _ShareReader(self.share)
-            st.record_measurement(self.num_samples, None, reader.noise, reader.signal, self.step,
-                                  nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
-                                  noise_pooled=reader.pooled)
-        else:
-            width = 5 if st.signal == "debiased" and st.geometry == "l1" else 4
-            # [P, width]: GNSHookState sums the rows on the host (exactly rounded)
-            total = (torch.stack(self.l_rows) if self.l_rows
-                     else torch.zeros(width, dtype=torch.float64))
-            pooled = None
-            if st.pool is not None:
-                parts = [v for _, v in sorted(self.l_pool, key=lambda e: _key_order(e[0]))]
-                pooled = _PooledSum(parts, self.device if self.device is not None else total.device,
-                                    group if self.world > 1 else None)
-            st.record_measurement(self.num_samples, total, None, None, self.step,
-                                  noise_pooled=pooled)
+def _finish(m: Measurement, group) -> None:
+    """After the last bucket: nuclear -- the share all-reduce is launched (not waited
+    for); l1 / l2 -- the per-parameter rows (summed exactly on the read) and the l1 pool's
+    one all-reduce; the estimate is built from device tensors on its first read."""
+    st = m.state
+    if st.geometry == "nuclear":
+        m.record_nuclear(group, dist.all_reduce)
+        return
+    width = 5 if st.signal == "debiased" and st.geometry == "l1" else 4
+    # [P, width]: summed on the host with exactly rounded sums (Sums.read)
+    total = torch.stack(m.l_rows) if m.l_rows else torch.zeros(width, dtype=torch.float64)
+    pooled = None
+    if st.pool is not None:
+        parts = [v for _, v in sorted(m.l_pool, key=lambda e: _key_order(e[0]))]
+        pooled = _PooledSum(parts, m.device if m.device is not None else total.device,
+                            group if m.world > 1 else None)
+    m.record_l(total, pooled)
 
 
 def _key_order(key):
@@ -174,7 +147,7 @@ def _key_order(key):
 class _PooledSum:
     """The l1 noise pool's total over the ranks: this rank's partial sums (its slices of
     the parameters), summed across the ranks by one all-reduce of one float64, launched
-    here (async) and waited for when called (GNSHookState.record_measurement's callable)."""
+    here (async) and waited for when called (a callable of ``Sums``)."""
 
     def __init__(self, parts: list, device, group):
         part = (torch.stack(parts).sum() if parts
@@ -192,180 +165,150 @@ class _PooledSum:
         return self.value.reshape(())
 
 
-class _ShareReader:
-    """noise() / signal() / signal_deb(): the totals of a SolveShare, read once (callables
-    for GNSHookState.record_measurement; signal_deb None unless signal='debiased')."""
-
-    def __init__(self, share: SolveShare):
-        self.share = share
-        self.values = None
-        dev = share.device
-        self.noise = _Value(self, 0, dev)
-        self.signal = _Value(self, 1, dev)
-        self.signal_deb = _Value(self, 2, dev) if share.signal == "debiased" else None
-        self.pooled = _Value(self, 3, dev) if share.pool is not None else None
-
-
-class _Value:
-    def __init__(self, reader: _ShareReader, i: int, device):
-        self.reader = reader
-        self.i = i
-        self.device_type = device.type if device is not None else "cpu"
-
-    def __call__(self) -> float:
-        r = self.reader
-        if r.values is None:
-            r.values = tuple(r.share.read()) + (r.share.pooled_total,)
-        return r.values[self.i]
-
-
-def _segments(bucket, state: GNSHookState):
-    """[(offset, numel, param, measured)] in bucket-buffer order (params are packed back to
-    back in the flat buffer, in bucket.parameters() order)."""
+def _segments(bucket, m: Measurement):
+    """[(offset, numel, param, ParamPlan)] in bucket-buffer order (params are packed back
+    to back in the flat buffer, in bucket.parameters() order)."""
     out = []
     off = 0
     for p in bucket.parameters():
         n = p.numel()
-        out.append((off, n, p, state.measures(p)))
+        out.append((off, n, p, m.plan.of(p)))
         off += n
     return out
 
 
-def _pack_l(buf: Tensor, segs, state: GNSHookState, micro):
-    """Pack [x, x^2] per measured parameter (copies for the others). Returns (pack, plan)
-    with plan = [(buf_off, n, pack_off, param, shift or None, measured)].
+def _pack_l(buf: Tensor, segs, micro):
+    """Pack [x, x^2] per measured parameter (copies for the others). Returns (pack, rows)
+    with rows = [(buf_off, n, pack_off, param, ParamPlan)].
 
     The measured parameters of the bucket are packed by ONE square_pack_multi call and the
     unmeasured ones copied by one multi-tensor copy (micro-batch states pack per parameter:
-    their squares come from the per-parameter accumulators)."""
-    total = sum(2 * n if m else n for _, n, _, m in segs)
+    their squares come from the per-parameter accumulators; they have no shift)."""
+    total = sum(2 * n if pp.measured else n for _, n, _, pp in segs)
     pack = torch.empty(total, dtype=torch.float32, device=buf.device)
-    plan = []
+    rows = []
     grads, outs, shifts = [], [], []  # square_pack_multi arguments
     srcs, dsts = [], []  # plain copies
     q = 0
-    for off, n, p, m in segs:
+    for off, n, p, pp in segs:
         src = buf[off:off + n]
-        if m and micro is not None:
+        if pp.measured and micro is not None:
             # last micro-batch of this rank, then [local mean gradient, A * sum_a d_a^2]
             micro.accumulate_last(p, src)
             pack[q:q + n].copy_(src)
             torch.mul(micro.sq[id(p)].view(-1), float(micro.count), out=pack[q + n:q + 2 * n])
-            plan.append((off, n, q, p, None, True))
+            rows.append((off, n, q, p, pp))
             q += 2 * n
-        elif m:
-            s = state.shift_for(p)
+        elif pp.measured:
             grads.append(src)
             outs.append(pack[q:q + 2 * n])
-            shifts.append(None if s is None else s.view(-1))
-            plan.append((off, n, q, p, s, True))
+            shifts.append(None if pp.shift is None else pp.shift.view(-1))
+            rows.append((off, n, q, p, pp))
             q += 2 * n
         else:
             srcs.append(src)
             dsts.append(pack[q:q + n])
-            plan.append((off, n, q, p, None, False))
+            rows.append((off, n, q, p, pp))
             q += n
     if grads:
         any_shift = any(s is not None for s in shifts)
         ops.square_pack_multi(grads, outs, shifts if any_shift else None)
     if srcs:
         torch._foreach_copy_(dsts, srcs)
-    return pack, plan
+    return pack, rows
 
 
-def _unpack_l(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) -> Tensor:
-    st = ctx.state
-    ds, qs, shifts = [], [], []
+def _unpack_l(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
+    st = m.state
+    measured = []  # (param, ParamPlan, mean, mean of squares)
     means, dsts, shifted, shift_vals = [], [], [], []
-    for off, n, q, p, s, m in plan:
+    for off, n, q, p, pp in rows:
         mean = pack[q:q + n]
-        if m:
-            ds.append(mean)
-            qs.append(pack[q + n:q + 2 * n])
-            shifts.append(None if s is None else s.view(-1))
-        if s is not None:
+        if pp.measured:
+            measured.append((p, pp, mean, pack[q + n:q + 2 * n]))
+        if pp.shift is not None:
             shifted.append(mean)
-            shift_vals.append(s.view(-1))
+            shift_vals.append(pp.shift.view(-1))
         means.append(mean)
         dsts.append(buf[off:off + n])
-    if ds:
-        deb = st.signal == "debiased" and st.geometry == "l1"
-        for (off, n, q, p, s, m), d, sq, sh in zip([e for e in plan if e[5]], ds, qs, shifts):
-            # per parameter, not per bucket (ctx.l_rows)
-            row = ops.variance_norms_multi([d], [sq], ctx.scale, None if sh is None else [sh]).double()
-            if deb:
-                row = torch.cat([row, l1_signal_debiased_sum([d], [sq], [sh], ctx.scale,
-                                                             float(st.batch_size)).reshape(1)])
-            ctx.l_rows.append(row)
-            if st.pool is not None:  # this rank's slice of every measured parameter
-                lo, hi = ctx.rank * n // ctx.world, (ctx.rank + 1) * n // ctx.world
-                if hi > lo:
-                    key = st.pool_key(p)
-                    ctx.l_pool.append((key, st.pool.fold_variance(key, d[lo:hi], sq[lo:hi], ctx.scale,
-                                                                  ctx.num_samples, st.grad_scale)))
+    deb = st.signal == "debiased" and st.geometry == "l1"
+    for p, pp, d, sq in measured:
+        sh = None if pp.shift is None else pp.shift.view(-1)
+        # per parameter, not per bucket (Measurement.l_rows)
+        row = ops.variance_norms_multi([d], [sq], m.scale, None if sh is None else [sh]).double()
+        if deb:
+            row = torch.cat([row, l1_signal_debiased_sum([d], [sq], [sh], m.scale,
+                                                         m.batch_size).reshape(1)])
+        m.l_rows.append(row)
+        if st.pool is not None:  # this rank's slice of every measured parameter
+            n = d.numel()
+            lo, hi = m.rank * n // m.world, (m.rank + 1) * n // m.world
+            if hi > lo:
+                m.l_pool.append((pp.key, st.pool.fold_variance(pp.key, d[lo:hi], sq[lo:hi], m.scale,
+                                                               m.num_samples, st.grad_scale)))
     if shifted:
         torch._foreach_add_(shifted, shift_vals)  # d + S: the mean gradient
-    for (off, n, q, p, s, m), mean in zip(plan, means):
-        if m:
-            st.keep_mean(p, mean)
+    for p, pp, mean, _ in measured:
+        m.plan.keep_mean(p, pp, mean)
     torch._foreach_copy_(dsts, means)
     return buf
 
 
-def _pack_nuclear(buf: Tensor, segs, state: GNSHookState, micro):
+def _pack_nuclear(buf: Tensor, segs, micro):
     """Pack [bucket gradients (float32), local Grams of the measured matrices] (the Grams
-    copied in by one multi-tensor copy)."""
+    copied in by one multi-tensor copy). Returns (pack, rows) with rows =
+    [(buf_off, n, param, ParamPlan, pack_off, Gram shape)]."""
     n_buf = buf.numel()
-    mats = [(off, n, p) for off, n, p, m in segs if m]
-    shifts = [None if micro is not None else state.shift_for(p) for _, _, p in mats]
+    mats = [(off, n, p, pp) for off, n, p, pp in segs if pp.measured]
     if micro is not None:
-        grams = [micro.accumulate_last_gram(p, buf[off:off + n].view(p.shape)) for off, n, p in mats]
-    elif all(s is None for s in shifts):
-        grams = spectral.gram([buf[off:off + n].view(p.shape) for off, n, p in mats])
+        grams = [micro.accumulate_last_gram(p, buf[off:off + n].view(p.shape)) for off, n, p, _ in mats]
+    elif all(pp.shift is None for *_, pp in mats):
+        grams = spectral.gram([buf[off:off + n].view(p.shape) for off, n, p, _ in mats])
     else:  # one shifted temporary G^j - S at a time
-        grams = [spectral.gram([buf[off:off + n].view(p.shape) if s is None
-                                else buf[off:off + n].view(p.shape).float() - s.float()])[0]
-                 for (off, n, p), s in zip(mats, shifts)]
+        grams = [spectral.gram([buf[off:off + n].view(p.shape) if pp.shift is None
+                                else buf[off:off + n].view(p.shape).float() - pp.shift.float()])[0]
+                 for off, n, p, pp in mats]
     total = n_buf + sum(G.numel() for G in grams)
     pack = torch.empty(total, dtype=torch.float32, device=buf.device)
     pack[:n_buf].copy_(buf)
-    plan = []
+    rows = []
     dsts = []
     q = n_buf
-    for (off, n, p), s, G in zip(mats, shifts, grams):
+    for (off, n, p, pp), G in zip(mats, grams):
         k = G.numel()
         dsts.append(pack[q:q + k])
-        plan.append((off, n, p, s, q, G.shape))
+        rows.append((off, n, p, pp, q, G.shape))
         q += k
     if grams:
         torch._foreach_copy_(dsts, [G.reshape(-1) for G in grams])
     del grams
-    return pack, plan
+    return pack, rows
 
 
-def _unpack_nuclear(buf: Tensor, pack: Tensor, plan, ctx: _Measurement, index: int) -> Tensor:
-    st = ctx.state
+def _unpack_nuclear(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
     n_buf = buf.numel()
-    if plan:
+    if rows:
         mean_grams, mean_grads, shifts = [], [], []
-        for off, n, p, s, q, gshape in plan:
+        for off, n, p, pp, q, gshape in rows:
             mean_grams.append(pack[q:q + gshape.numel()].view(gshape))
             G = pack[off:off + n].view(p.shape)
+            s = None if m.micro is not None else pp.shift
             mean_grads.append(G if s is None else G - s.float())  # D = G - S (shifted mean)
             shifts.append(s)
         any_shift = any(s is not None for s in shifts)
         devs = None
-        if ctx.share.gauss:
+        if m.share.gauss:
             # this rank's deviation G^j - G: buf still holds the local gradient, the pack's
             # first part the mean (both unshifted; the shift cancels in the difference)
             devs = [buf[off:off + n].view(p.shape).float() - pack[off:off + n].view(p.shape)
-                    for off, n, p, s, q, gshape in plan]
-        # this rank's share of the solves; non-finite gradients on some rank give nan
-        # statistics: this measurement is invalid everywhere
-        keys = [st.pool_key(p) for off, n, p, s, q, gshape in plan] if st.pool is not None else None
-        ctx.solve_nuclear(mean_grams, mean_grads, shifts if any_shift else None, devs, keys)
-        for off, n, p, s, q, gshape in plan:
-            st.keep_mean(p, pack[off:off + n])
+                    for off, n, p, pp, q, gshape in rows]
+        # this rank's share of the solves (solved once, after the last bucket);
+        # non-finite gradients on some rank give nan statistics: this measurement is
+        # invalid everywhere
+        keys = [pp.key for _, _, _, pp, _, _ in rows] if m.state.pool is not None else None
+        m.share.add_grads(mean_grams, mean_grads, shifts if any_shift else None, devs, keys)
+        for off, n, p, pp, q, gshape in rows:
+            m.plan.keep_mean(p, pp, pack[off:off + n])
     buf.copy_(pack[:n_buf])
     return buf
 
@@ -378,64 +321,66 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
     """
     group = _group(state)
     buf = bucket.buffer()
-    index = bucket.index()
     last = bucket.is_last()
-    if index == 0:  # buckets are launched in index order: a new synchronized backward
+    if bucket.index() == 0:  # buckets are launched in index order: a new synchronized backward
         micro = state.micro_batches_for_sync()
-        ctx = None
+        sync = None
         if state.is_measurement_step():
             world = group.size()
             samples = world * (micro.count if micro is not None else 1)
             if state.accepts_samples(samples):
-                ctx = _Measurement(state, world, samples, dist.get_rank(group=group), micro=micro)
-                ctx.device = buf.device
+                # the state's plan is taken here, once per measurement
+                m = Measurement(state, world, samples, dist.get_rank(group=group),
+                                per_sample=micro is None, micro=micro)
+                m.device = buf.device
                 if state.pool is not None:  # a loaded pool moves here, not in a callback
                     state.pool.to(buf.device)
-        state.begin_sync(ctx)
-    ctx: Optional[_Measurement] = state.sync_context
-    if ctx is None:
+                sync = _Sync(m)
+        state.begin_sync(sync)
+    sync: Optional[_Sync] = state.sync_context
+    if sync is None:
         if last:
             state.end_sync()
         return _default_allreduce(group, buf)
 
-    micro = ctx.micro
-    segs = _segments(bucket, state)
-    if not any(m for *_, m in segs):
+    m = sync.m
+    segs = _segments(bucket, m)
+    if not any(pp.measured for *_, pp in segs):
         fut = _default_allreduce(group, buf)
     else:
-        if ctx.pending is not None:
+        if sync.pending is not None:
             # at most one pack in flight: wait for the previous measured bucket's all-reduce
             # and statistics (its pack is freed then) before allocating this one. Gloo
             # otherwise queues the tail buckets' packs together (~2x the model in float32);
             # on CUDA, wait() only orders the streams.
-            ctx.pending.wait()
+            sync.pending.wait()
         if state.geometry == "nuclear":
-            pack, plan = _pack_nuclear(buf, segs, state, micro)
+            pack, rows = _pack_nuclear(buf, segs, m.micro)
             unpack = _unpack_nuclear
         else:
-            pack, plan = _pack_l(buf, segs, state, micro)
+            pack, rows = _pack_l(buf, segs, m.micro)
             unpack = _unpack_l
-        pack.div_(ctx.world)
+        pack.div_(m.world)
         work = dist.all_reduce(pack, group=group, async_op=True)
 
-        def _done(f, buf=buf, pack=pack, plan=plan, index=index, unpack=unpack):
+        def _done(f, buf=buf, pack=pack, rows=rows, unpack=unpack):
             f.value()
-            return unpack(buf, pack, plan, ctx, index)
+            return unpack(buf, pack, rows, m)
 
         fut = work.get_future().then(_done)
-        ctx.pending = fut
-        del pack, plan, work
-    ctx.futures.append(fut)
+        sync.pending = fut
+        del pack, rows, work
+    sync.futures.append(fut)
     if not last:
         return fut
 
     state.end_sync()
-    futures = list(ctx.futures)
+    futures = list(sync.futures)
 
-    def _finalize(all_done, buf=buf, ctx=ctx, group=group):
+    def _finalize(all_done, buf=buf, m=m, group=group):
         for f in all_done.value():
             f.value()  # re-raise a failure of any bucket
-        ctx.finish(group)  # nuclear: launches the share all-reduce (before backward returns)
+        _finish(m, group)  # nuclear: launches the share all-reduce (before backward returns)
         return buf
 
     return torch.futures.collect_all(futures).then(_finalize)

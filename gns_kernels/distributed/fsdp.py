@@ -126,9 +126,8 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
-from ._share import SolveShare
+from ._measurement import Measurement, MeasurementPlan
 from ._stats import l1_signal_debiased_sum
-from .ddp import _ShareReader
 from .state import GNSHookState
 
 Tensor = torch.Tensor
@@ -179,16 +178,17 @@ class _Seg:
         self.extra_block = None  # its shape
 
 
-def _layout(fsdp_params, world: int, state: GNSHookState):
+def _layout(fsdp_params, world: int, state: GNSHookState, plan: MeasurementPlan):
     """Segments of the chunk for ``fsdp_params`` (the params with a gradient, in order),
-    the chunk numel of FSDP's part and the extra per-chunk numel (nuclear, non-natural)."""
+    the chunk numel of FSDP's part and the extra per-chunk numel (nuclear, non-natural);
+    which parameters are measured comes from the measurement's ``plan``."""
     segs = []
     off = 0
     for fp in fsdp_params:
         block = torch.Size(fp.padded_sharded_param_size)
         n = block.numel()
         seg = _Seg(fp, off, n, block, fp.fsdp_placement.dim)
-        seg.measured = state.measures(seg.param)
+        seg.measured = plan.of(seg.param).measured
         segs.append(seg)
         off += n
     chunk = off
@@ -232,55 +232,31 @@ def _offsets(ks):
     return out
 
 
-class _Measurement:
-    """Statistics of one measured synchronized backward (all param groups)."""
-
-    def __init__(self, state: GNSHookState, world: int, rank: int = 0):
-        self.state = state
-        self.world = world
-        self.scale = float(state.batch_size) / (world - 1)
-        self.step = state.step
-        self.l_terms: Optional[Tensor] = None  # float64 [4] on the gradients' device
-        self.device: Optional[torch.device] = None  # of the first reduce-scatter input
-        # nuclear: the ranks share the sqrt-trace solves of the reduced Grams (_share.py);
-        # the dof is 'columns': a rank's deviation from the mean gradient needs the whole
-        # mean, and a rank holds only its shard
-        self.dof = state.resolved_nuclear_dof(world, per_sample=False)
-        self.share = SolveShare(world, rank, self.scale, state.bias_correction, world,
-                                float(state.batch_size), hints=state.eig_hints,
-                                dof=self.dof or "columns", signal=state.signal,
-                                pool=state.pool, grad_scale=state.grad_scale,
-                                owners=state.pool_owners, method=state.method)
-        # l1 noise pool: this rank folds its shard of every measured parameter; the sum of
-        # its pooled, corrected ||s||_1 parts rides in the step's one small all-reduce
-        self.l_pool: Optional[Tensor] = None
-
-    def finish(self, group) -> None:
-        """After the last param group: the step's one small all-reduce (l1/l2: the four
-        sums; nuclear: the shared sqrt-traces), launched without a host read; the estimate
-        is built on its first read."""
-        st = self.state
-        if st.geometry != "nuclear":
-            # per-rank sums over its shards -> totals: the step's one small all-reduce
-            width = 5 if (st.signal == "debiased" and st.geometry == "l1") else 4
-            terms = self.l_terms if self.l_terms is not None else torch.zeros(
-                width, dtype=torch.float64, device=self.device)
-            if st.pool is not None:  # the pooled part rides last in the same all-reduce
-                part = self.l_pool if self.l_pool is not None else torch.zeros(
-                    (), dtype=torch.float64, device=terms.device)
-                terms = torch.cat([terms, part.to(terms.device).reshape(1)])
-            dist.all_reduce(terms, group=group)
-            pooled = None
-            if st.pool is not None:
-                pooled, terms = terms[-1], terms[:-1]
-            st.record_measurement(self.world, terms, None, None, self.step, noise_pooled=pooled)
-            return
-        # nuclear: every param group solved its share after its Gram all-reduce
-        self.share.launch(group, dist.all_reduce)
-        reader = _ShareReader(self.share)
-        st.record_measurement(self.world, None, reader.noise, reader.signal, self.step,
-                              nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
-                              noise_pooled=reader.pooled)
+def _finish(m: Measurement, group) -> None:
+    """After the last param group: the step's one small all-reduce (l1/l2: the four
+    sums, and the l1 pool's part; nuclear: the shared sqrt-traces), launched without a
+    host read; the estimate is built on its first read."""
+    st = m.state
+    if st.geometry == "nuclear":
+        # every param group solved its share after its Gram all-reduce
+        m.record_nuclear(group, dist.all_reduce)
+        return
+    # per-rank sums over its shards -> totals: the step's one small all-reduce
+    width = 5 if (st.signal == "debiased" and st.geometry == "l1") else 4
+    terms = m.l_terms if m.l_terms is not None else torch.zeros(
+        width, dtype=torch.float64, device=m.device)
+    if st.pool is not None:  # the pooled part rides last in the same all-reduce
+        part = None
+        for v in m.l_pool:  # the param groups' parts, in order
+            part = v if part is None else part + v
+        if part is None:
+            part = torch.zeros((), dtype=torch.float64, device=terms.device)
+        terms = torch.cat([terms, part.to(terms.device).reshape(1)])
+    dist.all_reduce(terms, group=group)
+    pooled = None
+    if st.pool is not None:
+        pooled, terms = terms[-1], terms[:-1]
+    m.record_l(terms, pooled)
 
 
 class GNSReduceScatter:
@@ -342,7 +318,7 @@ class GNSReduceScatter:
             f"({input_numel} elements) to the parameters of FSDP param group "
             f"{self._param_group._module_fqn!r}")
 
-    def _measure(self, ctx: _Measurement, output: Tensor, inp: Tensor, group, op):
+    def _measure(self, ctx: Measurement, output: Tensor, inp: Tensor, group, op):
         st = ctx.state
         R = ctx.world
         pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
@@ -362,7 +338,7 @@ class GNSReduceScatter:
                                "(expected SUM, AVG or PREMUL_SUM)")
         mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
 
-        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st)
+        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st, ctx.plan)
         if chunk * R != inp.numel() or output.numel() != chunk:
             raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
                                f"do not match the param group's layout ({chunk} per rank)")
@@ -404,16 +380,15 @@ class GNSReduceScatter:
                 qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
         if ds and st.pool is not None:  # this rank's shard of every measured parameter
             # g = a d, s2 = a^2 s2(d): the pool folds gradient units (scale a^2)
-            roots = [st.pool.fold_variance(st.pool_key(seg.param), d, q_, ctx.scale * a * a, R,
+            roots = [st.pool.fold_variance(ctx.plan.of(seg.param).key, d, q_, ctx.scale * a * a, R,
                                            st.grad_scale)
                      for seg, d, q_ in zip([sg for sg in segs if sg.measured], ds, qs)]
-            part = torch.stack(roots).sum()
-            ctx.l_pool = part if ctx.l_pool is None else ctx.l_pool + part
+            ctx.l_pool.append(torch.stack(roots).sum())
         if ds:
             terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
             if st.signal == "debiased" and st.geometry == "l1":  # this shard's part of the sum
                 # g = a d, s2 = a^2 s2(d): the sum scales with a (applied below)
-                deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, float(st.batch_size))
+                deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, ctx.batch_size)
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
             if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
                 f = [a, a, a * a, a * a] + ([a] if terms.numel() > 4 else [])
@@ -482,7 +457,7 @@ class GNSReduceScatter:
         dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
         # this rank's share of the group's sqrt-traces; non-finite gradients on some rank
         # give nan statistics: the measurement is invalid everywhere
-        keys = [ctx.state.pool_key(s_.param) for s_ in mats] if ctx.state.pool is not None else None
+        keys = [ctx.plan.of(s_.param).key for s_ in mats] if ctx.state.pool is not None else None
         ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats], keys)
         return work
 
@@ -505,7 +480,7 @@ class FSDPGNSHandle:
         self.reduce_scatters: list = []  # GNSReduceScatter objects
         self._pending = False  # a final callback is queued for the current backward
         self._task = -1  # autograd graph task id of that backward
-        self._ctx: Optional[_Measurement] = None
+        self._ctx: Optional[Measurement] = None
         self._group = None
 
     def _will_measure(self) -> bool:
@@ -514,7 +489,7 @@ class FSDPGNSHandle:
             return self._ctx is not None
         return self.state.is_measurement_step()
 
-    def _begin(self, group) -> Optional[_Measurement]:
+    def _begin(self, group) -> Optional[Measurement]:
         """Called by every GNSReduceScatter; on the first call of a backward queue the
         finishing callback and, on a measurement step, open the measurement."""
         task = torch._C._current_graph_task_id()
@@ -529,8 +504,13 @@ class FSDPGNSHandle:
             self._ctx = None
             self._group = group
             if st.is_measurement_step() and st.accepts_samples(group.size()):
-                st._read_host_pending()  # an unread CPU measurement's hints apply to this one
-                self._ctx = _Measurement(st, group.size(), dist.get_rank(group=group))
+                # the state's plan is taken here, once per measurement; the dof is 'columns'
+                # (a rank's deviation from the mean gradient needs the whole mean, and a
+                # rank holds only its shard)
+                self._ctx = Measurement(st, group.size(), group.size(), dist.get_rank(group=group),
+                                        per_sample=False)
+            # a measurement: an unread CPU measurement's hints apply to this one first
+            st.begin_sync(self._ctx)
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
             self._pending = True
         elif self._group is not group and self._ctx is not None and group.size() != self._ctx.world:
@@ -543,7 +523,7 @@ class FSDPGNSHandle:
         self._ctx = None
         self.state.end_sync()
         if ctx is not None:
-            ctx.finish(group)
+            _finish(ctx, group)
 
     def remove(self) -> None:
         """Restore the reduce-scatter objects that were installed before attaching."""
@@ -609,11 +589,9 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     Returns an FSDPGNSHandle (``.remove()`` detaches).
     """
     FSDPModule, _ = _fsdp_api()
-    from .microbatch import MicroBatchGNS
-
     if not isinstance(state, GNSHookState):
         raise TypeError(f"state: expected a GNSHookState, got {type(state).__name__}")
-    if isinstance(state, MicroBatchGNS):
+    if state.micro_batch_samples:
         raise TypeError("state: MicroBatchGNS is not supported with FSDP2 (use a GNSHookState; "
                         "accumulate with set_requires_gradient_sync(False))")
     if state.geometry == "nuclear" and state.bias_correction and state.nuclear_dof == "gauss-sums":

@@ -51,9 +51,8 @@ import torch
 
 from .. import ops
 from .. import spectral
-from ._share import SolveShare
+from ._measurement import Measurement, Sums
 from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
-from .ddp import _ShareReader
 from .state import GNSHookState, _unique
 
 Tensor = torch.Tensor
@@ -62,6 +61,7 @@ __all__ = ["MicroBatchGNS"]
 
 
 class MicroBatchGNS(GNSHookState):
+    micro_batch_samples = True
     _NUCLEAR_DOFS = ("auto", "columns")
     _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
                          "gradient, which would mean keeping every micro-batch's gradient)")
@@ -235,64 +235,59 @@ class MicroBatchGNS(GNSHookState):
         A = self._micro_batches
         if A < 2:
             raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
-        scale = float(self._batch_size) / (A - 1)
         live = [p for p in self._params if p.grad is not None]
         self._read_host_pending()  # an unread CPU measurement reports its eigensolver hints first
+        # one rank, A samples: the core's measurement (its shared solve, without a
+        # collective; the dof is 'columns': no micro-batch's own gradient is kept)
+        m = Measurement(self, 1, A, 0, per_sample=False)
+        scale = m.scale
+        keys = [m.plan.of(p).key for p in live]
         if self.pool is not None and live:
             self.pool.to(live[0].device)
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
-            dof = self.resolved_nuclear_dof(A, per_sample=False)
             if self.pool is not None and live:
                 # the shared-solve path on one rank (no collective): it also folds the
                 # covariances into the noise pool
-                share = SolveShare(1, 0, scale, self.bias_correction, A, float(self._batch_size),
-                                   hints=self.eig_hints, dof="columns", signal=self.signal,
-                                   pool=self.pool, grad_scale=self.grad_scale,
-                                   owners=self.pool_owners, method=self.method)
-                share.add_grads(grams, grads, None, None, [self.pool_key(p) for p in live])
-                share.launch(None, None)
-                if share.stream is not None:
+                m.share.add_grads(grams, grads, None, None, keys)
+                m.record_nuclear(None, None)
+                if m.share.stream is not None:
                     # CUDA: the solves read .grad on a side stream; later in-place changes of
                     # .grad (unscale, clipping, zero_grad) must wait for them (device order,
                     # no host synchronization)
-                    torch.cuda.current_stream(share.stream.device).wait_stream(share.stream)
-                reader = _ShareReader(share)
-                self.record_measurement(A, None, reader.noise, reader.signal, self.step,
-                                        nuc_signal_debiased=reader.signal_deb, nuclear_dof=dof,
-                                        noise_pooled=reader.pooled)
+                    torch.cuda.current_stream(m.share.stream.device).wait_stream(m.share.stream)
                 return
             deb = None
             if live:
                 noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
-                                                     A, float(self._batch_size),
+                                                     A, m.batch_size,
                                                      hints=self.eig_hints, method=self.method)
                 n, s = noise.double().sum(), signal.double().sum()  # read with the estimate
                 if self.signal == "debiased":
                     _, sd = nuclear_stats_or_nan(grams, grads, None, scale, False, A,
-                                                 float(self._batch_size), signal="debiased",
+                                                 m.batch_size, signal="debiased",
                                                  method=self.method)
                     deb = sd.double().sum()
             else:
                 n = s = float("nan")
-            self.record_measurement(A, None, n, s, self.step, nuc_signal_debiased=deb,
-                                    nuclear_dof=dof, noise_pooled=None if self.pool is None else n)
+            self.record(Sums(A, m.step, nuc_noise=n, nuc_signal=s, nuc_signal_debiased=deb,
+                             nuclear_dof=m.dof, noise_pooled=None if self.pool is None else n))
         else:
             qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
             ds = [self._grad(p).view(-1) for p in live]
             terms = ops.variance_norms_multi(ds, qs, scale).double()
             if self.signal == "debiased" and self.geometry == "l1":
-                deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, float(self._batch_size))
+                deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, m.batch_size)
                        if ds else torch.zeros((), dtype=torch.float64))
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
             pooled = None
             if self.pool is not None:  # one rank: every coordinate of every parameter
-                roots = [self.pool.fold_variance(self.pool_key(p), d, q, scale, A, self.grad_scale)
-                         for p, d, q in zip(live, ds, qs)]
+                roots = [self.pool.fold_variance(key, d, q, scale, A, self.grad_scale)
+                         for key, d, q in zip(keys, ds, qs)]
                 pooled = (torch.stack(roots).sum() if roots
                           else torch.full((), float("nan"), dtype=torch.float64))
-            self.record_measurement(A, terms, None, None, self.step, noise_pooled=pooled)
+            m.record_l(terms, pooled)
 
     def _backward_seen(self) -> None:
         self._backwards += 1

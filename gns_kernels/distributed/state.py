@@ -69,7 +69,7 @@ from .._validation import check_signal
 from ..estimators import GEOMETRIES
 from .._dcp_guard import refuse_unwrapped_dcp
 from ..pooling import NoisePool, check_pool_beta
-from ._stats import exact_sum
+from ._measurement import LastMeans, MeasurementPlan, Sums, resolve_shift
 from ..spectral.hints import EigHints
 from ..spectral.trace import METHODS as SOLVE_METHODS
 
@@ -162,6 +162,9 @@ class GNSHookState:
     # cross-sample fourth moments)
     _NUCLEAR_DOFS = ("auto", "gauss-sums", "columns")
     _NUCLEAR_DOF_HINT = " ('data' needs cross-sample terms a hook cannot form)"
+    # whether the samples are gradient-accumulation micro-batches (MicroBatchGNS), which
+    # a transport may not support (FSDP2)
+    micro_batch_samples = False
 
     def __init__(
         self,
@@ -237,8 +240,8 @@ class GNSHookState:
         self._estimate = None
         self._pending = None  # statistics of the last measurement, not yet read
         self.estimate_step: Optional[int] = None
-        self._last_mean: dict[int, Tensor] = {}  # id(param) -> float32 mean gradient (shift="last")
-        self._current = None  # per-backward measurement context (ddp.py)
+        self._last_mean = LastMeans()  # shift="last": the kept float32 mean gradients
+        self._current = None  # the transport's context of the synchronized backward in progress
         # nuclear eigensolver cost hints by parameter shape (spectral.EigHints), applied
         # when a measurement finishes and checkpointed (a resumed run reproduces the numbers)
         self.eig_hints = EigHints()
@@ -312,11 +315,7 @@ class GNSHookState:
     def pool_key(self, param: Tensor):
         """The noise pool's key of ``param``: its position in the parameter order, else
         ("id", id(param)) (not saved by ``state_dict()``)."""
-        if self._order is not None:
-            i = self._order.get(id(param))
-            if i is not None:
-                return i
-        return ("id", id(param))
+        return self.plan().key(param)
 
     def is_measurement_step(self, step: Optional[int] = None) -> bool:
         """True when optimizer step k (default: the next one, ``self.step``) measures."""
@@ -343,10 +342,12 @@ class GNSHookState:
 
     # ---------------------------------------------------------------- hook protocol
     # What ddp_gns_hook and attach_fsdp_gns call, in this order, per synchronized backward:
-    # micro_batches_for_sync() and accepts_samples(S) at its start (a measurement step),
-    # begin_sync(context), sync_context while its buckets / param groups are reduced,
-    # end_sync() once the last one is launched, record_measurement(...) when the
-    # statistics are final. MicroBatchGNS overrides the first two and end_sync().
+    # micro_batches_for_sync() (DDP) and accepts_samples(S) at its start (a measurement
+    # step), plan() once per measurement (the core's Measurement takes it: which
+    # parameters, shifts and pool keys), begin_sync(context), sync_context while its
+    # buckets / param groups are reduced, end_sync() once the last one is launched,
+    # record(Sums) when the statistics are final. MicroBatchGNS overrides the first two
+    # and end_sync().
     def micro_batches_for_sync(self):
         """Micro-batch statistics the synchronized backward's hook adds to each bucket.
 
@@ -377,7 +378,7 @@ class GNSHookState:
     def _read_host_pending(self) -> None:
         """Build the estimate of an unread measurement whose statistics are on the host
         (free to read), so the eigensolver hints it reports apply to the next one."""
-        if self._pending is not None and self._pending[5]:
+        if self._pending is not None and self._pending.on_host():
             self._materialize()
 
     @property
@@ -391,37 +392,30 @@ class GNSHookState:
         self._current = None
         self.advance_step()
 
+    def record(self, sums: Sums) -> None:
+        """Record a measurement's summed statistics (a ``Sums``, the transports' one
+        record): ``estimate`` (identical on every rank) is built from them on its first
+        read, and ``estimate_step`` = ``sums.step`` now."""
+        self._pending = sums
+        self.estimate_step = sums.step
+
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
                            nuc_signal, step: int, *, nuc_signal_debiased=None,
                            nuclear_dof: Optional[str] = None, noise_pooled=None) -> None:
-        """Record the summed statistics of the measurement of optimizer step ``step``:
-        ``estimate`` (identical on every rank) is built from them on its first read, and
-        ``estimate_step`` = ``step`` now.
+        """Record the summed statistics of the measurement of optimizer step ``step``
+        (``record`` of the ``Sums`` these fields make; their meaning is ``Sums``'s).
 
-        l_terms: float64 Tensor[4], [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] over
-            the measured parameters (l1 / l2; None for nuclear), with a fifth entry, the
-            debiased l1 signal sum sum_i sqrt(max(g_i^2 - s2_i / B, 0)), when
-            ``signal`` is "debiased" and the geometry l1; or a Tensor[P, 4 or 5] of such
-            rows, one per parameter, summed on the read with exactly rounded sums (a total
-            that does not depend on the order of the rows: the DDP hook's, whose
-            parameters come in the bucket layout's order);
-        nuc_noise, nuc_signal: sums over the measured matrices of tr(C_l^{1/2})
-            (bias-corrected when ``bias_correction``) and ||G_l||_S1 (nuclear);
-        nuc_signal_debiased: sum_l tr((G_l G_l^T - C_l / B)_+^{1/2}) (nuclear with
-            ``signal`` "debiased"); nuclear_dof: the dof mode the correction used;
-        noise_pooled: the noise pool's sum (l1: sum of the pooled corrected ||s||_1 parts;
-        nuclear: sum_l of the pooled corrected tr(P_l^{1/2})), None without a pool.
-        Each may be a number, a tensor on any device (read, all together, on the first read
-        of ``estimate``: the one host synchronization of the measurement) or a callable
-        returning one (called then; e.g. one that waits for a collective).
+        l_terms: float64 Tensor[4] (l1 / l2; a fifth entry, the debiased l1 signal sum,
+            with ``signal`` "debiased"), or a Tensor[P, 4 or 5] of per-parameter rows,
+            summed exactly on the read; nuc_noise, nuc_signal: sums over the measured
+            matrices of tr(C_l^{1/2}) and ||G_l||_S1 (nuclear); nuc_signal_debiased,
+            nuclear_dof, noise_pooled: as ``Sums``. Each may be a number, a tensor on any
+            device (read, all together, on the first read of ``estimate``: the one host
+            synchronization of the measurement) or a callable returning one.
         The estimate carries ``step`` as well when GNSEstimate has a ``step`` field.
         """
-        host = all(not (isinstance(v, Tensor) and v.device.type != "cpu")
-                   and getattr(v, "device_type", "cpu") == "cpu"
-                   for v in (l_terms, nuc_noise, nuc_signal, nuc_signal_debiased, noise_pooled))
-        self._pending = (num_samples, l_terms, nuc_noise, nuc_signal, step, host,
-                         nuc_signal_debiased, nuclear_dof, noise_pooled)
-        self.estimate_step = step
+        self.record(Sums(num_samples, step, l_terms, nuc_noise, nuc_signal, nuc_signal_debiased,
+                         nuclear_dof, noise_pooled))
 
     @property
     def estimate(self):
@@ -437,89 +431,46 @@ class GNSHookState:
         self._estimate = value
 
     def _materialize(self) -> None:
-        num_samples, l_terms, noise, signal, step, _, deb, dof, pooled = self._pending
-        self._pending = None
-        vals = [v() if callable(v) else v for v in (l_terms, noise, signal, deb, pooled)]
-        tens = [v for v in vals if isinstance(v, Tensor)]
-        if tens:  # one device-to-host copy for everything
-            host = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tens]).cpu()
-            out, i = [], 0
-            for v in vals:
-                if isinstance(v, Tensor):
-                    n = v.numel()
-                    h = host[i:i + n]
-                    out.append(h.reshape(v.shape) if n != 1 or v.dim() > 0 else float(h[0]))
-                    i += n
-                else:
-                    out.append(v)
-            vals = out
-        lt = vals[0]
-        if isinstance(lt, Tensor) and lt.dim() == 2:  # one row per parameter: exactly rounded sums
-            vals[0] = torch.tensor([exact_sum(c) for c in lt.T.tolist()], dtype=torch.float64)
-        self._finish(num_samples, vals[0], vals[1], vals[2], step, vals[3], dof, vals[4])
+        pending, self._pending = self._pending, None
+        sums = pending.read()
+        self._finish(sums)
         est = self._estimate
         if est is not None and _HAS_STEP_FIELD:
-            self._estimate = dataclasses.replace(est, step=step)
+            self._estimate = dataclasses.replace(est, step=sums.step)
 
     # ---------------------------------------------------------------- parameters
+    def plan(self) -> MeasurementPlan:
+        """The plan of a measurement starting now: per parameter, whether it is measured,
+        its shift, its noise-pool key and whether its mean is kept (``shift="last"``),
+        each resolved once (``MeasurementPlan.of``). The transports ask for it once per
+        measurement."""
+        return MeasurementPlan(ids=self._param_ids, matrices_only=self.geometry == "nuclear",
+                               shift=self.shift, last=self._last_mean, order=self._order)
+
     def measures(self, param: Tensor) -> bool:
         """Whether ``param`` contributes to the statistics of this geometry."""
-        if self._param_ids is not None and id(param) not in self._param_ids:
-            return False
-        if self.geometry == "nuclear":
-            return param.dim() == 2
-        return True
+        return self.plan().measures(param)
 
     def shift_for(self, param: Tensor) -> Optional[Tensor]:
         """The shift tensor of ``param`` for the current measurement (None: no shift)."""
-        spec = self.shift
-        if spec is None:
-            return None
-        if isinstance(spec, str):  # "last"
-            return self._last_mean.get(id(param))
-        s = spec.get(param) if isinstance(spec, Mapping) else spec(param)
-        if s is None:
-            return None
-        if not isinstance(s, Tensor):
-            raise TypeError(f"shift: expected a tensor (or None) for a parameter of shape "
-                            f"{tuple(param.shape)}, got {type(s).__name__}")
-        if s.shape != param.shape:
-            raise ValueError(f"shift: expected a tensor of shape {tuple(param.shape)} like its "
-                             f"parameter, got {tuple(s.shape)}")
-        s = s.detach()
-        return s if s.is_contiguous() else s.contiguous()
+        return resolve_shift(self.shift, self._last_mean, param)
 
     def keep_mean(self, param: Tensor, mean_grad: Tensor) -> None:
         """Store the measured mean gradient as the next shift (only when shift == 'last')."""
-        if not isinstance(self.shift, str):  # only shift == "last" keeps the mean
-            return
-        held = self._last_mean.get(id(param))
-        if held is None or held.shape != param.shape:
-            held = torch.empty(param.shape, dtype=torch.float32, device=mean_grad.device)
-            self._last_mean[id(param)] = held
-        held.copy_(mean_grad.reshape(param.shape))
+        if isinstance(self.shift, str):  # only shift == "last" keeps the mean
+            self._last_mean.keep(param, mean_grad)
 
     # ---------------------------------------------------------------- results
-    def _finish(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise, nuc_signal,
-                step: Optional[int] = None, nuc_signal_debiased=None,
-                nuclear_dof: Optional[str] = None, noise_pooled=None) -> None:
-        """Turn the summed statistics of one measurement into ``self.estimate``.
-
-        l_terms: float64 Tensor[4] = sum over buckets of variance_norms, i.e.
-            [sum ||s||_1, sum ||g||_1, sum s2, sum ||g||_2^2] (l1/l2);
-        nuc_noise / nuc_signal: float64 sums over layers of tr(C_l^{1/2}) (bias-corrected
-            when ``bias_correction``) and ||G_l||_S1 (nuclear).
-        """
+    def _finish(self, sums: Sums) -> None:
+        """Turn a measurement's summed statistics, read to the host (``Sums.read``), into
+        ``self.estimate``."""
         from ._estimate import estimate_from_sums
 
         self.eig_hints.apply()
         self._estimate = estimate_from_sums(
-            self.geometry, l_terms, nuc_noise, nuc_signal, num_samples, self._batch_size,
-            self.bias_correction, signal=self.signal, nuc_signal_debiased=nuc_signal_debiased,
-            nuclear_dof=nuclear_dof, noise_pooled_sum=noise_pooled,
-            pool_beta=self.pool_beta if noise_pooled is not None else None,
-        )
-        self.estimate_step = self._step if step is None else step
+            self.geometry, sums, self._batch_size, self.bias_correction, signal=self.signal,
+            pool_beta=self.pool_beta if sums.noise_pooled is not None else None)
+        self.estimate_step = sums.step
 
     # ---------------------------------------------------------------- checkpoints
     def _rank_world(self) -> tuple[int, int]:

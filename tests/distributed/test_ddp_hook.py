@@ -301,13 +301,14 @@ def test_one_rank_one_sample_skips_or_raises():
     # a GNSHookState on one rank can never measure: a clear error
     assert res["error"] is not None and "at least 2 samples" in res["error"]
     # the hook drives the state through its public methods, in the documented order
-    # (every=2, 3 steps of A=2 micro-batches on one rank: S = 2 at steps 0 and 2)
+    # (every=2, 3 steps of A=2 micro-batches on one rank: S = 2 at steps 0 and 2), and
+    # asks it for the measurement's plan once per measurement, not once per parameter
     assert [tuple(c) for c in res["protocol"]] == [
-        ("micro_batches_for_sync", 0), ("accepts_samples", 0, 2), ("end_sync", 0),
-        ("record_measurement", 0, 2),
+        ("micro_batches_for_sync", 0), ("accepts_samples", 0, 2), ("plan", 0), ("end_sync", 0),
+        ("record", 0, 2),
         ("micro_batches_for_sync", 1), ("end_sync", 1),
-        ("micro_batches_for_sync", 2), ("accepts_samples", 2, 2), ("end_sync", 2),
-        ("record_measurement", 2, 2)]
+        ("micro_batches_for_sync", 2), ("accepts_samples", 2, 2), ("plan", 2), ("end_sync", 2),
+        ("record", 2, 2)]
 
 
 def test_micro_step_failure_on_one_rank_is_invalid_everywhere_then_recovers():

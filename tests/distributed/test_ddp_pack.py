@@ -13,6 +13,7 @@ import torch
 from gns_kernels import ops
 from gns_kernels import reference as ref
 from gns_kernels.distributed import ddp
+from gns_kernels.distributed._measurement import Measurement
 from gns_kernels.distributed.state import GNSHookState
 
 pytestmark = pytest.mark.skipif(not ops.cpp_available(), reason="needs the C++ extension")
@@ -27,20 +28,21 @@ def test_pack_l_one_multi_call_matches_reference(dtype, with_shift, gen, monkeyp
     state = GNSHookState(geometry="l2", every=1, batch_size=8, shift=shifts, params=measured)
     n_buf = sum(p.numel() for p in params)
     buf = torch.randn(n_buf, generator=gen).to(dtype)
+    ctx = Measurement(state, 2, 2)  # 2 ranks (simulated below), rank 0
     segs, off = [], 0
     for p in params:
-        segs.append((off, p.numel(), p, state.measures(p)))
+        segs.append((off, p.numel(), p, ctx.plan.of(p)))
         off += p.numel()
     calls = []
     real = ops.square_pack_multi
     monkeypatch.setattr(ops, "square_pack_multi", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(ops, "square_pack", lambda *a, **k: pytest.fail("per-parameter square_pack"))
-    pack, plan = ddp._pack_l(buf, segs, state, None)
+    pack, rows = ddp._pack_l(buf, segs, None)
     assert len(calls) == 1
     q = 0
-    for (o, n, p, m) in segs:
+    for (o, n, p, pp) in segs:
         g = buf[o:o + n]
-        if m:
+        if pp.measured:
             s = None if shifts is None else shifts[p].reshape(-1)
             torch.testing.assert_close(pack[q:q + 2 * n].double(), ref.square_pack(g, s), rtol=3e-7, atol=0)
             q += 2 * n
@@ -51,14 +53,13 @@ def test_pack_l_one_multi_call_matches_reference(dtype, with_shift, gen, monkeyp
 
     # two simulated ranks: the all-reduce average of two packs, then unpack
     buf2 = torch.randn(n_buf, generator=gen).to(dtype)
-    pack2, _ = ddp._pack_l(buf2, segs, state, None)
+    pack2, _ = ddp._pack_l(buf2, segs, None)
     avg = (pack + pack2) / 2
-    ds = [avg[q0:q0 + n].clone() for (_, n, q0, _, _, m) in plan if m]
-    qs = [avg[q0 + n:q0 + 2 * n].clone() for (_, n, q0, _, _, m) in plan if m]
-    ss = [None if s is None else s.reshape(-1) for (*_, s, m) in plan if m]
-    ctx = ddp._Measurement(state, 2, 2)
+    ds = [avg[q0:q0 + n].clone() for (_, n, q0, _, pp) in rows if pp.measured]
+    qs = [avg[q0 + n:q0 + 2 * n].clone() for (_, n, q0, _, pp) in rows if pp.measured]
+    ss = [None if pp.shift is None else pp.shift.reshape(-1) for (*_, pp) in rows if pp.measured]
     out = torch.full_like(buf, float("nan"))
-    ddp._unpack_l(out, avg, plan, ctx, 0)
+    ddp._unpack_l(out, avg, rows, ctx)
     want = sum(ref.variance_norms(d, qq, ctx.scale, s) for d, qq, s in zip(ds, qs, ss))
     # one row per measured parameter (summed when the estimate is read)
     assert len(ctx.l_rows) == len(ds)

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import gns_kernels as gk
 from gns_kernels import spectral
 from gns_kernels.distributed import GNSHookState, ddp as ddp_mod
+from gns_kernels.distributed._measurement import Measurement
 from gns_kernels.distributed._share import SolveShare, assign_solves, share_totals
 
 
@@ -95,30 +96,30 @@ def test_ddp_unpack_and_finish_are_sync_free(geometry, shift, signal):
             shifts = {p: torch.randn(p.shape) for p in params} if shift else None
             state = GNSHookState(geometry, every=1, batch_size=16, signal=signal,
                                  shift=(lambda p: shifts.get(p)) if shift else None)
-            ctx = ddp_mod._Measurement(state, 1, 4)
+            ctx = Measurement(state, 1, 4)
             n_buf = sum(p.numel() for p in params)
             buf = torch.randn(n_buf)
             segs, off = [], 0
             for p in params:
-                segs.append((off, p.numel(), p, state.measures(p)))
+                segs.append((off, p.numel(), p, ctx.plan.of(p)))
                 off += p.numel()
             if geometry == "nuclear":
-                plan, q = [], n_buf
-                for off, n, p, m in segs:
-                    if m:
+                rows, q = [], n_buf
+                for off, n, p, pp in segs:
+                    if pp.measured:
                         k = min(p.shape)
-                        plan.append((off, n, p, state.shift_for(p), q, torch.Size((k, k))))
+                        rows.append((off, n, p, pp, q, torch.Size((k, k))))
                         q += k * k
                 pack = torch.randn(q)
-                ddp_mod._unpack_nuclear(buf, pack, plan, ctx, 0)
+                ddp_mod._unpack_nuclear(buf, pack, rows, ctx)
             else:
-                plan, q = [], 0
-                for off, n, p, m in segs:
-                    plan.append((off, n, q, p, state.shift_for(p), True))
+                rows, q = [], 0
+                for off, n, p, pp in segs:
+                    rows.append((off, n, q, p, pp))
                     q += 2 * n
                 pack = torch.randn(q)
-                ddp_mod._unpack_l(buf, pack, plan, ctx, 0)
-            ctx.finish(None)
+                ddp_mod._unpack_l(buf, pack, rows, ctx)
+            ddp_mod._finish(ctx, None)
     assert state._pending is not None and state.estimate_step == 0
 
 
