@@ -1,0 +1,99 @@
+"""torchtitan: GNSTrainer on 2 gloo ranks (FSDP2 through torchtitan's own parallelize_fn,
+optimizer, LR schedulers, checkpointer, MetricsProcessor; CPU patches listed in
+_torchtitan_workers.py): the batch grows mid-run, the metrics reach the MetricsProcessor,
+a resume from torchtitan's DCP checkpoint continues bit-exactly; ChunkedLossWrapper is
+refused. And, without torchtitan, what its loss normalization does to the GNS when ranks
+hold unequal numbers of valid tokens.
+
+torchtitan is not in the test extra (docs/integrations.md: CI time and the packages it
+upgrades); run this file in an environment with it:
+    python -m venv --system-site-packages tt && tt/bin/pip install "torch==2.13.0" torchtitan==0.3.0
+    tt/bin/python -m pytest -q tests/integrations/test_torchtitan.py
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import gns_kernels as gk
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "distributed"))
+
+_NO_TT = ("torchtitan is not installed: it is left out of the test extra (about 45 s of "
+          "installs and 1 min of test on 2 cores would pass the 5-minute CI budget of the "
+          "integration tests, and it upgrades setuptools / huggingface-hub in the shared "
+          "environment); pip install torchtitan==0.3.0 to run this test")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason=_NO_TT)
+def test_torchtitan_gns_trainer_two_gloo_ranks():
+    from _harness import run_world
+
+    with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
+        res = run_world("_torchtitan_workers", "fit", 2, folder=folder, timeout=400)
+    for rank, r in enumerate(res):
+        a, b = r["first"], r["second"]
+        assert "ChunkedLossWrapper" in a["refusal"]
+        assert a["model"].startswith("FSDP") and a["step"] == 4 and b["step"] == 4
+        hist = a["history"]
+        assert [h["step"] for h in hist] == [0, 1, 2, 3]
+        sizes = [h["batch_size"] for h in hist]
+        assert sizes[0] == 8 and sizes[-1] == 16, sizes          # B_0 = global_batch_size, grew
+        assert [h["accum_steps"] for h in hist] == [s // (2 * 2) for s in sizes]
+        assert all(h["measured"] and h["valid"] and h["gns"] > 0 for h in hist)   # every=1
+        # the data loader served exactly the micro-batches the steps took
+        assert a["data_n"] == sum(h["accum_steps"] for h in hist)
+        # MetricsProcessor.log got the coordinator's row of each step (torchtitan counts from 1)
+        assert [s for s, _ in a["logged"]] == [1, 2, 3, 4]
+        for (s, extra), h in zip(a["logged"], hist):
+            assert extra["gns/step"] == h["step"] == s - 1
+            assert extra["gns/batch_size"] == h["batch_size"] and extra["gns/gns"] == h["gns"]
+        # resumed from torchtitan's step-2 checkpoint (DCPState(coord) among its states)
+        assert len(b["history"]) == 2
+        for x, y in zip(b["history"], hist[2:]):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert x[k] == y[k] or (isinstance(x[k], float) and math.isnan(x[k]) and math.isnan(y[k])), (rank, k)
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), (rank, k)
+    assert res[0]["first"]["history"] == res[1]["first"]["history"]
+
+
+def test_torchtitan_token_normalization_weights_ranks():
+    """torchtitan divides each rank's token-summed loss by the global number of valid
+    tokens N and FSDP2 sums, so rank j's gradient is (n_j / N) x its per-token mean m_j.
+    The GNS treats the R rank gradients as equal-weight samples: with equal n_j it is the
+    GNS of the per-rank means (a common factor cancels in noise / signal); with unequal
+    n_j the samples are weighted and the estimate is another one (here far larger)."""
+    g = torch.Generator().manual_seed(7)
+    d, R = 96, 4
+    signal = torch.randn(d, generator=g, dtype=torch.float64)
+
+    def rank_means(counts):
+        return [signal + torch.randn(n, d, generator=g, dtype=torch.float64).mean(0) * 0.5
+                for n in counts]
+
+    for counts, same in (([32, 32, 32, 32], True), ([56, 40, 24, 8], False)):
+        means = rank_means(counts)
+        N = sum(counts)
+        titan = [[(n / N) * m] for n, m in zip(counts, means)]     # torchtitan's rank gradients
+        plain = [[m] for m in means]                                 # per-rank mean gradients
+        for geometry in ("l2", "l1"):
+            a = gk.estimate(titan, batch_size=N, geometry=geometry)
+            b = gk.estimate(plain, batch_size=N, geometry=geometry)
+            assert a.valid and b.valid
+            if same:
+                assert a.gns == pytest.approx(b.gns, rel=1e-9)
+                # noise and signal themselves are 1/R^2 of the per-rank-mean convention
+                assert a.noise == pytest.approx(b.noise / R**2, rel=1e-9)
+            else:
+                assert a.gns > 3 * b.gns, (geometry, a.gns, b.gns)
