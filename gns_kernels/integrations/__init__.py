@@ -8,7 +8,8 @@ and ``import gns_kernels`` imports none of them.
 - ``gns_kernels.integrations.huggingface``: ``GNSTrainerCallback`` (logging) and
   ``AdaptiveTrainer`` (adaptive batch) for the Hugging Face ``Trainer``
 - ``gns_kernels.integrations.wandb``: ``WandbWriter``, ``coord.metrics()`` to W&B
-- ``gns_kernels.integrations.torchtitan``: a recipe for torchtitan
+- ``gns_kernels.integrations.torchtitan``: ``GNSTrainer`` and the ``GNS`` config component
+  for torchtitan 0.3 (FSDP2)
 
 docs/integrations.md has the lines a user adds for each stack.
 """

@@ -3,11 +3,9 @@ the GNS measured on its FSDP2 reduce-scatters, and ``GNS``, the component whose 
 sits in torchtitan's config tree (``config.gns``). What the user adds::
 
     from gns_kernels.integrations.torchtitan import GNS, GNSTrainer
-    config = GNSTrainer.Config(**vars_of_your_trainer_config, gns=GNS.Config(max_batch_size=1024))
-    trainer = config.build()               # instead of Trainer.Config(...).build()
+    config = GNSTrainer.from_config(your_trainer_config, GNS.Config(max_batch_size=1024))
+    trainer = config.build()               # instead of your_trainer_config.build()
     trainer.train()
-
-(or start from an existing ``Trainer.Config``: ``GNSTrainer.from_config(cfg, GNS.Config(...))``.)
 
 How: after torchtitan's ``Trainer.__init__`` has parallelized the model (``fully_shard``),
 built the optimizers, the LR schedulers and the checkpointer, ``GNSTrainer`` builds
