@@ -104,7 +104,7 @@ def run(pooled: bool, buckets: str, rank: int = 0, R: int = 8, reps: int = 3, me
         top.subtract(top_p)
         return {"ops": ops_m - ops_p, "top": top, "buckets": nb,
                 "ms": (statistics.median(meas) - statistics.median(plain)) * 1e3,
-                "noise": est.noise, "pooled": est.noise_pooled}
+                "noise": est.noise, "pooled": est.noise_pooled, "signal": est.signal}
     finally:
         dist.all_reduce = real_all_reduce
         dist.destroy_process_group()

@@ -18,25 +18,33 @@ Terms of the nuclear measurement (per rank, per measurement):
   Grams, float32; plus the float32 widening of a bf16 gradient) with a ring all-reduce
   time  bytes * 2 (R - 1) / R / bus_bw  + latency, and one small collective that shares
   the solved traces (latency only). R = 1: no collective.
-- solves: 2 sqrt-traces per owned matrix (noise tr C^{1/2}, signal ||G||_S1 = tr (G G^T)^{1/2}),
-  each by the scaled coupled Newton-Schulz iteration (iters = newton_min_iters(1e-6) + 3
-  = 12 + 3) x 3 batched matmuls of 2 m^3 FLOPs, plus the shift
-  correction's 6 matmuls (W = e Z^2 and a degree-5 Horner polynomial); no positive-part
-  projection (the nuclear path calls it with project=False). Ranks share the matrices
-  (both solves of a matrix on one rank) by the package's own greedy assignment by 2 m^3;
-  the model takes the busiest rank's matrices (at 160M, R = 8: 11 of the 84, not 10.5).
-- bias: the bias correction's extra cost per noise matrix, counted from what
-  gns_kernels.spectral.pairsum does: 8 float32 matmuls (qhat(W) by Horner and S = Y qhat)
-  and 5 + K float64 matmuls (F_0's Taylor series, S^2, and K = 22 squarings at eps = 1e-6)
-  of 2 m^3 each, float64 at the FP64 tensor-core rate; shared by ranks like the solves.
+- solves: the solver AS BUILT (gns_kernels.spectral, counted by running it on CPU:
+  ``solver_counts``, record_matmuls per product, non-view aten ops per launch): per Gram
+  size ONE chain of float64 products (the positive-part sign steps, the scaled coupled
+  Newton-Schulz steps at NOISE_NEWTON = (24 iterations, shift 1e-12), the shift
+  correction) over the owned matrices' noise C, pooled P and signal Grams together, in
+  chunks of chunk_size(m) matrices (16 at m = 768). The noise and signal traces are this
+  term. Ranks share the matrices (both solves of a matrix on one rank) by the package's
+  own greedy assignment by 2 m^3; the model takes the busiest rank's matrices (at 160M,
+  R = 8: 11 of the 84, not 10.5).
+- bias: the pair sum's float64 products per owned noise matrix (qhat(W) Horner, S, F_0's
+  Taylor series, S^2 and K = pair_nodes(1e-12) = 32 squarings), counted likewise.
 - dof (R >= 3, the default 'gauss-sums' degrees of freedom): the Gram d d^T of this rank's
   deviation d = G^j - G per matrix (2 m^2 n FLOPs) and its Frobenius norms.
 - pool (the noise pool, on by default: gns_kernels.pooling): per owned matrix the EMA update
   of its pooled covariance P and the pair moments against it (elementwise over m^2: read C
-  and P twice, write P; float64 moments; ~6 m^2 x 4 bytes), then one more sqrt-trace of P
-  (a Newton solve as above) and its pair sum (the bias term's matmuls again).
-- launch floor: the kernels the solves issue (per chunk of 16 matrices per iteration:
-  ~10 launches) times a per-launch host cost; the solve term is max(GPU time, floor).
+  and P twice, write P; float64 moments; ~6 m^2 x 4 bytes), then P's trace and pair sum in
+  the same chain (the solve and bias products again).
+- launch floor: the chain's kernels (``solver_counts``: launches per chain, whatever the
+  chunk's batch) x chunks x a per-launch host cost; the chain's time is max(GPU time,
+  floor), the excess booked to the solves term.
+- matmul floor: the chain's products at the matmul rate (``matmul_floor_s``): the time the
+  solver as built cannot go below on this hardware model.
+- TF32 opt-in (method 'newton-tf32'): the signal Grams in a TF32 chain (rounded operands,
+  15 guarded iterations after 21 sign steps), the noise and pooled matrices stay float64
+  (their pair sum needs S positive semidefinite to rounding).
+- a pooled matrix's per-measurement noise solve is NOT cut: the estimate reports it
+  (noise, noise_raw) and the pool's first measurement of a key uses it.
 - host syncs: 1 per measurement (the estimate is materialized when read).
 
 The old path (eigh): quoted, not modelled: batched cuSOLVER eigvalsh plus float64 refits is
@@ -90,21 +98,76 @@ class Hardware:
         return self.hbm_bw * self.hbm_eff
 
 
+_COUNTS: dict = {}
+
+
+def solver_counts(precision: str = "float64") -> dict:
+    """What the package's Newton chain issues, counted on CPU by running it (cached):
+    trace (float64 or tf32 products per matrix for its sqrt-trace; trace_unprojected: a
+    float64 signal Gram's, which skips the positive-part step), pair (extra float64
+    products per matrix whose pair sum is needed), launches (non-view aten ops of one
+    chain: a chunk, with and without pair rows; independent of the batch size), for
+    ``precision`` "float64" (NOISE_NEWTON, the default chain) or "tf32" (the opt-in's
+    signal chain, check_newton_args defaults)."""
+    if precision in _COUNTS:
+        return _COUNTS[precision]
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gns_kernels.spectral import precision as P
+    from gns_kernels.spectral.newton import check_newton_args
+    from gns_kernels.spectral.nuclear import NOISE_NEWTON
+    from gns_kernels.spectral.pairsum import _pair_impl
+
+    it, ep = NOISE_NEWTON if precision == "float64" else check_newton_args(None, None, precision)
+    A = (torch.eye(4, dtype=torch.float64) + 0.1).expand(2, 4, 4).contiguous()
+
+    class _Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.__name__ not in ("detach.default", "lift_fresh.default"):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for rows, proj in ((0, -1), (2, -1), (0, 0)):
+        with P.record_matmuls() as log, _Launches() as mode:
+            _pair_impl(A, it, ep, None, True, precision, "float64", rows, proj)
+        out[rows, proj] = (len(log), mode.n)
+    res = {"trace": out[0, -1][0], "pair": out[2, -1][0] - out[0, -1][0], "launches": out[0, -1][1],
+           "launches_pair": out[2, -1][1], "iters": it,
+           # a float64 signal Gram skips the positive-part step (spectral.nuclear)
+           "trace_unprojected": out[0, 0][0] if precision == "float64" else out[0, -1][0]}
+    _COUNTS[precision] = res
+    return res
+
+
 @dataclass(frozen=True)
 class Solver:
-    """Newton-Schulz settings (defaults: gns_kernels.spectral.newton at eps = 1e-6)."""
+    """The nuclear solver's products and launches. Defaults: the package's chain as built
+    (``solver_counts``, counted on CPU when this module is imported)."""
 
-    iters: int = 15  # check_newton_args default: newton_min_iters(1e-6) + 3 = 12 + 3
-    matmuls_per_iter: int = 3  # Z Y, Y T, T Z
-    correction_matmuls: int = 6  # W = e Z^2, then 5 Horner steps
-    chunk: int = 16  # matrices per batched iteration (_NEWTON_CHUNK)
-    launches_per_iter: int = 10  # kernels per iteration and chunk (bmm x3, norm, where x2, ...)
-    pair_fp32_matmuls: int = 8  # bias correction per noise matrix: qhat(W) Horner + S = Y qhat
-    pair_fp64_matmuls: int = 27  # F_0 Taylor (4), S^2 (1), K = pair_nodes(1e-6) = 22 squarings
+    trace_products: int = field(default_factory=lambda: solver_counts()["trace"])  # per matrix
+    pair_products: int = field(default_factory=lambda: solver_counts()["pair"])  # per noise / pooled matrix
+    precision: str = "fp64"  # the chain's products
+    signal_products: int = field(default_factory=lambda: solver_counts()["trace_unprojected"])  # per signal matrix
+    signal_precision: str = "fp64"  # "tf32": the opt-in's separate signal chain
+    launches_per_chain: int = field(default_factory=lambda: solver_counts()["launches_pair"])
+    signal_launches_per_chain: int = 0  # > 0: the signal matrices run a chain of their own
+    chunk_elems: int = 16 * 768 * 768  # spectral.newton.chunk_size: matrices per chain chunk
     dof_grams: bool = True  # the 'gauss-sums' deviation Gram at R >= 3
     pool: bool = True  # the noise pool (GNSHookState's default pool_beta = 0.9)
-    precision: str = "fp32"  # matmul precision of the solves
     gram_precision: str = "fp32"  # matmul precision of the Grams
+
+
+def tf32_solver(**kw) -> Solver:
+    """The opt-in (method 'newton-tf32'): signal matrices in their own TF32 chain."""
+    c = solver_counts("tf32")
+    return Solver(signal_products=c["trace"], signal_precision="tf32",
+                  signal_launches_per_chain=c["launches"], **kw)
 
 
 def gram_flops(a: int, b: int) -> int:
@@ -114,9 +177,24 @@ def gram_flops(a: int, b: int) -> int:
 
 
 def newton_flops(m: int, s: Solver) -> int:
-    """FLOPs of one sqrt-trace of an m x m matrix: (iters x per-iteration + correction)
-    matmuls of 2 m^3 each."""
-    return (s.iters * s.matmuls_per_iter + s.correction_matmuls) * 2 * m ** 3
+    """FLOPs of one sqrt-trace of an m x m matrix in the chain: trace_products x 2 m^3."""
+    return s.trace_products * 2 * m ** 3
+
+
+def chunk_size(m: int, s: Solver) -> int:
+    return max(1, s.chunk_elems // max(1, m * m))
+
+
+def matmul_floor_s(shapes: list, ranks: int, hw: "Hardware", s: Solver) -> float:
+    """The solver's matmul floor on one rank: every product of its chain (noise, signal,
+    pool traces; noise and pool pair sums) at the matmul rate, nothing else."""
+    ms = [min(a, b) for a, b in shapes]
+    owned = busiest_rank_matrices(ms, ranks)
+    f = 2 * sum(ms[i] ** 3 for i in owned)
+    per_noise = s.trace_products + s.pair_products
+    fp64 = f * (per_noise * (2 if s.pool else 1))
+    sig = f * s.signal_products
+    return fp64 / hw.matmul_rate(s.precision) + sig / hw.matmul_rate(s.signal_precision)
 
 
 def busiest_rank_matrices(ms: list, ranks: int) -> list:
@@ -149,6 +227,7 @@ class Terms:
     bytes: dict = field(default_factory=dict)
     flops: dict = field(default_factory=dict)
     host_syncs: int = 1
+    launches: int = 0  # kernels of the solver's chains
 
     @property
     def total_s(self) -> float:
@@ -187,18 +266,15 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
     t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
                                + (hw.coll_latency if ranks > 1 else 0.0))
-    # solves: the owned matrices' two sqrt-traces each
-    share = sum(2 * newton_flops(ms[i], s) for i in owned)
-    t.flops["solves"] = int(share)
-    gpu = share / hw.matmul_rate(s.precision)
-    n_solves = 2 * len(owned)
-    floor = math.ceil(n_solves / s.chunk) * (s.iters + 2) * s.launches_per_iter * hw.launch_s
-    t.seconds["solves"] = max(gpu, floor)
-    # bias correction: the pair sum's matmuls per owned noise matrix
-    per32 = sum(s.pair_fp32_matmuls * 2 * ms[i] ** 3 for i in owned)
-    per64 = sum(s.pair_fp64_matmuls * 2 * ms[i] ** 3 for i in owned)
-    t.flops["bias"] = int(per32 + per64)
-    t.seconds["bias"] = per32 / hw.matmul_rate(s.precision) + per64 / hw.matmul_rate("fp64")
+    # solves: the owned matrices' noise and signal traces (one chain per Gram size)
+    noise = sum(newton_flops(ms[i], s) for i in owned)
+    sig = sum(s.signal_products * 2 * ms[i] ** 3 for i in owned)
+    t.flops["solves"] = int(noise + sig)
+    t.seconds["solves"] = noise / hw.matmul_rate(s.precision) + sig / hw.matmul_rate(s.signal_precision)
+    # bias correction: the pair sum's products per owned noise matrix
+    pair = sum(s.pair_products * 2 * ms[i] ** 3 for i in owned)
+    t.flops["bias"] = int(pair)
+    t.seconds["bias"] = pair / hw.matmul_rate(s.precision)
     # gauss-sums dof (R >= 3): one deviation Gram per matrix, plus reading it for two norms
     if s.dof_grams and ranks >= 3:
         t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
@@ -207,16 +283,27 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     else:
         t.flops["dof"] = 0
         t.seconds["dof"] = 0.0
-    # noise pool: the owned matrices' pool update, one more sqrt-trace and pair sum each
+    # noise pool: the owned matrices' pool update, their pooled trace and pair sum (same chain)
     if s.pool:
-        solve = sum(newton_flops(ms[i], s) for i in owned)
         t.bytes["pool"] = sum(ms[i] ** 2 for i in owned) * 24
-        t.flops["pool"] = int(solve + per32 + per64)
-        t.seconds["pool"] = ((solve + per32) / hw.matmul_rate(s.precision)
-                             + per64 / hw.matmul_rate("fp64") + t.bytes["pool"] / hw.copy_rate())
+        t.flops["pool"] = int(noise + pair)
+        t.seconds["pool"] = (noise + pair) / hw.matmul_rate(s.precision) + t.bytes["pool"] / hw.copy_rate()
     else:
         t.bytes["pool"] = t.flops["pool"] = 0
         t.seconds["pool"] = 0.0
+    # launch floor: chunks of each Gram size's chain (noise, pool, signal matrices together)
+    own = s.signal_launches_per_chain == 0  # the signal matrices in the same chain
+    per_k: dict = {}
+    for i in owned:
+        per_k[ms[i]] = per_k.get(ms[i], 0) + 1
+    per = (2 if s.pool else 1) + (1 if own else 0)  # matrices per owned matrix in the chain
+    t.launches = sum(math.ceil(per * n / chunk_size(k, s)) for k, n in per_k.items()) * s.launches_per_chain
+    if not own:
+        t.launches += sum(math.ceil(n / chunk_size(k, s)) for k, n in per_k.items()) * s.signal_launches_per_chain
+    floor = t.launches * hw.launch_s
+    gpu = t.seconds["solves"] + t.seconds["bias"] + t.seconds["pool"]
+    if floor > gpu:
+        t.seconds["solves"] += floor - gpu
     return t
 
 
@@ -253,12 +340,12 @@ def table(hw: Hardware = Hardware(), ranks=(1, 2, 8)) -> str:
     for name, (layers, per_layer) in MODELS.items():
         shapes = per_layer * layers
         for r in ranks:
-            for prec in ("fp32", "tf32"):
-                s = Solver(precision=prec, gram_precision=prec)
+            for prec in ("fp64", "tf32"):
+                s = Solver() if prec == "fp64" else tf32_solver(gram_precision="tf32")
                 t = nuclear_step(shapes, r, hw, s)
                 ms = {k: v * 1e3 for k, v in t.seconds.items()}
                 rows.append(
-                    f"| {name} | {r} | S1 Newton, {prec} matmuls | {ms['pack']:.2f} | {ms['grams']:.2f} "
+                    f"| {name} | {r} | S1 Newton, {'as built (fp64 chain)' if prec == 'fp64' else 'TF32 opt-in (signal chain)'} | {ms['pack']:.2f} | {ms['grams']:.2f} "
                     f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {ms['dof']:.2f} "
                     f"| {ms['pool']:.1f} | {t.total_s * 1e3:.1f} "
                     f"| {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
@@ -283,17 +370,23 @@ def main(argv=None) -> int:
     ap.parse_args(argv)
     hw = Hardware()
     s = Solver()
+    c64, c32 = solver_counts("float64"), solver_counts("tf32")
     print("PREDICTION (no GPU measurement): one measurement step, one rank, H100 SXM.")
     print(f"assumed: {hw}")
-    print(f"solver: iters={s.iters} x {s.matmuls_per_iter} matmuls + {s.correction_matmuls} "
-          f"correction matmuls of 2 m^3 FLOPs; bias correction {s.pair_fp32_matmuls} fp32 + "
-          f"{s.pair_fp64_matmuls} fp64 matmuls per noise matrix; noise pool {'on' if s.pool else 'off'}")
+    print(f"solver as built (counted on CPU from the package): float64 chain, {c64['iters']} coupled "
+          f"iterations; {c64['trace']} products per matrix for its trace, {c64['pair']} more for a pair "
+          f"sum, {c64['trace_unprojected']} for a signal Gram (no projection); {c64['launches_pair']} launches per chain chunk (chunk_size(768) = 16 matrices); "
+          f"TF32 signal chain: {c32['trace']} products, {c32['launches']} launches; noise pool "
+          f"{'on' if s.pool else 'off'}")
     print(table(hw))
-    for prec in ("fp32", "tf32"):
-        t = nuclear_step(SHAPES_160M * 12, 8, hw, replace(s, precision=prec, gram_precision=prec))
+    shapes = SHAPES_160M * 12
+    for name, sv in (("as built (fp64 chain)", s), ("TF32 opt-in", tf32_solver(gram_precision="tf32"))):
+        t = nuclear_step(shapes, 8, hw, sv)
+        floor = matmul_floor_s(shapes, 8, hw, sv)
         verdict = "meets" if t.total_s * 1e3 < TARGET_MS else "misses"
-        print(f"160M, R = 8, {prec} matmuls: {t.total_s * 1e3:.1f} ms predicted, {verdict} the "
-              f"{TARGET_MS:.0f} ms target; dominant term: {t.dominant()}")
+        print(f"160M, R = 8, {name}: {t.total_s * 1e3:.1f} ms predicted ({verdict} the {TARGET_MS:.0f} ms "
+              f"target); matmul floor of the solver {floor * 1e3:.1f} ms; launch floor "
+              f"{t.launches * hw.launch_s * 1e3:.2f} ms ({t.launches} launches); dominant term: {t.dominant()}")
     return 0
 
 

@@ -254,9 +254,13 @@ def _coupled_lean(x: Tensor, e: Tensor, eye: Tensor, iters: int, eps: float, pre
 
 
 def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
-                    prec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    prec: str, project_rows: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y, Z, e, c, eye) of the coupled iteration on x_+ + e I, x = A / c (module steps 1-3),
-    matmuls in ``prec``; Y, Z float32 ("ieee") or float64 ("float64")."""
+    matmuls in ``prec``; Y, Z float32 ("ieee") or float64 ("float64"). project_rows >= 0
+    (with project): only the first project_rows matrices take the positive-part step; the
+    others must be positive semidefinite up to the iteration's rounding (float64 Grams of
+    float32 data on the float64 path) -- the hooks' signal Grams, which skip its 77
+    products per matrix."""
     m = A.shape[-1]
     x, c = _normalize(A.detach())
     x = x.double() if prec == "float64" else x.float()
@@ -267,7 +271,12 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
         e = torch.where(torch.isfinite(e), e, torch.full_like(e, eps))
     eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(x)
     if project:
-        x = _positive_part(x, eps, eye, prec)
+        B = x.shape[0]
+        pr = B if project_rows < 0 else min(int(project_rows), B)
+        if pr == B:
+            x = _positive_part(x, eps, eye, prec)
+        elif pr > 0:
+            x = torch.cat([_positive_part(x[:pr], eps, eye[:pr], prec), x[pr:]])
     # ||x_+||_2 <= ||x||_F = 1, so spec(x_+ + e I) is in [e, 1 + e]: iterate on
     # x_+ / (1 + e) + e' I with e' = e / (1 + e) (spectrum in [e', 1]) and fold 1 + e into c
     top = 1.0 + e

@@ -513,7 +513,12 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         # the pooled matrices (pool_fold) and the signal matrices, stacked in that order;
         # the pair sum only for the first two groups (when a correction needs it).
         n_ls = [l for w, l in items if w == "n"]
-        s_ls = [l for w, l in items if w != "n"]
+        # signal matrices: those that need the positive-part step first (the debiased
+        # signal's indefinite matrix, a float32 Gram: rounding far above the 1e-12 shift),
+        # then float64 Grams of float32 data (PSD to float64 rounding: no projection)
+        s_all = [l for w, l in items if w != "n"]
+        s_ls = ([l for l in s_all if debias is not None or gg[l].dtype != torch.float64]
+                + [l for l in s_all if debias is None and gg[l].dtype == torch.float64])
         dev_k = mean_grams[items[0][1]].device
         parts = []
         if n_ls:
@@ -538,12 +543,14 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 it, ep = check_newton_args(None, None, prec)
                 tr = torch.cat([tr, torch.ops.gns_kernels.newton_sqrt_trace(smats, it, ep, None, True, prec)])
         else:
+            n_proj = sum(p.shape[0] for p in parts) + len(s_ls) - len(
+                [l for l in s_ls if debias is None and gg[l].dtype == torch.float64])
             if smats is not None:
                 parts.append(smats)
             mats = parts[0] if len(parts) == 1 else torch.cat(parts)
             it, ep = NOISE_NEWTON if prec == "float64" else check_newton_args(None, None, prec)
-            tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(mats, it, ep, None, True, prec,
-                                                                   "float64", n_pair)
+            tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
+                mats, it, ep, None, True, prec, "float64", n_pair, n_proj if prec == "float64" else -1)
         nn = len(n_ls)
         np_ = nn if pool_fold is not None else 0
         if s_ls:

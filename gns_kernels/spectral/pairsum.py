@@ -57,6 +57,10 @@ def _qhat_coeffs() -> tuple:
 
 
 _QHAT_COEFFS = _qhat_coeffs()
+# the Newton precisions a pair sum may follow: not "tf32", whose iterates perturb the
+# near-zero eigenvalues of S = A_+^{1/2} by ~2^-11 ||S||, below zero too, which the
+# quadrature's e^{-tS} amplifies without bound (measured: pair sums of 1e169)
+PAIR_PRECISIONS = ("ieee", "float64")
 PAIR_T0_LOG2 = -8  # first node t0 = 2^-8 (||S||_2 <= 1)
 
 
@@ -97,11 +101,11 @@ def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64") -> Tensor:
 
 
 def _pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
-               prec: str, pair_prec: str, pair_rows: int = -1) -> tuple[Tensor, Tensor]:
+               prec: str, pair_prec: str, pair_rows: int = -1, project_rows: int = -1) -> tuple[Tensor, Tensor]:
     """(trace (B,), pair (B,)) of A (B, m, m); the pair sum only for the first pair_rows
     matrices (-1: all), 0 for the others (the chain shared by matrices that need it and
     matrices that do not: one chain, the pair's products only where used)."""
-    Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec)
+    Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec, project_rows)
     sc = c.reshape(-1).sqrt()
     W = _shift_w(Z, e, prec)
     trace = _shift_correction(Y, Z, e, eye, prec, W).double() * sc
@@ -118,13 +122,16 @@ def _pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, proje
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace_pair", mutates_args=())
 def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True,
-             precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1) -> tuple[Tensor, Tensor]:
+             precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1,
+             project_rows: int = -1) -> tuple[Tensor, Tensor]:
     """(tr(A_+^{1/2}), P(A)) per matrix of A (..., m, m): the Newton sqrt-trace (as
     newton_sqrt_trace, matmuls in ``precision``) and the pair sum (module docstring,
     squarings in ``pair_precision``), each of shape (...), float64 for float64 A, else
     float32. pair_rows >= 0: the pair sum of the first pair_rows matrices (of the
-    flattened batch) only, 0 for the rest. m = 0 gives zeros."""
-    check_precision(precision, "precision", NEWTON_PRECISIONS)
+    flattened batch) only, 0 for the rest. project_rows >= 0 (with project): only the first
+    project_rows matrices take the positive-part step (newton._newton_iterate). m = 0 gives
+    zeros."""
+    check_precision(precision, "precision", NEWTON_PRECISIONS if pair_rows == 0 else PAIR_PRECISIONS)
     check_precision(pair_precision, "pair_precision", ("ieee", "float64"))
     m = A.shape[-1]
     out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
@@ -136,8 +143,10 @@ def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, 
     ch = chunk_size(m)
     nb = flat.shape[0]
     npair = nb if pair_rows < 0 else min(int(pair_rows), nb)
+    nproj = nb if project_rows < 0 else min(int(project_rows), nb)
     res = [_pair_impl(flat[i:i + ch], iters, eps, None if refs is None else refs[i:i + ch], project,
-                      precision, pair_precision, max(0, min(ch, npair - i))) for i in range(0, nb, ch)]
+                      precision, pair_precision, max(0, min(ch, npair - i)), max(0, min(ch, nproj - i)))
+           for i in range(0, nb, ch)]
     tr = res[0][0] if len(res) == 1 else torch.cat([r[0] for r in res])
     pr = res[0][1] if len(res) == 1 else torch.cat([r[1] for r in res])
     tr, pr = tr.reshape(A.shape[:-2]), pr.reshape(A.shape[:-2])
@@ -146,7 +155,8 @@ def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, 
 
 @_pair_op.register_fake
 def _(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, project: bool = True,
-      precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1) -> tuple[Tensor, Tensor]:
+      precision: str = "ieee", pair_precision: str = "float64", pair_rows: int = -1,
+      project_rows: int = -1) -> tuple[Tensor, Tensor]:
     dt = torch.float64 if A.dtype == torch.float64 else torch.float32
     return A.new_empty(A.shape[:-2], dtype=dt), A.new_empty(A.shape[:-2], dtype=dt)
 
@@ -177,6 +187,7 @@ def sqrt_trace_pair_sum(
     from .newton import check_newton_args
 
     check_square(A, "A")
+    check_precision(precision, "precision", PAIR_PRECISIONS)
     it, ep = check_newton_args(iters, eps, precision)
     if ref_norm is not None:
         if not isinstance(ref_norm, Tensor) or tuple(ref_norm.shape) != tuple(A.shape[:-2]):
