@@ -7,13 +7,23 @@ inside a Lightning ``Trainer``. What the user adds::
     trainer.fit(model, loader)
 
 Strategies: ``"ddp"`` (and ``"ddp_spawn"`` etc., any ``DDPStrategy``: the comm hook is
-registered on Lightning's DDP model) and one device (the micro-batches are the samples).
-Refused with a RuntimeError naming the alternative: Lightning's ``FSDPStrategy`` (FSDP1;
-its flat parameters hide the per-parameter gradients the hook reads) and, for now,
-``ModelParallelStrategy`` (FSDP2 through ``fully_shard`` in ``configure_model``): the
-callback's ``set_requires_gradient_sync(False)`` on the accumulation micro-batches did not
-keep the reduce-scatter from running there (unresolved; a plain FSDP2 loop with
-``gk.AdaptiveBatching`` works).
+registered on Lightning's DDP model), ``ModelParallelStrategy`` with
+``tensor_parallel_size=1`` (FSDP2: ``fully_shard`` the children and then the
+LightningModule itself in ``configure_model``; the hook is attached with
+``attach_fsdp_gns`` to the LightningModule, the FSDP2 root) and one device (the
+micro-batches are the samples). Refused with a RuntimeError naming the alternative:
+Lightning's ``FSDPStrategy`` (FSDP1; its flat parameters hide the per-parameter gradients
+the hook reads), tensor parallelism, a LightningModule that is not an FSDP2 module.
+
+FSDP2 needs two more changes, both made by the callback: the first A_k - 1 micro-batches
+run with ``set_requires_gradient_sync(False)`` (Lightning's ``block_backward_sync`` is
+DDP's ``no_sync`` only), and ``training_step`` is routed through the LightningModule's
+``__call__`` (Lightning's own forward redirection, which it uses for its DDP/FSDP1
+wrappers). Without the second, ModelParallelStrategy calls ``training_step`` directly,
+the FSDP2 root's forward never runs, every ``fully_shard``-ed child initializes as a root
+of its own, and each one ends the backward on its own: the hook counted 2 synchronized
+backward passes per step (with two units), which is why FSDP2 was refused before; the
+no-sync itself worked.
 
 What it changes in the Trainer, at ``on_train_start``: it builds ``gk.AdaptiveBatching``
 on the strategy's model and the Trainer's optimizer, and takes over the accumulation:
@@ -105,12 +115,16 @@ class GNSCallback(_Callback):
         if "DDPStrategy" in names:
             return strategy.model       # Lightning's DistributedDataParallel
         if "ModelParallelStrategy" in names:
-            raise RuntimeError(
-                "GNSCallback: ModelParallelStrategy (FSDP2) is not supported yet: under it the "
-                "callback's set_requires_gradient_sync(False) on the accumulation micro-batches "
-                "did not keep the reduce-scatter from running (2 synchronized backward passes "
-                "counted in one step, torch 2.13 / Lightning 2.6, CPU). Use strategy='ddp', or "
-                "gk.AdaptiveBatching(model, opt, ...) in a plain FSDP2 loop (docs/integrations.md)")
+            tp = getattr(strategy, "_tensor_parallel_size", 1)
+            if tp not in (1, "auto") or (tp == "auto" and trainer.world_size != getattr(
+                    strategy, "_data_parallel_size", trainer.world_size)):
+                raise RuntimeError(f"GNSCallback: ModelParallelStrategy with tensor_parallel_size={tp}; "
+                                   "only data parallelism (FSDP2, tensor_parallel_size=1) is supported")
+            if not callable(getattr(pl_module, "set_requires_gradient_sync", None)):
+                raise RuntimeError(
+                    "GNSCallback: ModelParallelStrategy but the LightningModule is not an FSDP2 "
+                    "module: call fully_shard(self) last in configure_model (after its children)")
+            return pl_module            # the FSDP2 root
         if trainer.world_size != 1:
             raise RuntimeError(f"GNSCallback: strategy {type(strategy).__name__} is not supported "
                                "(use 'ddp', ModelParallelStrategy with fully_shard, or one device)")
@@ -138,7 +152,27 @@ class GNSCallback(_Callback):
             self._pending = None
         self._count = 0
         self._take_over(trainer)
+        if self.coord.kind == "fsdp":
+            self._route_through_root(trainer)
         trainer.accumulate_grad_batches = self.coord.accum_steps
+
+    def _route_through_root(self, trainer) -> None:
+        """ModelParallelStrategy calls ``training_step`` on the LightningModule directly, so
+        the FSDP2 root's forward never runs: every ``fully_shard``-ed child then initializes
+        as a root of its own and ends its backward on its own, and the GNS hook counted one
+        synchronized backward per such root (2 per step with two units; this is why FSDP2
+        was refused before). Lightning's own forward redirection (used for its DDP/FSDP1
+        wrappers) routes ``training_step`` through ``module.__call__``, so the root's hooks
+        run as in a plain ``model(x)`` loop."""
+        strategy = trainer.strategy
+        redirect = strategy._forward_redirection
+
+        def training_step(*args, **kwargs):
+            with strategy.precision_plugin.train_step_context():
+                return redirect(strategy.model, strategy.lightning_module, "training_step",
+                                *args, **kwargs)
+
+        strategy.training_step = training_step
 
     def _take_over(self, trainer) -> None:
         cb = self
@@ -165,6 +199,8 @@ class GNSCallback(_Callback):
         A = self.coord.accum_steps
         if self._count == 1:
             trainer.accumulate_grad_batches = A
+        if self.coord.kind == "fsdp":   # Lightning's block_backward_sync is DDP's no_sync only
+            pl_module.set_requires_gradient_sync(self._count >= A)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.coord is None or self._count < self.coord.accum_steps:

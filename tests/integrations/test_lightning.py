@@ -1,6 +1,8 @@
-"""GNSCallback in a Lightning Trainer on 2 gloo processes: DDP measures, logs, grows the
+"""GNSCallback in a Lightning Trainer on 2 gloo processes: under DDP and under
+ModelParallelStrategy (FSDP2, fully_shard in configure_model) it measures, logs, grows the
 accumulation mid-epoch and checkpoints every rank's state (resumed through ckpt_path);
-LR schedulers, FSDP1 (FSDPStrategy) and, for now, ModelParallelStrategy are refused."""
+LR schedulers, FSDP1 (FSDPStrategy), tensor parallelism and a LightningModule that is not
+the FSDP2 root are refused."""
 from __future__ import annotations
 
 import sys
@@ -17,11 +19,11 @@ pytestmark = pytest.mark.distributed
 W = "_lightning_workers"
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lightning_callback_adapts_and_logs(strategy):
     with tempfile.TemporaryDirectory(prefix="gns_pl_") as folder:
         res = run_world(W, "fit", 2, folder=folder, strategy=strategy, steps=8,
-                        resume=(strategy == "ddp"), timeout=150)
+                        resume=True, timeout=200)
     for rank, r in enumerate(res):
         assert r["global_step"] == 8 and r["coord_step"] == 8
         assert all(s == 4 for s in r["sizes"])
@@ -34,10 +36,9 @@ def test_lightning_callback_adapts_and_logs(strategy):
         assert any("gns/gns" in d for d in r["logged"])
         assert [d["gns/batch_size"] for d in r["logged"]] == [2 * 4 * a for a in accum]
     assert res[0]["logged"] == res[1]["logged"]
-    if strategy == "ddp":  # resumed through trainer.save_checkpoint / ckpt_path
-        for r in res:
-            assert r["resumed_step"] == 10
-            assert r["resumed_pool_keys"]
+    for r in res:  # resumed through trainer.save_checkpoint / ckpt_path
+        assert r["resumed_step"] == 10
+        assert r["resumed_pool_keys"]
 
 
 def test_lightning_callback_refuses_a_scheduler():
@@ -47,17 +48,24 @@ def test_lightning_callback_refuses_a_scheduler():
         assert msg is not None and "lr_schedule" in msg, msg
 
 
-@pytest.mark.parametrize("cls,match", [("FSDPStrategy", "FSDP1"), ("ModelParallelStrategy", "FSDP2")])
+@pytest.mark.parametrize("cls,match", [("FSDPStrategy", "FSDP1"),
+                                       ("ModelParallelStrategy", "tensor_parallel_size"),
+                                       ("unsharded", "fully_shard")])
 def test_lightning_callback_refuses_fsdp_strategies(cls, match):
-    """Lightning's FSDPStrategy needs a GPU to reach on_train_start, so the refusal is
-    checked on the strategy object itself."""
+    """Lightning's FSDPStrategy needs a GPU to reach on_train_start, so the refusals are
+    checked on the strategy object itself: FSDP1, tensor parallelism, a LightningModule
+    that is not the FSDP2 root."""
     from types import SimpleNamespace
 
     import lightning.pytorch.strategies as S
+    import torch
 
     from gns_kernels.integrations.lightning import GNSCallback
 
-    strategy = getattr(S, cls)() if cls == "FSDPStrategy" else S.ModelParallelStrategy(1, 1)
+    if cls == "FSDPStrategy":
+        strategy = S.FSDPStrategy()
+    else:
+        strategy = S.ModelParallelStrategy(1, 2 if cls == "ModelParallelStrategy" else 1)
     cb = GNSCallback(micro_batch_size=4, initial_batch_size=8)
     with pytest.raises(RuntimeError, match=match):
-        cb._measured_model(SimpleNamespace(strategy=strategy, world_size=2), None)
+        cb._measured_model(SimpleNamespace(strategy=strategy, world_size=2), torch.nn.Linear(2, 2))
