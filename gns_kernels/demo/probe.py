@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", default=None, help="folder for probe.json / probe.txt (default: RUN_DIR)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--gns-only", action="store_true",
+                        help="no branches: only the GNS measured at each of --batch-sizes (gns.json), and "
+                             "with --b-crit the theta at which that batch is Algorithm 1's fixed point")
+    parser.add_argument("--b-crit", type=float, default=None,
+                        help="--gns-only: a critical batch (e.g. from an earlier probe.json)")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -141,6 +146,36 @@ class DemoRun:
                 logits.reshape(-1, logits.shape[-1]), self.val_y.reshape(-1)).item()
 
 
+def gns_by_batch(run: "DemoRun", batch_sizes, repeats: int, bias_correction: bool) -> dict:
+    """{B: {geometry: measure_gns entry}}: the fresh GNS at the checkpoint measured as a run at
+    batch B would measure it (B / b micro-batches of the run's b, at least 2). With the raw
+    signal the measured GNS grows with the B it is measured at (the noise leaks into the
+    signal, docs/estimators.md), so the batch Algorithm 1 settles at depends on it."""
+    from ..probe import measure_gns
+
+    model, _ = run.start()
+    return {int(B): measure_gns(model, run.measured, run.draw, run.loss_fn, run.micro_batch,
+                                max(2, int(B) // run.micro_batch), repeats=repeats, seed=20_000 + int(B),
+                                bias_correction=bias_correction)
+            for B in sorted(batch_sizes)}
+
+
+def interp_loglog(points: dict, x: float) -> float | None:
+    """y at x from {x_i: y_i}, linear in log x / log y between the neighbours; None outside
+    the points' range or where a neighbour is not finite and > 0."""
+    xs = sorted(points)
+    for a, b in zip(xs, xs[1:]):
+        if a <= x <= b:
+            ya, yb = points[a], points[b]
+            if not all(math.isfinite(v) and v > 0 for v in (ya, yb)):
+                return None
+            t = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
+            return math.exp(math.log(ya) + t * (math.log(yb) - math.log(ya)))
+    if xs and x == xs[-1]:
+        return points[x]
+    return None
+
+
 def probe_run(run_dir: str, batch_sizes, samples: int, seeds, tolerance: float = 1.25,
               cap: float = 2.0, evals: int = 16, repeats: int = 8, log=lambda s: None,
               corpus=None) -> dict:
@@ -160,9 +195,14 @@ def probe_run(run_dir: str, batch_sizes, samples: int, seeds, tolerance: float =
                     run.lr_rule, tolerance=tolerance, cap=cap, evals=evals, log=log)
     summ = res["summary"]
     bc = summ["b_crit_median"]
+    by_b = gns_by_batch(run, batch_sizes, repeats, cfg.bias_correction)
 
-    def th(g):
-        return theta_for(g, bc) if math.isfinite(g) and g > 0 else None
+    def th(g, b=None):
+        return theta_for(g, bc if b is None else b) if math.isfinite(g) and g > 0 else None
+
+    def th_range(g):   # the seeds' spread of B_crit as a spread of theta (larger B, smaller theta)
+        lo, hi = th(g, summ["b_crit_max"]), th(g, summ["b_crit_min"])
+        return None if lo is None else [lo, hi]
     report = dict(
         run_dir=os.path.abspath(run_dir), step=run.step, samples_seen=run.samples_seen,
         batch_size=run.batch_size, micro_batch=run.micro_batch, optimizer=cfg.optimizer,
@@ -180,11 +220,19 @@ def probe_run(run_dir: str, batch_sizes, samples: int, seeds, tolerance: float =
         gns=dict(controller_ema=dict(geometry=run.geometry, gns=run.gns_ema,
                                      batch_asked_at_run_theta=(run.gns_ema / run.theta ** 2
                                                                if math.isfinite(run.gns_ema) else None),
-                                     theta_for_b_crit=th(run.gns_ema)),
+                                     theta_for_b_crit=th(run.gns_ema),
+                                     theta_range=th_range(run.gns_ema)),
                  fresh={g: dict(gns=v["gns"], noise=v["noise"], signal=v["signal"],
                                 gns_each=v["gns_each"], theta_for_b_crit=th(v["gns"]),
+                                theta_range=th_range(v["gns"]),
                                 micro_batches=A, micro_batch=run.micro_batch, repeats=repeats)
-                        for g, v in gns.items()}),
+                        for g, v in gns.items()},
+                 # Algorithm 1's fixed point: GNS measured AT B_crit (log-log between the
+                 # grid's measurements) / theta^2 = B_crit
+                 at_batch={str(B): {g: v["gns"] for g, v in d.items()} for B, d in by_b.items()},
+                 fixed_point_theta={g: (lambda x: None if x is None else theta_for(x, bc))(
+                     interp_loglog({B: d[g]["gns"] for B, d in by_b.items()}, bc))
+                     for g in next(iter(by_b.values()))}),
         seconds=time.time() - t0)
     return report
 
@@ -214,16 +262,60 @@ def format_report(r: dict) -> str:
     est = "bias-corrected" if r["bias_correction"] else "raw (paper's)"
     lines.append(f"GNS at this point ({est} estimator) and theta at which Algorithm 1 asks for "
                  f"B_crit = {s['b_crit_median']:.1f} (theta = sqrt(GNS / B_crit)):")
-    def fmt_th(x):
-        return "-" if x is None else f"{x:.3f}"
+    def fmt_th(v):
+        x, rng = v["theta_for_b_crit"], v.get("theta_range")
+        if x is None:
+            return "-"
+        return f"{x:.3f}" + ("" if rng is None else f" [{rng[0]:.3f}, {rng[1]:.3f} over the seeds' B_crit]")
     lines.append(f"  controller EMA ({e['geometry']}): GNS {e['gns']:.2f}, asks B = "
                  f"{e['batch_asked_at_run_theta'] or float('nan'):.1f} at the run's theta; "
-                 f"theta for B_crit {fmt_th(e['theta_for_b_crit'])}")
+                 f"theta for B_crit {fmt_th(e)}")
     for g, v in r["gns"]["fresh"].items():
         lines.append(f"  fresh {g:>7}: GNS {v['gns']:.2f} ({v['repeats']} measurements of "
-                     f"{v['micro_batches']} x {v['micro_batch']}); theta for B_crit {fmt_th(v['theta_for_b_crit'])}")
+                     f"{v['micro_batches']} x {v['micro_batch']}); theta for B_crit {fmt_th(v)}")
+    lines.append("fresh GNS measured at each batch (B / b micro-batches of the run's b), and the "
+                 "theta at which B_crit is Algorithm 1's fixed point (GNS at B_crit / theta^2 = B_crit):")
+    geoms = list(r["gns"]["fixed_point_theta"])
+    lines.append("  " + f"{'B':>6}" + "".join(f"{g:>10}" for g in geoms))
+    for B, d in r["gns"]["at_batch"].items():
+        lines.append("  " + f"{B:>6}" + "".join(f"{d[g]:>10.2f}" for g in geoms))
+    lines.append("  " + f"{'theta':>6}" + "".join(
+        f"{'-' if x is None else format(x, '.3f'):>10}" for x in r["gns"]["fixed_point_theta"].values()))
     lines.append(f"({r['seconds']:.0f} s)")
     return "\n".join(lines)
+
+
+def _gns_only(args, Bs, out) -> int:
+    from ..probe import theta_for
+
+    bc = args.b_crit
+    if bc is not None and not (math.isfinite(bc) and bc > 0):
+        raise DemoError(f"--b-crit must be a finite number > 0, got {bc!r}")
+    cfg, ck = load_run(args.run_dir)
+    run = DemoRun(cfg, ck)
+    by_b = gns_by_batch(run, Bs, args.repeats, cfg.bias_correction)
+    geoms = list(next(iter(by_b.values())))
+    fixed = {}
+    if bc is not None:
+        for g in geoms:
+            x = interp_loglog({B: d[g]["gns"] for B, d in by_b.items()}, bc)
+            fixed[g] = None if x is None else theta_for(x, bc)
+    lines = [f"GNS of {os.path.abspath(args.run_dir)} at step {run.step} measured at each batch "
+             f"({'bias-corrected' if cfg.bias_correction else 'raw'} estimator, {args.repeats} measurements, "
+             f"B / {run.micro_batch} micro-batches); controller EMA ({run.geometry}) {run.gns_ema:.2f}",
+             "  " + f"{'B':>6}" + "".join(f"{g:>10}" for g in geoms)]
+    for B, d in by_b.items():
+        lines.append("  " + f"{B:>6}" + "".join(f"{d[g]['gns']:>10.2f}" for g in geoms))
+    if bc is not None:
+        lines.append(f"  theta at which B = {bc:g} is Algorithm 1's fixed point: " + ", ".join(
+            f"{g} {'-' if x is None else format(x, '.3f')}" for g, x in fixed.items()))
+    text = "\n".join(lines)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gns.json"), "w") as fh:
+        json.dump(dict(step=run.step, controller_ema=run.gns_ema, b_crit=bc, fixed_point_theta=fixed,
+                       at_batch={str(B): {g: v for g, v in d.items()} for B, d in by_b.items()}), fh, indent=1)
+    print(text)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or args.run_dir
         torch.set_num_threads(args.threads)
         log = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+        if args.gns_only:
+            return _gns_only(args, Bs, out)
         report = probe_run(args.run_dir, Bs, args.samples, seeds, args.tolerance, args.cap,
                            args.evals, args.repeats, log=log)
         text = format_report(report)

@@ -77,7 +77,41 @@ def test_probe_command_writes_its_report(stopped, tmp_path, capsys):
     for g, v in r["gns"]["fresh"].items():
         if v["theta_for_b_crit"] is not None:
             assert v["theta_for_b_crit"] == pytest.approx(math.sqrt(v["gns"] / r["summary"]["b_crit_median"]))
+            lo, hi = v["theta_range"]
+            assert lo == pytest.approx(math.sqrt(v["gns"] / r["summary"]["b_crit_max"]))
+            assert hi == pytest.approx(math.sqrt(v["gns"] / r["summary"]["b_crit_min"]))
     assert os.path.exists(os.path.join(out, "probe.txt"))
+    assert set(r["gns"]["at_batch"]) == {"8", "16", "32"}
+    # the fixed-point theta: GNS interpolated at B_crit (log-log), by hand
+    bc = r["summary"]["b_crit_median"]
+    pts = {int(B): d["l1"] for B, d in r["gns"]["at_batch"].items()}
+    a = max(B for B in pts if B <= bc)
+    b = min([B for B in pts if B >= bc] or [a])
+    g = pts[a] if a == b else math.exp(math.log(pts[a]) + (math.log(bc) - math.log(a)) /
+                                       (math.log(b) - math.log(a)) * (math.log(pts[b]) - math.log(pts[a])))
+    assert r["gns"]["fixed_point_theta"]["l1"] == pytest.approx(math.sqrt(g / bc))
+
+
+@pytest.mark.distributed
+def test_gns_only(stopped, tmp_path, capsys):
+    out = str(tmp_path / "g")
+    assert main(["probe", stopped, "--gns-only", "--batch-sizes", "8,16", "--repeats", "2",
+                 "--b-crit", "12", "--out", out]) == 0
+    g = json.load(open(os.path.join(out, "gns.json")))
+    assert set(g["at_batch"]) == {"8", "16"} and g["b_crit"] == 12
+    pts = {int(B): d["l1"]["gns"] for B, d in g["at_batch"].items()}
+    at = math.exp(0.5 * (math.log(pts[8]) + math.log(pts[16])) + (math.log(12) - 0.5 * math.log(128))
+                  / math.log(2) * (math.log(pts[16]) - math.log(pts[8])))
+    assert g["fixed_point_theta"]["l1"] == pytest.approx(math.sqrt(at / 12))
+    assert "fixed point" in capsys.readouterr().out
+
+
+def test_interp_loglog():
+    from gns_kernels.demo.probe import interp_loglog
+    assert interp_loglog({16: 4.0, 64: 16.0}, 32) == pytest.approx(8.0)
+    assert interp_loglog({16: 4.0, 64: 16.0}, 64) == pytest.approx(16.0)
+    assert interp_loglog({16: 4.0, 64: 16.0}, 8) is None
+    assert interp_loglog({16: 4.0, 64: math.nan}, 32) is None
 
 
 @pytest.mark.parametrize("argv, needle", [
