@@ -274,7 +274,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  fresh {g:>7}: GNS {v['gns']:.2f} ({v['repeats']} measurements of "
                      f"{v['micro_batches']} x {v['micro_batch']}); theta for B_crit {fmt_th(v)}")
     lines.append("fresh GNS measured at each batch (B / b micro-batches of the run's b), and the "
-                 "theta at which B_crit is Algorithm 1's fixed point (GNS at B_crit / theta^2 = B_crit):")
+                 "theta at which B_crit is Algorithm 1's fixed point (GNS at B_crit / theta^2 = B_crit; "
+                 "the recommended theta: the one above holds only while the batch stays where it is, "
+                 "because the measured GNS grows with the batch it is measured at):")
     geoms = list(r["gns"]["fixed_point_theta"])
     lines.append("  " + f"{'B':>6}" + "".join(f"{g:>10}" for g in geoms))
     for B, d in r["gns"]["at_batch"].items():
