@@ -27,6 +27,15 @@ Architectures (all data offline; sklearn's bundled sets, the Python standard lib
                (4096 windows): recurrent weights, gradients summed over time steps.
   diabetes     10-48-48-1 ReLU MLP regression (MSE) on sklearn diabetes (442 rows, X and y
                standardised): a regression loss, no classification tails.
+  Added for the sparse and wide cases (issue 33; designed without tuning any estimator):
+  embbag       a bag-of-words classifier of which of 8 stdlib packages a 6-line chunk of
+               source comes from (7811 chunks): word unigrams and bigrams in at most 0.5% of
+               the chunks, the 6000 most frequent as rows of an 8-wide embedding (mean over
+               the bag), then 8-32-8 tanh. Every row is in <= 0.5% of the examples (a local
+               batch of 16 sees a row with probability <= 7.7%, most rows far less); the
+               embedding carries 76% of the model's ||sigma||_1.
+  wide         64-1024-10 tanh MLP on 4096 of the digits rows: a hidden layer 64x a local
+               batch of 16.
 
 Estimators (per trial; the first trials of every configuration are checked against
 gk.estimate to 1e-9 relative, nuclear 1e-6):
@@ -48,6 +57,10 @@ distributed._share.pooled_sqrt_traces); reports E[noise_pooled] / truth after 1,
 and 40 measurements (independent sequences; 40 is the steady state: the first measurement's
 weight is 0.9^39 = 0.016) and the CV at 40:
     OMP_NUM_THREADS=1 python bench/truth.py --pooled --arch mlp,cnn,transformer,rnn,diabetes --seqs 200
+--beta sets the pool's beta, --pool-at the measurement counts reported, and --beta2 B2 adds a
+second pool at B2 and the window extrapolation (rows l1x, nucx; a prototype, not in the hooks):
+    OMP_NUM_THREADS=1 python bench/truth.py --pooled --arch embbag,wide --R 2,4,8 --b 16,64 \
+        --extra "" --seqs 60 --beta2 0.8
 and during training (R:b:measurements:SGD steps between them):
     OMP_NUM_THREADS=1 python bench/truth.py --pooled --drift 4:16:40:10 --arch mlp,transformer --seqs 100
 
@@ -207,6 +220,78 @@ class Block(nn.Module):
         return self.head(self.lnf(x))
 
 
+STDLIB_PACKAGES = ("email", "http", "xml", "unittest", "asyncio", "multiprocessing", "tkinter", "idlelib")
+
+
+def code_bag_data(vocab=6000, max_df=0.005, per_class=1000, lines=6, length=32, seed=0):
+    """Which of 8 stdlib packages a chunk of `lines` source lines comes from, as a bag of
+    words: lower-cased word unigrams and bigrams, kept when at most `max_df` of the chunks
+    contain them, the `vocab` most frequent of those indexed 1..vocab (0 pads to `length`).
+    Every embedding row is then in at most 0.5% of the examples (a local batch of 16 sees
+    a given row with probability <= 7.7%): a sparse embedding."""
+    import collections
+    import random
+    import re
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for c, pkg in enumerate(STDLIB_PACKAGES):
+        chunks = []
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, pkg)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for f in sorted(filenames):
+                if f.endswith(".py"):
+                    with open(os.path.join(dirpath, f), encoding="utf-8", errors="replace") as fh:
+                        ls = [ln.strip() for ln in fh if ln.strip()]
+                    chunks += [" ".join(ls[i:i + lines]) for i in range(0, len(ls) - lines + 1, lines)]
+        rng.shuffle(chunks)
+        texts += chunks[:per_class]
+        labels += [c] * len(chunks[:per_class])
+
+    def tokens(s):
+        w = re.findall(r"[a-z0-9]+", s.lower())
+        return set(w) | {a + " " + b for a, b in zip(w, w[1:])}
+
+    toks = [tokens(t) for t in texts]
+    df = collections.Counter(t for ts in toks for t in ts)
+    n = len(toks)
+    kept = sorted((t for t, c in df.items() if c <= max_df * n), key=lambda t: (-df[t], t))[:vocab]
+    index = {t: i + 1 for i, t in enumerate(kept)}
+    X = torch.zeros(n, length, dtype=torch.int64)
+    for i, ts in enumerate(toks):
+        ids = sorted(index[t] for t in ts if t in index)[:length]
+        X[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return X, torch.tensor(labels)
+
+
+class WideMLP(nn.Module):
+    """One tanh hidden layer of 1024 units (64x a local batch of 16)."""
+
+    def __init__(self, d_in=64, h=1024, d_out=10):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d_in, h), nn.Linear(h, d_out)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class BagClassifier(nn.Module):
+    """Mean of the bag's word embeddings (row 0 pads), then a tanh MLP."""
+
+    def __init__(self, vocab=6000, d=8, h=32, classes=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab + 1, d, padding_idx=0)
+        self.fc = nn.Linear(d, h)
+        self.out = nn.Linear(h, classes)
+
+    def forward(self, idx):  # idx (..., length)
+        mask = (idx > 0).to(self.emb.weight.dtype)
+        x = (self.emb(idx) * mask[..., None]).sum(-2) / mask.sum(-1, keepdim=True).clamp_min(1.0)
+        return self.out(torch.tanh(self.fc(x)))
+
+
 def make_arch(name: str, seed: int):
     torch.manual_seed(seed)
     if name == "cnn":
@@ -227,6 +312,13 @@ def make_arch(name: str, seed: int):
     if name == "diabetes":
         X, Y = diabetes_data()
         return RegMLP(), X, Y, lambda out, y: F.mse_loss(out, y), 0.01
+    if name == "embbag":
+        X, Y = code_bag_data(seed=seed)
+        return BagClassifier(), X, Y, lambda out, y: F.cross_entropy(out, y), 0.5
+    if name == "wide":
+        X, Y = digits_data()
+        keep = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed))[:4096]
+        return WideMLP(), X.flatten(1)[keep], Y[keep], lambda out, y: F.cross_entropy(out, y), 0.02
     raise ValueError(f"arch: unknown {name!r}")
 
 
@@ -568,18 +660,24 @@ def fold_measurement(npool, x, layout, R, b):
     return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method="eigh")
 
 
-def pooled_run(pool, layout, R, b, seqs, seed):
+def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None):
     """The hooks' noise pool on independent sequences of len POOL_AT[-1] measurements:
-    {("l1" | "nuc", t): tensor[seqs] of the pooled noise after t measurements}."""
+    {("l1" | "nuc", t): tensor[seqs] of the pooled noise after t measurements}. With
+    beta2: a second pool at beta2 beside it, and ("l1x" | "nucx", t) the window
+    extrapolation r + (r - r2) U / (U2 - U) of the two corrected roots (U, U2: the pools'
+    sum_k w_k^2 / (S - 1))."""
     from gns_kernels.pooling import NoisePool
 
+    pool_at = pool_at or POOL_AT
     gen = torch.Generator().manual_seed(seed)
     B = R * b
-    out = {(g, t): [] for g in ("l1", "nuc") for t in POOL_AT}
+    geos = ("l1", "nuc") + (("l1x", "nucx") if beta2 is not None else ())
+    out = {(g, t): [] for g in geos for t in pool_at}
     for _ in range(seqs):
-        npool = NoisePool(0.9)
-        xs = rank_means(pool, POOL_AT[-1], R, b, gen)  # (T, R, P) float64
-        for t in range(POOL_AT[-1]):
+        npool = NoisePool(beta)
+        npool2 = NoisePool(beta2) if beta2 is not None else None
+        xs = rank_means(pool, pool_at[-1], R, b, gen)  # (T, R, P) float64
+        for t in range(pool_at[-1]):
             x = xs[t]
             l1, vals = fold_measurement(npool, x, layout, R, b)
             if t == 0:  # every matrix is new: the measurement's own corrected noise (gk.estimate's default)
@@ -587,9 +685,19 @@ def pooled_run(pool, layout, R, b, seqs, seed):
             else:
                 assert float(vals[1].sum()) == 0.0
                 nuc = float(vals[0].sum()) ** 2
-            if t + 1 in POOL_AT:
+            if npool2 is not None:
+                l1b, vals2 = fold_measurement(npool2, x, layout, R, b)
+                U = float(next(iter(npool._entries.values())).U)
+                U2 = float(next(iter(npool2._entries.values())).U)
+                k = U / (U2 - U) if U2 > U else 0.0
+                l1x = l1 + (l1 - l1b) * k
+                nucx = nuc if t == 0 else (float(vals[0].sum()) + float(vals[0].sum() - vals2[0].sum()) * k) ** 2
+            if t + 1 in pool_at:
                 out[("l1", t + 1)].append(l1 * l1)
                 out[("nuc", t + 1)].append(nuc)
+                if npool2 is not None:
+                    out[("l1x", t + 1)].append(l1x * l1x)
+                    out[("nucx", t + 1)].append(nucx)
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
 
 
@@ -643,6 +751,7 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
 
 
 def main_pooled(args) -> None:
+    pool_at = tuple(int(v) for v in args.pool_at.split(",")) if args.pool_at else POOL_AT
     configs = [(int(R), int(b)) for R in args.R.split(",") for b in args.b.split(",")]
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
     rows = []
@@ -650,18 +759,23 @@ def main_pooled(args) -> None:
         pool, layout, tn, ts = setup_arch(arch, args)
         for R, b in configs:
             t1 = time.time()
-            o = pooled_run(pool, layout, R, b, args.seqs, args.seed + 1000 * R + b)
-            for g, tk in (("l1", "l1"), ("nuc", "nuclear")):
-                cells = [fmt(ratio(o[(g, t)], tn[tk])) for t in POOL_AT]
-                cv = ratio(o[(g, POOL_AT[-1])], tn[tk])[2]
-                rows.append(f"| {arch} | {'l1' if g == 'l1' else 'nuclear'} | {R} | {b} | " + " | ".join(cells)
+            o = pooled_run(pool, layout, R, b, args.seqs, args.seed + 1000 * R + b, beta2=args.beta2,
+                           beta=args.beta, pool_at=pool_at)
+            geos = (("l1", "l1"), ("nuc", "nuclear"))
+            if args.beta2 is not None:
+                geos += (("l1x", "l1"), ("nucx", "nuclear"))
+            for g, tk in geos:
+                cells = [fmt(ratio(o[(g, t)], tn[tk])) for t in pool_at]
+                cv = ratio(o[(g, pool_at[-1])], tn[tk])[2]
+                rows.append(f"| {arch} | {g} | {R} | {b} | " + " | ".join(cells)
                             + f" | {cv:.3f} |")
                 print(rows[-1], f"  [{time.time() - t1:.0f}s]", flush=True)
         del pool
-    print(f"\n### The hooks' noise pool (beta 0.9): E[noise_pooled] / truth ± one standard error "
+    extra = f", second pool {args.beta2} (l1x, nucx: the window extrapolation)" if args.beta2 is not None else ""
+    print(f"\n### The noise pool (beta {args.beta}{extra}): E[noise_pooled] / truth ± one standard error "
           f"({args.seqs} sequences)\n")
-    print("| arch | geometry | R | b | " + " | ".join(f"after {t}" for t in POOL_AT) + " | CV at 40 |")
-    print("|---" * (5 + len(POOL_AT)) + "|")
+    print("| arch | geometry | R | b | " + " | ".join(f"after {t}" for t in pool_at) + f" | CV at {pool_at[-1]} |")
+    print("|---" * (5 + len(pool_at)) + "|")
     print("\n".join(rows))
 
 
@@ -679,6 +793,10 @@ def main(argv=None):
     ap.add_argument("--drift", default="", help="R:b:snapshots:every: run the drift experiment on --arch instead")
     ap.add_argument("--pooled", action="store_true", help="the hooks' noise pool (see the docstring)")
     ap.add_argument("--seqs", type=int, default=200, help="--pooled: independent sequences per configuration")
+    ap.add_argument("--beta", type=float, default=0.9, help="--pooled: the pool's beta (the hooks' default 0.9)")
+    ap.add_argument("--pool-at", default="", help="--pooled: measurement counts to report after (default 1,3,10,20,40)")
+    ap.add_argument("--beta2", type=float, default=None,
+                    help="--pooled: also a second pool at this beta and the window extrapolation (l1x, nucx)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.pooled and args.drift:
