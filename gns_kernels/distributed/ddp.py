@@ -56,9 +56,14 @@ buckets the mean is computed in float32 and rounded once to the bucket dtype; pl
 sums in the bucket dtype, so the two can differ by the rounding of that dtype; with a shift
 the float32 mean is (mean x) + S, which can differ from the unshifted mean in the last
 float32 bit). Per-bucket statistics are combined when the last bucket's all-reduce and
-all earlier ones have completed: the last bucket's future waits for all of them (and
-launches the nuclear share all-reduce), and DDP waits for every bucket's future before
-``backward()`` returns. Nothing on this path reads a device value on the host: validity
+all earlier ones have completed: the last bucket's hook waits for all of them and then
+launches the measurement's own all-reduce (nuclear share, l1 pool), on the thread running
+backward, before it returns (never from a future's callback, which runs on another thread
+at a time that differs between ranks: with ``find_unused_parameters=True`` DDP all-reduces
+its used-parameter map right after the last hook returns, and the ranks must issue the two
+in the same order; docs/distributed.md, "Unused parameters"). On gloo that wait is the
+last bucket's all-reduce, which DDP waits for anyway; on CUDA it only orders the streams.
+Nothing on this path reads a device value on the host: validity
 flags and sums stay device tensors (on CUDA the nuclear solves run on a side stream), and
 ``state.estimate`` turns them into the GNSEstimate on its first read (one synchronization
 per measurement), identical on every rank (every rank reduces the same numbers in the same
@@ -375,12 +380,15 @@ def ddp_gns_hook(state: GNSHookState, bucket: dist.GradBucket) -> torch.futures.
         return fut
 
     state.end_sync()
-    futures = list(sync.futures)
-
-    def _finalize(all_done, buf=buf, m=m, group=group):
-        for f in all_done.value():
-            f.value()  # re-raise a failure of any bucket
-        _finish(m, group)  # nuclear: launches the share all-reduce (before backward returns)
-        return buf
-
-    return torch.futures.collect_all(futures).then(_finalize)
+    # The last bucket: wait here, on the thread running backward, for every bucket's
+    # all-reduce and statistics (gloo: this rank's last pack; CUDA: stream order only), then
+    # launch the measurement's own collective (nuclear share, l1 pool) from this thread too.
+    # Never from a future's callback: that runs on whichever thread completes the future (a
+    # gloo worker), at a time that differs between ranks, and DDP issues its own collectives
+    # on the same process group right after this hook returns (find_unused_parameters: the
+    # all-reduce of its used-parameter map) -- the ranks would issue them in different
+    # orders (a gloo size mismatch, SIGABRT; or a hang). Here every rank issues, in order:
+    # the buckets' all-reduces, this one, then DDP's.
+    torch.futures.wait_all(list(sync.futures))  # re-raises a failure of any bucket
+    _finish(m, group)
+    return fut
