@@ -226,15 +226,16 @@ class AdaptiveTrainer(_Trainer):
     through the coordinator's ``batch_sampler``, so a custom ``get_train_dataloader``,
     ``group_by_length`` or a train sampler is not used; ``dataloader_num_workers``,
     ``dataloader_pin_memory`` and the collator are), the accumulation, the lr multiplier,
-    ``ignore_data_skip`` (set True: the coordinator keeps the data position). The loss:
+    ``ignore_data_skip`` (set True: the coordinator keeps the data position),
+    ``ddp_find_unused_parameters`` (on several processes its None, which the Trainer reads
+    as True for a PreTrainedModel, is set False; an explicit True is kept and supported,
+    for a model with parameters unused in some forward passes). The loss:
     each micro-batch's mean loss / A_k (the Trainer's token-count normalization,
     ``num_items_in_batch``, is not used: the GNS treats each micro-batch, and each rank,
     as a sample of equal weight). ``state.epoch`` counts max_steps, not data passes
     (``gns/samples_seen`` counts examples). Refused: ``gradient_accumulation_steps`` != 1,
     ``max_steps`` <= 0 (epochs have no fixed number of steps when the batch grows; give
-    ``max_samples`` to stop by examples), ``ddp_find_unused_parameters=True`` (set False
-    on several processes: with it the DDP comm hook hit a gloo collective mismatch, also
-    in a plain loop), fp16 (its GradScaler is not handed to the
+    ``max_samples`` to stop by examples), fp16 (its GradScaler is not handed to the
     coordinator; use bf16), DeepSpeed, FSDP, several GPUs in one process (DataParallel),
     an ``IterableDataset``. Hyperparameter search (``trial``) checkpoints are not handled.
 
@@ -254,15 +255,11 @@ class AdaptiveTrainer(_Trainer):
                  gns_prefix: str = "gns/", **kwargs: Any):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if targs is not None and targs.world_size > 1:
-            if targs.ddp_find_unused_parameters:
-                raise ValueError(
-                    "ddp_find_unused_parameters: True is not supported: DDP with "
-                    "find_unused_parameters=True and the GNS comm hook ended in a gloo collective "
-                    "mismatch (SIGABRT) in tests, also in a plain gk.AdaptiveBatching loop; set it "
-                    "False (the default here)")
-            # read when the Trainer builds its accelerator; its None means True for a
-            # PreTrainedModel
-            targs.ddp_find_unused_parameters = False
+            if targs.ddp_find_unused_parameters is None:
+                # read when the Trainer builds its accelerator; its None means True for a
+                # PreTrainedModel (an extra autograd traversal per backward): False here
+                # unless asked for (True is supported: docs/distributed.md, "Unused parameters")
+                targs.ddp_find_unused_parameters = False
         super().__init__(*args, **kwargs)
         coordinator = dict(coordinator or {})
         for bad in ("micro_batch_size", "world_size", "rank", "schedulers", "grad_scaler",

@@ -80,6 +80,43 @@ def test_adaptive_trainer_two_gloo_processes():
         assert torch.equal(v, res[1]["params"][k]), k
 
 
+def fit_find_unused(rank, world, folder):
+    """Rank side: 4 steps with ddp_find_unused_parameters True, then False (no checkpoint)."""
+    W._env(rank, world)
+    out = {}
+    from gns_kernels.integrations.huggingface import AdaptiveTrainer as T
+    for flag in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = T(W.model(), W.args(os.path.join(folder, str(flag)), max_steps=4, save_strategy="no",
+                                    ddp_find_unused_parameters=flag),
+                  train_dataset=W.DS(), initial_batch_size=8 * world, max_batch_size=16 * world,
+                  coordinator=dict(every=1, theta=0.3))
+            t.train()
+        out[flag] = {"history": t.gns_history, "params": W.params(t),
+                     "find_unused": t.model_wrapped.find_unused_parameters}
+    return out
+
+
+@pytest.mark.distributed
+def test_adaptive_trainer_ddp_find_unused_parameters_true():
+    """ddp_find_unused_parameters=True (the Trainer's own default for a PreTrainedModel) on 2
+    gloo processes: DDP gets the flag, the accumulation steps (A >= 2 micro-batches under
+    no_sync) run (they ended in a gloo collective mismatch, SIGABRT, before the DDP hook
+    issued its own all-reduce on the backward thread), and give the run without it."""
+    with tempfile.TemporaryDirectory(prefix="gns_hf_") as folder:
+        res = run_world("test_hf_trainer", "fit_find_unused", 2, folder=folder, timeout=240)
+    for out in res:
+        assert out[True]["find_unused"] is True and out[False]["find_unused"] is False
+        hist = out[True]["history"]
+        assert len(hist) == 4 and all(h["accum_steps"] >= 2 for h in hist)
+        assert all(h["measured"] and h["gns"] > 0 for h in hist)
+        _same_rows(hist, out[False]["history"])
+        for k, v in out[True]["params"].items():
+            assert torch.equal(v, out[False]["params"][k]), k
+    _same_rows(res[0][True]["history"], res[1][True]["history"])
+
+
 def test_adaptive_trainer_step_loss_is_the_micro_batch_mean(tmp_path):
     """The loss a step reports is the mean of its micro-batches' mean losses (each divided
     by A_k before backward), recomputed here from the data the coordinator's sampler drew."""
