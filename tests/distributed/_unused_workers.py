@@ -68,11 +68,12 @@ def _zeros_for_none(params):
             for p in params]
 
 
-def run_unused(rank, world, *, geometry="l1", accumulate=1, micro=False, steps=5):
+def run_unused(rank, world, *, geometry="l1", accumulate=1, micro=False, steps=5, as_view=False):
     torch.manual_seed(4321)  # identical on every rank
     base = _BranchNet()
     hooked, plain, local = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    kw = dict(find_unused_parameters=True, bucket_cap_mb=0.001)  # several buckets
+    kw = dict(find_unused_parameters=True, bucket_cap_mb=0.001,  # several buckets
+              gradient_as_bucket_view=as_view)
     dh, dp = DDP(hooked, **kw), DDP(plain, **kw)
     hp = list(hooked.parameters())
     A = accumulate

@@ -33,6 +33,8 @@ SCENARIOS = {
     "l2_micro": dict(geometry="l2", accumulate=3, micro=True),
     "l1_micro": dict(geometry="l1", accumulate=3, micro=True),
     "nuclear_micro": dict(geometry="nuclear", accumulate=2, micro=True),
+    "l1_accumulate_view": dict(geometry="l1", accumulate=3, as_view=True),
+    "l1_micro_view": dict(geometry="l1", accumulate=3, micro=True, as_view=True),
 }
 
 
