@@ -191,8 +191,8 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
     one bmm when every matrix of the stack starts on a 64-byte boundary (its size a
     multiple of 64 bytes: the CPU GEMM's bits depend on the operand's alignment, so a
     matrix's values must not depend on its place in the stack); other shapes go through
-    spectral.gram per matrix (an aligned copy each)."""
-    L = len(deviations)
+    spectral.gram per matrix (an aligned copy each). ``deviation_sums_runs`` takes the
+    runs already stacked."""
     if not deviations:
         return torch.zeros((2, 0), dtype=torch.float64, device=device)
     runs: list = []
@@ -201,22 +201,51 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
             runs[-1].append(i)
         else:
             runs.append([i])
-    parts = []
+    stacks = []
     for idx in runs:
         m, n = deviations[idx[0]].shape
-        if (m * n * 4) % 64 == 0 and m * n > 0:
-            X = torch.stack([deviations[i] for i in idx])
-            X = X if X.dtype == torch.float32 else X.float()
+        stacks.append(torch.stack([deviations[i] for i in idx]) if _stackable(m, n)
+                      else [deviations[i] for i in idx])
+    return deviation_sums_runs(stacks, device)
+
+
+def _stackable(m: int, n: int) -> bool:
+    return (m * n * 4) % 64 == 0 and m * n > 0
+
+
+def deviation_sums_runs(runs: Sequence, device) -> Tensor:
+    """``deviation_sums`` of runs already formed: each run a 64-byte aligned contiguous
+    Tensor (c, m, n) of c consecutive same-shape deviations (a fresh stack, or a view of a
+    fresh tensor at a 64-byte offset), or a list of 2-D deviations (a shape whose matrices
+    are not a multiple of 64 bytes may come either way: those go through spectral.gram per
+    matrix). The same values and bits as ``deviation_sums`` of the runs' matrices in
+    order."""
+    qs, as_ = deviation_sums_parts(runs)
+    if not qs:
+        return torch.zeros((2, 0), dtype=torch.float64, device=device)
+    out = torch.stack([qs[0], as_[0]]) if len(qs) == 1 else torch.stack([torch.cat(qs), torch.cat(as_)])
+    return out if out.device == torch.device(device) else out.to(device)
+
+
+def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
+    """``deviation_sums_runs`` as two lists of float64 vectors (q, a), one entry per run
+    (a stacked run) or per matrix, in order: their concatenations are its rows (kept
+    apart so a measurement joins them once, ``SolveShare.add_part``)."""
+    qs, as_ = [], []
+    for run in runs:
+        if isinstance(run, Tensor) and _stackable(run.shape[-2], run.shape[-1]):
+            m, n = run.shape[-2:]
+            X = run if run.dtype == torch.float32 else run.float()
             G = (bmm(X, X.mT, "ieee") if m <= n else bmm(X.mT, X, "ieee")).double()
-            parts.append(torch.stack([(G * G).sum((-2, -1)), G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2]))
+            qs.append((G * G).sum((-2, -1)))
+            as_.append(G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2)
         else:
-            for i in idx:
-                d = deviations[i]
+            for d in (run.unbind(0) if isinstance(run, Tensor) else run):
                 (G,) = spectral.gram([d.float()], side=spectral.smaller_side(tuple(d.shape)))
                 G = G.to(torch.float64)
-                parts.append(torch.stack([(G * G).sum(), torch.diagonal(G).sum() ** 2]).view(2, 1))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return out if out.device == torch.device(device) else out.to(device)
+                qs.append((G * G).sum().reshape(1))
+                as_.append((torch.diagonal(G).sum() ** 2).reshape(1))
+    return qs, as_
 
 
 def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
@@ -391,7 +420,9 @@ class SolveShare:
         self.shapes: list[tuple] = []
         # the one solve (``_solve_kept``): owned matrices kept by the parts until launch
         self.kept: list[tuple] = []
-        self.qa: list[Tensor] = []  # 'gauss-sums': [2, L_part] deviation sums per part
+        # 'gauss-sums': this rank's deviation sums q, a (float64 vectors, in column order)
+        self.qa_q: list[Tensor] = []
+        self.qa_a: list[Tensor] = []
         self.solved = False
         self.device = None
         self.stream = None  # CUDA: the side stream the solves run on
@@ -479,28 +510,54 @@ class SolveShare:
             raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
                              f"mean gradient for each of the {L} matrices")
         self._check_keys(keys, L)
-        ks = [A.shape[-1] for A in mean_grams]
-        own = self._owners(ks, keys)
-        shapes = [tuple(D.shape) for D in mean_grads]
         dev = mean_grams[0].device
         # on the calling stream, before the caller overwrites what the deviations view
+        qa = deviation_sums(deviations, dev) if self.gauss else None
+
+        def owned(idx):
+            return [mean_grams[l] for l in idx], [mean_grads[l] for l in idx]
+
+        self.add_part([A.shape[-1] for A in mean_grams], [tuple(D.shape) for D in mean_grads],
+                      owned, qa, keys, dev, shifts)
+
+    def add_part(self, ks: Sequence[int], shapes: Sequence[tuple], owned: Callable,
+                 qa, keys: Optional[Sequence], device,
+                 shifts: Optional[Sequence[Optional[Tensor]]] = None) -> None:
+        """``add_grads`` with the inputs asked for only where this rank solves: ks, shapes:
+        the Gram side and the shape of each of the part's L matrices; owned(idx) -> (mean
+        Grams, mean shifted gradients) of the matrices idx (this rank's, ascending); qa:
+        ``deviation_sums`` of this rank's deviations (dof 'gauss-sums', else None), a
+        Tensor[2, L] or ``deviation_sums_parts``'s lists (joined once, at the solve)."""
+        L = len(ks)
+        if L == 0:
+            return
+        if isinstance(qa, Tensor):
+            qa = ([qa[0]], [qa[1]])
+        if self.gauss and (qa is None or sum(q.shape[0] for q in qa[0]) != L):
+            raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation sums for "
+                             f"each of the {L} matrices")
+        self._check_keys(keys, L)
+        own = self._owners(ks, keys)
+        shapes = [tuple(sh) for sh in shapes]
         if self.gauss:
-            self.qa.append(deviation_sums(deviations, dev))
+            self.qa_q.extend(qa[0])
+            self.qa_a.extend(qa[1])
         idx = [l for l in range(L) if own[l]]
+        grams_o, grads_o = owned(idx) if idx else ([], [])
         # D D^T on the side spectral.nuclear_stats_select takes (the Gram's side; 'row'
         # for a square matrix) and, for a shifted matrix, G G^T of G = D + S (its signal)
         sides = ["row" if shapes[l][0] == ks[l] else "col" for l in idx]
         # (float64 on the Newton path, as spectral.nuclear_stats_select forms it there)
-        on_sides = grams64_on_sides if resolve_method(self.method, dev) in NEWTON_METHODS else grams_on_sides
-        dd = on_sides([mean_grads[l] for l in idx], sides) if idx else []
+        on_sides = grams64_on_sides if resolve_method(self.method, device) in NEWTON_METHODS else grams_on_sides
+        dd = on_sides(grads_o, sides) if idx else []
         gg = list(dd)
         sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
         if sh:
-            gs = grams_on_sides([mean_grads[idx[j]].float() + shifts[idx[j]].float() for j in sh],
-                                         [sides[j] for j in sh])
+            gs = grams_on_sides([grads_o[j].float() + shifts[idx[j]].float() for j in sh],
+                                [sides[j] for j in sh])
             for j, G in zip(sh, gs):
                 gg[j] = G
-        self._keep(mean_grams, idx, dd, gg, shapes, keys, dev)
+        self._keep(grams_o, dd, gg, shapes, idx, keys, device)
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
@@ -521,23 +578,24 @@ class SolveShare:
         idx = [l for l in range(L) if own[l]]
         # copies: the caller may reuse the buffers the Grams view before launch()
         kept = [dd[l].detach().clone() for l in idx]
-        self._keep(mean_grams, idx, kept, kept, shapes, keys, mean_grams[0].device)
+        self._keep([mean_grams[l] for l in idx], kept, kept, shapes, idx, keys, mean_grams[0].device)
 
     def _check_keys(self, keys, L: int) -> None:
         if self.pool is not None and (keys is None or len(keys) != L):
             raise ValueError(f"keys: a noise pool needs one key per matrix ({L}), got "
                              f"{None if keys is None else len(keys)}")
 
-    def _keep(self, mean_grams: list, idx: list, dd: list, gg: list, shapes: list, keys, dev) -> None:
-        """Keep a part's owned matrices for the one solve: a copy of the mean Gram, D D^T and
-        the signal's Gram (k x k each, float32), the parameter shape, the pool key and the
-        column (position in the measurement)."""
+    def _keep(self, grams: list, dd: list, gg: list, shapes: list, idx: list, keys, dev) -> None:
+        """Keep a part's owned matrices (idx: their positions in the part) for the one
+        solve: a copy of the mean Gram (grams[j]), D D^T and the signal's Gram (k x k each,
+        float32), the parameter shape, the pool key and the column (position in the
+        measurement)."""
         if self.device is None:
             self.device = dev
         base = len(self.shapes)
         self.shapes.extend(shapes)
         for j, l in enumerate(idx):
-            self.kept.append((mean_grams[l].detach().clone(), dd[j], gg[j], shapes[l],
+            self.kept.append((grams[j].detach().clone(), dd[j], gg[j], shapes[l],
                               None if keys is None else keys[l], base + l))
 
     def _solve_kept(self) -> None:
@@ -551,8 +609,8 @@ class SolveShare:
             return
         self.solved = True
         kept, self.kept = self.kept, []
-        qa = torch.cat(self.qa, dim=1) if self.qa else None
-        self.qa = []
+        qa = torch.stack([torch.cat(self.qa_q), torch.cat(self.qa_a)]) if self.qa_q else None
+        self.qa_q, self.qa_a = [], []
         dev = self.device
         rows = self.rows
         n = len(kept)

@@ -93,6 +93,7 @@ import torch.distributed as dist
 from .. import ops
 from .. import spectral
 from ._measurement import Measurement
+from ._share import deviation_sums_parts
 from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
 
@@ -259,10 +260,122 @@ def _unpack_l(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
     return buf
 
 
+class _NuclearLayout:
+    """Where everything of an unshifted nuclear bucket sits (no micro-batches): a function
+    of the parameters' shapes and measured flags only (``_nuclear_layout``, cached), so a
+    bucket is packed and unpacked with a few ops per Gram group, not per matrix.
+
+    mats: per measured matrix (measured order): (segment index, buffer offset, numel,
+    shape, Gram side k, pack offset of its Gram). groups: the Gram batches, spectral.gram's
+    grouping by (shape, side) in order of first appearance: (shape, col, [measured
+    indices], (a, b) when the members lie back to back in the buffer (one view) else None).
+    pieces: the pack's Gram part in measured order as slices (group, i0, i1) of the
+    groups' stacked Grams. dev_runs: the deviation sums' runs (spectral-consistent with
+    ``_share.deviation_sums``: consecutive measured matrices of one shape), as (j0, j1,
+    (a, b) or None); dev_whole: every run lies back to back in the buffer at a 64-byte
+    offset (a float32 deviation of the whole bucket then holds every run, aligned, as one
+    of _share.deviation_sums's fresh stacks would be)."""
+
+    __slots__ = ("n_buf", "mats", "groups", "pieces", "total", "dev_runs", "dev_whole", "ks",
+                 "shapes")
+
+    def __init__(self, segs_shapes: tuple):
+        n_buf = 0
+        mats = []
+        q_rel = 0
+        for i, (n, shape, measured) in enumerate(segs_shapes):
+            if measured:
+                k = min(shape)
+                mats.append((i, n_buf, n, shape, k, q_rel))
+                q_rel += k * k
+            n_buf += n
+        self.n_buf = n_buf
+        self.mats = [(i, off, n, shape, k, n_buf + q) for i, off, n, shape, k, q in mats]
+        self.total = n_buf + q_rel
+        self.ks = [e[4] for e in mats]
+        self.shapes = [e[3] for e in mats]
+        where = {}  # (shape, col) -> group index
+        groups: list = []
+        pos = []  # measured index -> (group, index in the group)
+        for j, (_, off, n, shape, _, _) in enumerate(self.mats):
+            col = shape[0] > shape[1]  # spectral.smaller_side: 'col' when m > n
+            g = where.setdefault((shape, col), len(groups))
+            if g == len(groups):
+                groups.append([shape, col, [], (off, off + n)])
+            grp = groups[g]
+            if grp[3] is not None and grp[3][1] == off:
+                grp[3] = (grp[3][0], off + n)
+            elif grp[2]:
+                grp[3] = None
+            pos.append((g, len(grp[2])))
+            grp[2].append(j)
+        self.groups = [tuple(g) for g in groups]
+        pieces: list = []
+        for g, i in pos:
+            if pieces and pieces[-1][0] == g and pieces[-1][2] == i:
+                pieces[-1][2] = i + 1
+            else:
+                pieces.append([g, i, i + 1])
+        self.pieces = [tuple(pc) for pc in pieces]
+        runs: list = []
+        for j, (_, off, n, shape, _, _) in enumerate(self.mats):
+            if runs and self.mats[runs[-1][0]][3] == shape:
+                r = runs[-1]
+                r[1] = j + 1
+                r[2] = (r[2][0], off + n) if r[2] is not None and r[2][1] == off else None
+            else:
+                runs.append([j, j + 1, (off, off + n)])
+        self.dev_runs = [tuple(r) for r in runs]
+        self.dev_whole = all(r[2] is not None and (r[2][0] * 4) % 64 == 0 for r in runs)
+
+
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 512
+
+
+def _nuclear_layout(segs) -> Optional[_NuclearLayout]:
+    """The cached layout of an unshifted bucket (None when a measured matrix is shifted:
+    those buckets go matrix by matrix)."""
+    key = []
+    for _, n, p, pp in segs:
+        if pp.shift is not None:
+            return None
+        key.append((n, tuple(p.shape), pp.measured))
+    key = tuple(key)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[key] = _NuclearLayout(key)
+    return lay
+
+
 def _pack_nuclear(buf: Tensor, segs, micro):
-    """Pack [bucket gradients (float32), local Grams of the measured matrices] (the Grams
-    copied in by one multi-tensor copy). Returns (pack, rows) with rows =
-    [(buf_off, n, param, ParamPlan, pack_off, Gram shape)]."""
+    """Pack [bucket gradients (float32), local Grams of the measured matrices]. Returns
+    (pack, rows): rows = (layout, [(param, ParamPlan)] of the measured matrices) on the
+    layout path (unshifted, no micro-batches: one Gram batch per (shape, side) group, from
+    one view of the bucket when its matrices lie back to back, and ONE cat builds the
+    pack); else (None, [(buf_off, n, param, ParamPlan, pack_off, Gram shape)])."""
+    lay = None if micro is not None else _nuclear_layout(segs)
+    if lay is not None:
+        mats = [(segs[i][2], segs[i][3]) for i, *_ in lay.mats]
+        stacks = []
+        for shape, col, js, run in lay.groups:
+            if run is not None:
+                X = buf[run[0]:run[1]].view((len(js),) + shape)
+            else:
+                X = torch.stack([buf[lay.mats[j][1]:lay.mats[j][1] + lay.mats[j][2]].view(shape)
+                                 for j in js])
+            # spectral.gram's batch of this group (the same bits: the CPU op copies its
+            # input to an aligned stack, a function of the values alone)
+            stacks.append(torch.ops.gns_kernels.gram_batched(X, col))
+        flat = [buf]
+        for g, i0, i1 in lay.pieces:
+            G = stacks[g]
+            flat.append((G if i1 - i0 == G.shape[0] else G[i0:i1]).reshape(-1))
+        pack = torch.cat(flat)  # float32 (a bf16 / fp16 bucket is promoted)
+        del stacks, flat
+        return pack, (lay, mats)
     n_buf = buf.numel()
     mats = [(off, n, p, pp) for off, n, p, pp in segs if pp.measured]
     if micro is not None:
@@ -287,10 +400,13 @@ def _pack_nuclear(buf: Tensor, segs, micro):
     if grams:
         torch._foreach_copy_(dsts, [G.reshape(-1) for G in grams])
     del grams
-    return pack, rows
+    return pack, (None, rows)
 
 
 def _unpack_nuclear(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
+    lay, rows = rows
+    if lay is not None:
+        return _unpack_nuclear_layout(buf, pack, lay, rows, m)
     n_buf = buf.numel()
     if rows:
         mean_grams, mean_grads, shifts = [], [], []
@@ -313,8 +429,54 @@ def _unpack_nuclear(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
         keys = [pp.key for _, _, _, pp, _, _ in rows] if m.state.pool is not None else None
         m.share.add_grads(mean_grams, mean_grads, shifts if any_shift else None, devs, keys)
         for off, n, p, pp, q, gshape in rows:
-            m.plan.keep_mean(p, pp, pack[off:off + n])
+            if pp.keep:
+                m.plan.keep_mean(p, pp, pack[off:off + n])
     buf.copy_(pack[:n_buf])
+    return buf
+
+
+def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats, m: Measurement) -> Tensor:
+    """The layout path of ``_unpack_nuclear``: the deviation sums from one subtraction per
+    run of same-shape matrices, and views of the mean Grams and gradients only for the
+    matrices this rank solves (``SolveShare.add_part``)."""
+    qa = None
+    if m.share.gauss:
+        # this rank's deviation G^j - G per run: buf still holds the local gradient, the
+        # pack's first part the mean. One fresh (aligned) tensor per run, the values of
+        # _share.deviation_sums's stack of the per-matrix deviations
+        runs = []
+        whole = None
+        if lay.dev_whole:  # one subtraction for the bucket, the runs its views
+            x = buf if buf.dtype == torch.float32 else buf.float()
+            whole = torch.sub(x, pack[:lay.n_buf])
+        for j0, j1, ab in lay.dev_runs:
+            shape = lay.mats[j0][3]
+            if whole is not None:
+                runs.append(whole[ab[0]:ab[1]].view((j1 - j0,) + shape))
+            elif ab is not None:
+                a, b = ab
+                x = buf[a:b]
+                runs.append(torch.sub(x if x.dtype == torch.float32 else x.float(), pack[a:b])
+                            .view((j1 - j0,) + shape))
+            else:
+                runs.append(torch.stack([buf[off:off + n].view(shape).float() - pack[off:off + n].view(shape)
+                                         for _, off, n, _, _, _ in lay.mats[j0:j1]]))
+        qa = deviation_sums_parts(runs)
+
+    def owned(idx):
+        grams, grads = [], []
+        for j in idx:
+            _, off, n, shape, k, q = lay.mats[j]
+            grams.append(pack[q:q + k * k].view(k, k))
+            grads.append(pack[off:off + n].view(shape))
+        return grams, grads
+
+    keys = [pp.key for _, pp in mats] if m.state.pool is not None else None
+    m.share.add_part(lay.ks, lay.shapes, owned, qa, keys, buf.device)
+    for (_, off, n, _, _, _), (p, pp) in zip(lay.mats, mats):
+        if pp.keep:
+            m.plan.keep_mean(p, pp, pack[off:off + n])
+    buf.copy_(pack[:lay.n_buf])
     return buf
 
 
