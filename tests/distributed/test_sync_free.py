@@ -104,13 +104,10 @@ def test_ddp_unpack_and_finish_are_sync_free(geometry, shift, signal):
                 segs.append((off, p.numel(), p, ctx.plan.of(p)))
                 off += p.numel()
             if geometry == "nuclear":
-                rows, q = [], n_buf
-                for off, n, p, pp in segs:
-                    if pp.measured:
-                        k = min(p.shape)
-                        rows.append((off, n, p, pp, q, torch.Size((k, k))))
-                        q += k * k
-                pack = torch.randn(q)
+                # the hook's own pack (the bucket-layout path unshifted, per matrix shifted)
+                pack, rows = ddp_mod._pack_nuclear(buf, segs, None)
+                assert (rows[0] is None) == shift
+                pack = torch.randn(pack.shape)
                 ddp_mod._unpack_nuclear(buf, pack, rows, ctx)
             else:
                 rows, q = [], 0
