@@ -660,7 +660,36 @@ def fold_measurement(npool, x, layout, R, b):
     return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method="eigh")
 
 
-def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None):
+class _SplitHalves:
+    """The split-half window extrapolation (prototype): pools of the even and of the odd
+    measurements (beta^2 per fold: the same time weights as the full pool, half the
+    samples, about twice its U, and the same lag), and r + (r - r_half) k,
+    k = U / (U_half - U) clamped to [0, 2] (0 until both halves hold a measurement)."""
+
+    def __init__(self, beta):
+        from gns_kernels.pooling import NoisePool
+
+        self.halves = [NoisePool(beta * beta), NoisePool(beta * beta)]
+        self.t = 0
+
+    def fold(self, x, layout, R, b):
+        h = self.halves[self.t % 2]
+        self.t += 1
+        return fold_measurement(h, x, layout, R, b)
+
+    def extrapolate(self, full_pool, r_l1, r_nuc, last):
+        """last: {half index: (l1, vals)} of each half's latest fold."""
+        if len(last) < 2:
+            return r_l1, r_nuc
+        U = float(next(iter(full_pool._entries.values())).U)
+        Uh = sum(float(next(iter(h._entries.values())).U) for h in self.halves) / 2
+        k = min(max(U / (Uh - U), 0.0), 2.0) if Uh > U else 0.0
+        l1h = sum(v[0] for v in last.values()) / 2
+        nuch = sum(float(v[1][0].sum()) for v in last.values()) / 2
+        return r_l1 + (r_l1 - l1h) * k, r_nuc + (r_nuc - nuch) * k
+
+
+def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None, split=False):
     """The hooks' noise pool on independent sequences of len POOL_AT[-1] measurements:
     {("l1" | "nuc", t): tensor[seqs] of the pooled noise after t measurements}. With
     beta2: a second pool at beta2 beside it, and ("l1x" | "nucx", t) the window
@@ -671,11 +700,13 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
     pool_at = pool_at or POOL_AT
     gen = torch.Generator().manual_seed(seed)
     B = R * b
-    geos = ("l1", "nuc") + (("l1x", "nucx") if beta2 is not None else ())
+    geos = ("l1", "nuc") + (("l1x", "nucx") if beta2 is not None else ()) + (("l1s", "nucs") if split else ())
     out = {(g, t): [] for g in geos for t in pool_at}
     for _ in range(seqs):
         npool = NoisePool(beta)
         npool2 = NoisePool(beta2) if beta2 is not None else None
+        halves = _SplitHalves(beta) if split else None
+        last = {}
         xs = rank_means(pool, pool_at[-1], R, b, gen)  # (T, R, P) float64
         for t in range(pool_at[-1]):
             x = xs[t]
@@ -692,16 +723,23 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
                 k = U / (U2 - U) if U2 > U else 0.0
                 l1x = l1 + (l1 - l1b) * k
                 nucx = nuc if t == 0 else (float(vals[0].sum()) + float(vals[0].sum() - vals2[0].sum()) * k) ** 2
+            if halves is not None:
+                last[t % 2] = halves.fold(x, layout, R, b)
+                l1s, nucs = halves.extrapolate(npool, l1, float(vals[0].sum()), last)
+                nucs = nuc if t == 0 or len(last) < 2 else nucs ** 2
             if t + 1 in pool_at:
                 out[("l1", t + 1)].append(l1 * l1)
                 out[("nuc", t + 1)].append(nuc)
+                if halves is not None:
+                    out[("l1s", t + 1)].append(l1s * l1s)
+                    out[("nucs", t + 1)].append(nucs)
                 if npool2 is not None:
                     out[("l1x", t + 1)].append(l1x * l1x)
                     out[("nucx", t + 1)].append(nucx)
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
 
 
-def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
+def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta2=None, split=False):
     """The hooks' noise pool during training: one measurement per snapshot (every `every`
     SGD steps) per sequence, folded in order; at the end E[noise_pooled] against the truth
     at the last snapshot and against the EMA of the truths with the pool's weights (what
@@ -714,8 +752,13 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
     B = R * b
     gen = torch.Generator().manual_seed(seed + 17)
     pools = [NoisePool(beta) for _ in range(seqs)]
+    pools2 = [NoisePool(beta2) for _ in range(seqs)] if beta2 is not None else None
     ema = {"l1": [None] * seqs, "nuc": [None] * seqs}
     pooled = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
+    extra = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
+    halves = [_SplitHalves(beta) for _ in range(seqs)] if split else None
+    lasts = [{} for _ in range(seqs)]
+    sx = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
     truths = []
     for snap in range(snapshots):
         if snap:
@@ -731,6 +774,19 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
                       "nuc": gk.estimate(rank_grads, B, geometry="nuclear").noise}
             pooled["l1"][q] = l1 * l1
             pooled["nuc"][q] = single["nuc"] if snap == 0 else float(vals[0].sum()) ** 2
+            if pools2 is not None:  # the window extrapolation (see pooled_run)
+                l1b, vals2 = fold_measurement(pools2[q], x, layout, R, b)
+                U = float(next(iter(pools[q]._entries.values())).U)
+                U2 = float(next(iter(pools2[q]._entries.values())).U)
+                k = U / (U2 - U) if U2 > U else 0.0
+                extra["l1"][q] = (l1 + (l1 - l1b) * k) ** 2
+                extra["nuc"][q] = pooled["nuc"][q] if snap == 0 else (
+                    float(vals[0].sum()) + float(vals[0].sum() - vals2[0].sum()) * k) ** 2
+            if halves is not None:
+                lasts[q][snap % 2] = halves[q].fold(x, layout, R, b)
+                a1, a2 = halves[q].extrapolate(pools[q], l1, float(vals[0].sum()), lasts[q])
+                sx["l1"][q] = a1 * a1
+                sx["nuc"][q] = pooled["nuc"][q] if snap == 0 or len(lasts[q]) < 2 else a2 * a2
             for g in ("l1", "nuc"):
                 ema[g][q] = single[g] if ema[g][q] is None else beta * ema[g][q] + (1 - beta) * single[g]
         del pool
@@ -744,8 +800,13 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9):
     for g, tk in (("l1", "l1"), ("nuc", "nuclear")):
         last = truths[-1][tk]
         ema_truth = sum(wt * t[tk] for wt, t in zip(w, truths))
-        for name, v in (("noise_pooled (the hooks' default)", pooled[g]),
-                        ("EMA of the per-measurement noise (no pool)", ema[g])):
+        rows = [("noise_pooled (the hooks' default)", pooled[g]),
+                ("EMA of the per-measurement noise (no pool)", ema[g])]
+        if pools2 is not None:
+            rows.append((f"window extrapolation with a second pool at {beta2} (prototype)", extra[g]))
+        if halves is not None:
+            rows.append(("split-half extrapolation (prototype)", sx[g]))
+        for name, v in rows:
             v = torch.tensor(v, dtype=torch.float64)
             print(f"| {'nuclear' if g == 'nuc' else 'l1'} | {name} | {fmt(ratio(v, last))} | {fmt(ratio(v, ema_truth))} |")
 
@@ -760,8 +821,10 @@ def main_pooled(args) -> None:
         for R, b in configs:
             t1 = time.time()
             o = pooled_run(pool, layout, R, b, args.seqs, args.seed + 1000 * R + b, beta2=args.beta2,
-                           beta=args.beta, pool_at=pool_at)
+                           beta=args.beta, pool_at=pool_at, split=args.split)
             geos = (("l1", "l1"), ("nuc", "nuclear"))
+            if args.split:
+                geos += (("l1s", "l1"), ("nucs", "nuclear"))
             if args.beta2 is not None:
                 geos += (("l1x", "l1"), ("nucx", "nuclear"))
             for g, tk in geos:
@@ -795,6 +858,8 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=200, help="--pooled: independent sequences per configuration")
     ap.add_argument("--beta", type=float, default=0.9, help="--pooled: the pool's beta (the hooks' default 0.9)")
     ap.add_argument("--pool-at", default="", help="--pooled: measurement counts to report after (default 1,3,10,20,40)")
+    ap.add_argument("--split", action="store_true",
+                    help="--pooled: also the split-half extrapolation (rows l1s, nucs; a prototype)")
     ap.add_argument("--beta2", type=float, default=None,
                     help="--pooled: also a second pool at this beta and the window extrapolation (l1x, nucx)")
     args = ap.parse_args(argv)
@@ -802,7 +867,8 @@ def main(argv=None):
     if args.pooled and args.drift:
         R, b, K, every = (int(v) for v in args.drift.split(":"))
         for arch in args.arch.split(","):
-            drift_pooled(arch, R, b, args.seqs, K, every, args.steps, args.seed)
+            drift_pooled(arch, R, b, args.seqs, K, every, args.steps, args.seed, beta=args.beta, beta2=args.beta2,
+                         split=args.split)
         return
     if args.pooled:
         main_pooled(args)
