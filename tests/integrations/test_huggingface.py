@@ -5,9 +5,10 @@ micro-batch refused."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
                                    "(pip install transformers accelerate; in the test extra)")
@@ -15,23 +16,16 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (the Train
 
 from gns_kernels.integrations.huggingface import GNSTrainerCallback  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hf_workers as W  # noqa: E402  (the tiny local GPT-2 and its data, shared with the AdaptiveTrainer tests)
 
-class _DS(torch.utils.data.Dataset):
-    def __init__(self, n=64, T=8):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randint(0, 32, (n, T), generator=g)
 
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+def _DS():
+    return W.DS(n=64)
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    return transformers.GPT2LMHeadModel(cfg)
+    return W.model()
 
 
 def _args(tmp_path, **kw):
