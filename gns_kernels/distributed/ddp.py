@@ -34,6 +34,14 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   is formed after it on every rank; signal='debiased' adds L more (``_share.py``); the
   noise pool (default) 2L more: the solving rank folds the matrix's covariance into the
   pool and shares the pooled, corrected sqrt-trace (gns_kernels.pooling).
+  An unshifted bucket (no micro-batches) is packed and unpacked by Gram group, not by
+  matrix (``_NuclearLayout``, cached per layout: a function of the parameters' shapes
+  alone): one Gram batch per (shape, side) -- the batches spectral.gram forms, from one
+  view of the bucket when the group's matrices lie back to back --, ONE cat builds the
+  pack, one subtraction gives the deviations of the bucket (or of each run of same-shape
+  matrices), and views of the mean Grams and gradients are taken only for the matrices
+  this rank solves (``SolveShare.add_part``). The values are those of the per-matrix path
+  bit for bit (the same batches; every GEMM operand a fresh or 64-byte aligned tensor).
 - l1 with the noise pool (default): each rank folds its 1/R slice of every measured
   parameter's s2 into the pool (``_unpack_l``) and after the last bucket ONE all-reduce of
   one float64 sums the ranks' pooled parts (R > 1 only; each rank sums its parts in the
@@ -440,6 +448,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
     run of same-shape matrices, and views of the mean Grams and gradients only for the
     matrices this rank solves (``SolveShare.add_part``)."""
     qa = None
+    mean = pack[:lay.n_buf]  # the bucket's mean gradient
     if m.share.gauss:
         # this rank's deviation G^j - G per run: buf still holds the local gradient, the
         # pack's first part the mean. One fresh (aligned) tensor per run, the values of
@@ -448,7 +457,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
         whole = None
         if lay.dev_whole:  # one subtraction for the bucket, the runs its views
             x = buf if buf.dtype == torch.float32 else buf.float()
-            whole = torch.sub(x, pack[:lay.n_buf])
+            whole = torch.sub(x, mean)
         for j0, j1, ab in lay.dev_runs:
             shape = lay.mats[j0][3]
             if whole is not None:
@@ -475,8 +484,8 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
     m.share.add_part(lay.ks, lay.shapes, owned, qa, keys, buf.device)
     for (_, off, n, _, _, _), (p, pp) in zip(lay.mats, mats):
         if pp.keep:
-            m.plan.keep_mean(p, pp, pack[off:off + n])
-    buf.copy_(pack[:lay.n_buf])
+            m.plan.keep_mean(p, pp, mean[off:off + n])
+    buf.copy_(mean)
     return buf
 
 
