@@ -84,7 +84,7 @@ from ..pooling import NoisePool
 from ..spectral.grams import grams64_on_sides, grams_on_sides
 from ..spectral.precision import bmm
 from ..spectral.trace import NEWTON_METHODS, resolve_method
-from ..spectral.nuclear import nuclear_stats_from_grams_select
+from ..spectral.nuclear import _scatter_cols, nuclear_stats_from_grams_select
 from ._stats import all_finite, exact_sum
 
 Tensor = torch.Tensor
@@ -144,7 +144,6 @@ def pooled_values(sums: Tensor, folds: list, L: int, device) -> Tensor:
         if len(ls) == L:
             nu, new = nu_k.to(device), first_k.to(device)
         else:
-            from ..spectral.nuclear import _scatter_cols
 
             nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
             new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
@@ -352,30 +351,6 @@ def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional
     (identical on every rank). ``SolveShare.read`` sums the same columns on the host with
     ``exact_sum`` instead, which does not depend on their order. No host synchronization."""
     return share_columns(vec, rows, num_samples, scale).sum(1)
-
-
-def _spread(part: Tensor, cols: Sequence[int], L: int) -> Tensor:
-    """[rows, L] with part[:, j] in column cols[j] (ascending) and 0 elsewhere: one cat of
-    slices of part and of one zero block (runs of consecutive columns stay one slice; no
-    index tensor from the host)."""
-    zero = torch.zeros((part.shape[0], L), dtype=part.dtype, device=part.device)
-    pieces = []
-    prev = 0
-    j = 0
-    n = len(cols)
-    while j < n:
-        c0 = cols[j]
-        e = j
-        while e + 1 < n and cols[e + 1] == cols[e] + 1:
-            e += 1
-        if c0 > prev:
-            pieces.append(zero[:, prev:c0])
-        pieces.append(part[:, j:e + 1])
-        prev = cols[e] + 1
-        j = e + 1
-    if prev < L:
-        pieces.append(zero[:, prev:L])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class SolveShare:
@@ -644,7 +619,7 @@ class SolveShare:
                 part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows, None,
                                   lambda sel: solve(sel, signal="debiased"), fold,
                                   finite_from_outputs=resolve_method(self.method, dev) in NEWTON_METHODS)
-                out = _spread(part, cols, L)
+                out = _scatter_cols(part, cols, L)
             else:
                 out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)
             if qa is not None:
