@@ -40,9 +40,11 @@ Terms of the nuclear measurement (per rank, per measurement):
   floor), the excess booked to the solves term.
 - matmul floor: the chain's products at the matmul rate (``matmul_floor_s``): the time the
   solver as built cannot go below on this hardware model.
-- TF32 opt-in (method 'newton-tf32'): the signal Grams in a TF32 chain (rounded operands,
-  15 guarded iterations after 21 sign steps), the noise and pooled matrices stay float64
-  (their pair sum needs S positive semidefinite to rounding).
+- TF32 (method 'newton-tf32', gk.nuclear_stats only: the hook states refuse it, the signal
+  read 18% low on the hook benchmark in CPU emulation): the signal Grams in a TF32 chain
+  (rounded operands, 15 guarded iterations after 21 sign steps), the noise and pooled
+  matrices stay float64 (their pair sum needs S positive semidefinite to rounding). Its
+  rows are what that solver would cost, not an option of the hooks.
 - a pooled matrix's per-measurement noise solve is NOT cut: the estimate reports it
   (noise, noise_raw) and the pool's first measurement of a key uses it.
 - host syncs: 1 per measurement (the estimate is materialized when read).
@@ -345,7 +347,7 @@ def table(hw: Hardware = Hardware(), ranks=(1, 2, 8)) -> str:
                 t = nuclear_step(shapes, r, hw, s)
                 ms = {k: v * 1e3 for k, v in t.seconds.items()}
                 rows.append(
-                    f"| {name} | {r} | S1 Newton, {'as built (fp64 chain)' if prec == 'fp64' else 'TF32 opt-in (signal chain)'} | {ms['pack']:.2f} | {ms['grams']:.2f} "
+                    f"| {name} | {r} | S1 Newton, {'as built (fp64 chain)' if prec == 'fp64' else 'TF32 (gk.nuclear_stats only; hooks refuse it)'} | {ms['pack']:.2f} | {ms['grams']:.2f} "
                     f"| {ms['collective']:.2f} | {ms['solves']:.1f} | {ms['bias']:.1f} | {ms['dof']:.2f} "
                     f"| {ms['pool']:.1f} | {t.total_s * 1e3:.1f} "
                     f"| {t.dominant()} | {t.bytes['collective'] / 1e6:.0f} MB "
