@@ -178,10 +178,15 @@ def test_noise_to_signal_1e4_needs_ieee(gen, case):
     en, es, rho = _measurement(gen, m, n, R, noise, shift, "ieee")
     assert P.gram_precision_rule(rho) == "ieee", rho
     assert abs(en) < TOL and abs(es) < TOL, (en, es, rho)
-    en32, es32, _ = _measurement(gen, m, n, R, noise, shift, "tf32")
-    if not shift:  # rho ~ 1e4 without a shift: tf32 is far outside the budget
-        assert abs(en32) > TOL, (en32, rho)
-    assert abs(es32) < TOL  # the signal alone would be fine: the subtraction is the problem
+    # tf32 on 5 fresh draws: rho ~ 1e4 without a shift puts it far outside the budget
+    # (median |error| 0.066 over 150 seeds, min 0.013), but a rare draw falls inside (one
+    # seed in a CI run: 9.93e-4), so the median of the 5 is tested
+    draws = [_measurement(gen, m, n, R, noise, shift, "tf32") for _ in range(5)]
+    if not shift:
+        en32 = sorted(abs(d[0]) for d in draws)
+        assert en32[2] > TOL, (en32, rho)
+    for _, es32, _ in draws:
+        assert abs(es32) < TOL  # the signal alone would be fine: the subtraction is the problem
 
 
 def test_bf16_rounding_leaves_the_budget_but_bf16_inputs_are_exact(gen):
