@@ -660,6 +660,33 @@ def fold_measurement(npool, x, layout, R, b):
     return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method="eigh")
 
 
+def _pool_U(npool) -> float:
+    """U = sum_k w_k^2 / (S_k - 1) of a pool (every key folds every measurement here)."""
+    return float(next(iter(npool._entries.values())).U)
+
+
+class _TwoBeta:
+    """The two-beta window extrapolation (prototype): a second pool at beta2 and
+    r + (r - r2) U / (U2 - U) (0 while U2 <= U)."""
+
+    def __init__(self, beta2):
+        from gns_kernels.pooling import NoisePool
+
+        self.pool, self.n, self.last = NoisePool(beta2), 0, None
+
+    def fold(self, x, layout, R, b):
+        self.last = fold_measurement(self.pool, x, layout, R, b)
+        self.n += 1
+
+    def extrapolate(self, full_pool, r_l1, r_nuc):
+        """(extrapolated l1 root, extrapolated nuclear root or None before a nuclear pair)."""
+        U, U2 = _pool_U(full_pool), _pool_U(self.pool)
+        k = U / (U2 - U) if U2 > U else 0.0
+        l1b, vals2 = self.last
+        r_nuc2 = float(vals2[0].sum())
+        return r_l1 + (r_l1 - l1b) * k, (r_nuc + (r_nuc - r_nuc2) * k) if self.n > 1 else None
+
+
 class _SplitHalves:
     """The split-half window extrapolation (prototype): pools of the even and of the odd
     measurements (beta^2 per fold: the same time weights as the full pool, half the
@@ -671,22 +698,30 @@ class _SplitHalves:
 
         self.halves = [NoisePool(beta * beta), NoisePool(beta * beta)]
         self.t = 0
+        self.last = {}  # half index: (l1, vals) of its latest fold
 
     def fold(self, x, layout, R, b):
-        h = self.halves[self.t % 2]
+        self.last[self.t % 2] = fold_measurement(self.halves[self.t % 2], x, layout, R, b)
         self.t += 1
-        return fold_measurement(h, x, layout, R, b)
 
-    def extrapolate(self, full_pool, r_l1, r_nuc, last):
-        """last: {half index: (l1, vals)} of each half's latest fold."""
-        if len(last) < 2:
-            return r_l1, r_nuc
-        U = float(next(iter(full_pool._entries.values())).U)
-        Uh = sum(float(next(iter(h._entries.values())).U) for h in self.halves) / 2
+    def extrapolate(self, full_pool, r_l1, r_nuc):
+        """(extrapolated l1 root, extrapolated nuclear root or None until both halves hold one)."""
+        if len(self.last) < 2:
+            return r_l1, None
+        U = _pool_U(full_pool)
+        Uh = sum(_pool_U(h) for h in self.halves) / 2
         k = min(max(U / (Uh - U), 0.0), 2.0) if Uh > U else 0.0
-        l1h = sum(v[0] for v in last.values()) / 2
-        nuch = sum(float(v[1][0].sum()) for v in last.values()) / 2
+        l1h = sum(v[0] for v in self.last.values()) / 2
+        nuch = sum(float(v[1][0].sum()) for v in self.last.values()) / 2
         return r_l1 + (r_l1 - l1h) * k, r_nuc + (r_nuc - nuch) * k
+
+
+def _extrapolated(ex, full_pool, x, layout, R, b, l1, vals, nuc_default):
+    """Fold x into the extrapolation ex and return its (l1 noise, nuclear noise): the
+    nuclear one is nuc_default until ex has a nuclear value."""
+    ex.fold(x, layout, R, b)
+    a1, a2 = ex.extrapolate(full_pool, l1, float(vals[0].sum()))
+    return a1 * a1, nuc_default if a2 is None else a2 * a2
 
 
 def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None, split=False):
@@ -704,9 +739,11 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
     out = {(g, t): [] for g in geos for t in pool_at}
     for _ in range(seqs):
         npool = NoisePool(beta)
-        npool2 = NoisePool(beta2) if beta2 is not None else None
-        halves = _SplitHalves(beta) if split else None
-        last = {}
+        exs = {}
+        if beta2 is not None:
+            exs["x"] = _TwoBeta(beta2)
+        if split:
+            exs["s"] = _SplitHalves(beta)
         xs = rank_means(pool, pool_at[-1], R, b, gen)  # (T, R, P) float64
         for t in range(pool_at[-1]):
             x = xs[t]
@@ -716,26 +753,13 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
             else:
                 assert float(vals[1].sum()) == 0.0
                 nuc = float(vals[0].sum()) ** 2
-            if npool2 is not None:
-                l1b, vals2 = fold_measurement(npool2, x, layout, R, b)
-                U = float(next(iter(npool._entries.values())).U)
-                U2 = float(next(iter(npool2._entries.values())).U)
-                k = U / (U2 - U) if U2 > U else 0.0
-                l1x = l1 + (l1 - l1b) * k
-                nucx = nuc if t == 0 else (float(vals[0].sum()) + float(vals[0].sum() - vals2[0].sum()) * k) ** 2
-            if halves is not None:
-                last[t % 2] = halves.fold(x, layout, R, b)
-                l1s, nucs = halves.extrapolate(npool, l1, float(vals[0].sum()), last)
-                nucs = nuc if t == 0 or len(last) < 2 else nucs ** 2
+            got = {tag: _extrapolated(ex, npool, x, layout, R, b, l1, vals, nuc) for tag, ex in exs.items()}
             if t + 1 in pool_at:
                 out[("l1", t + 1)].append(l1 * l1)
                 out[("nuc", t + 1)].append(nuc)
-                if halves is not None:
-                    out[("l1s", t + 1)].append(l1s * l1s)
-                    out[("nucs", t + 1)].append(nucs)
-                if npool2 is not None:
-                    out[("l1x", t + 1)].append(l1x * l1x)
-                    out[("nucx", t + 1)].append(nucx)
+                for tag, (l1n, nucn) in got.items():
+                    out[("l1" + tag, t + 1)].append(l1n)
+                    out[("nuc" + tag, t + 1)].append(nucn)
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
 
 
@@ -752,13 +776,15 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta
     B = R * b
     gen = torch.Generator().manual_seed(seed + 17)
     pools = [NoisePool(beta) for _ in range(seqs)]
-    pools2 = [NoisePool(beta2) for _ in range(seqs)] if beta2 is not None else None
+    kinds = {}  # name: (one extrapolation per sequence, {geometry: its noise per sequence})
+    if beta2 is not None:
+        kinds[f"window extrapolation with a second pool at {beta2} (prototype)"] = (
+            [_TwoBeta(beta2) for _ in range(seqs)], {"l1": [0.0] * seqs, "nuc": [0.0] * seqs})
+    if split:
+        kinds["split-half extrapolation (prototype)"] = (
+            [_SplitHalves(beta) for _ in range(seqs)], {"l1": [0.0] * seqs, "nuc": [0.0] * seqs})
     ema = {"l1": [None] * seqs, "nuc": [None] * seqs}
     pooled = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
-    extra = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
-    halves = [_SplitHalves(beta) for _ in range(seqs)] if split else None
-    lasts = [{} for _ in range(seqs)]
-    sx = {"l1": [0.0] * seqs, "nuc": [0.0] * seqs}
     truths = []
     for snap in range(snapshots):
         if snap:
@@ -774,19 +800,9 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta
                       "nuc": gk.estimate(rank_grads, B, geometry="nuclear").noise}
             pooled["l1"][q] = l1 * l1
             pooled["nuc"][q] = single["nuc"] if snap == 0 else float(vals[0].sum()) ** 2
-            if pools2 is not None:  # the window extrapolation (see pooled_run)
-                l1b, vals2 = fold_measurement(pools2[q], x, layout, R, b)
-                U = float(next(iter(pools[q]._entries.values())).U)
-                U2 = float(next(iter(pools2[q]._entries.values())).U)
-                k = U / (U2 - U) if U2 > U else 0.0
-                extra["l1"][q] = (l1 + (l1 - l1b) * k) ** 2
-                extra["nuc"][q] = pooled["nuc"][q] if snap == 0 else (
-                    float(vals[0].sum()) + float(vals[0].sum() - vals2[0].sum()) * k) ** 2
-            if halves is not None:
-                lasts[q][snap % 2] = halves[q].fold(x, layout, R, b)
-                a1, a2 = halves[q].extrapolate(pools[q], l1, float(vals[0].sum()), lasts[q])
-                sx["l1"][q] = a1 * a1
-                sx["nuc"][q] = pooled["nuc"][q] if snap == 0 or len(lasts[q]) < 2 else a2 * a2
+            for exs, noise in kinds.values():
+                noise["l1"][q], noise["nuc"][q] = _extrapolated(exs[q], pools[q], x, layout, R, b, l1, vals,
+                                                                pooled["nuc"][q])
             for g in ("l1", "nuc"):
                 ema[g][q] = single[g] if ema[g][q] is None else beta * ema[g][q] + (1 - beta) * single[g]
         del pool
@@ -802,10 +818,7 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta
         ema_truth = sum(wt * t[tk] for wt, t in zip(w, truths))
         rows = [("noise_pooled (the hooks' default)", pooled[g]),
                 ("EMA of the per-measurement noise (no pool)", ema[g])]
-        if pools2 is not None:
-            rows.append((f"window extrapolation with a second pool at {beta2} (prototype)", extra[g]))
-        if halves is not None:
-            rows.append(("split-half extrapolation (prototype)", sx[g]))
+        rows += [(name, noise[g]) for name, (_, noise) in kinds.items()]
         for name, v in rows:
             v = torch.tensor(v, dtype=torch.float64)
             print(f"| {'nuclear' if g == 'nuc' else 'l1'} | {name} | {fmt(ratio(v, last))} | {fmt(ratio(v, ema_truth))} |")
