@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _harness import collective_seq as _seq, gather_per_rank as _gather
+from _harness import collective_seq as _seq, gather_per_rank as _gather, run_scenarios
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
@@ -268,11 +268,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
 
 def run_many(rank, world, *, scenarios):
     """Run several run_hook scenarios in one process group: {name: result}."""
-    out = {}
-    for name, kwargs in scenarios.items():
-        out[name] = run_hook(rank, world, **kwargs)
-        dist.barrier()
-    return out
+    return run_scenarios(run_hook, rank, world, scenarios)
 
 
 class _LoggingMicroBatchGNS(MicroBatchGNS):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _harness import collective_seq as _seq, gather_per_rank as _gather
+from _harness import collective_seq as _seq, gather_per_rank as _gather, run_scenarios
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, ddp_gns_hook
@@ -269,8 +269,4 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
 
 
 def run_many(rank, world, *, scenarios):
-    out = {}
-    for name, kwargs in scenarios.items():
-        out[name] = run_fsdp(rank, world, **kwargs)
-        dist.barrier()
-    return out
+    return run_scenarios(run_fsdp, rank, world, scenarios)

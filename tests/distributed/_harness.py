@@ -119,3 +119,15 @@ def collective_seq() -> int:
     import torch.distributed as dist
 
     return dist.group.WORLD._get_sequence_number_for_group()
+
+
+def run_scenarios(fn, rank, world, scenarios: dict) -> dict:
+    """{name: fn(rank, world, **kwargs)} for each scenario, in one process group (a barrier
+    after each): the workers' run_many."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, kwargs in scenarios.items():
+        out[name] = fn(rank, world, **kwargs)
+        dist.barrier()
+    return out

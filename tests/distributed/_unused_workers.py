@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _harness import gather_per_rank as _gather
+from _harness import gather_per_rank as _gather, run_scenarios
 from _ddp_scenarios import (IN, HID, MID, OUT, LOCAL_BATCH, MICRO_ESTIMATE_KW, _batch, _est_tuple,
                             _loss, _pooled_reference)
 
@@ -146,11 +146,7 @@ def run_unused(rank, world, *, geometry="l1", accumulate=1, micro=False, steps=5
 
 
 def run_many(rank, world, *, scenarios):
-    out = {}
-    for name, kwargs in scenarios.items():
-        out[name] = run_unused(rank, world, **kwargs)
-        dist.barrier()
-    return out
+    return run_scenarios(run_unused, rank, world, scenarios)
 
 
 def run_adaptive(rank, world, *, find_unused=True, steps=4, micro=False):
