@@ -144,7 +144,6 @@ def pooled_values(sums: Tensor, folds: list, L: int, device) -> Tensor:
         if len(ls) == L:
             nu, new = nu_k.to(device), first_k.to(device)
         else:
-
             nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
             new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
     sums = sums.to(device=device, dtype=torch.float64)
@@ -249,7 +248,7 @@ def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
 
 def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
                owned_s: Sequence[bool], device, rows: Optional[dict] = None,
-               qa: Optional[Tensor] = None, solve_debiased: Optional[Callable] = None,
+               solve_debiased: Optional[Callable] = None,
                pool_fold: Optional[Callable] = None, finite_from_outputs: bool = False) -> Tensor:
     """One part (bucket / param group) of a rank's share: float64 Tensor[len(rows), L_part].
 
@@ -258,20 +257,16 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     with record_hints=False; with return_sums=True when rows has 'pair'). inputs: the
     tensors the owned solves read (checked for finiteness on the device). rows: share_rows
     (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
-    all NaN when an owned input is non-finite; used64 (0 / 1); q, a: ``qa`` (every matrix,
-    this rank's deviation sums). solve_debiased(select): the debiased signals (row
-    signal_deb). pool_fold(covs) -> Tensor[2, number of owned noise matrices]: rows pool,
-    pool_new of the owned matrices (pooled_sqrt_traces), given the covariances the solve
-    appended to its ``cov_out`` list as (l, C). Entries this rank does not own are 0. No
-    host synchronization.
+    all NaN when an owned input is non-finite; used64 (0 / 1); rows q, a are left 0 (the
+    caller writes them). solve_debiased(select): the debiased signals (row signal_deb).
+    pool_fold(covs) -> Tensor[2, number of owned noise matrices]: rows pool, pool_new of the
+    owned matrices (pooled_sqrt_traces), given the covariances the solve appended to its
+    ``cov_out`` list as (l, C), one per selected matrix. Entries this rank does not own are
+    0. No host synchronization.
     """
     rows = rows or share_rows()
     L = len(owned_n)
     out = torch.zeros((len(rows), L), dtype=torch.float64, device=device)
-    if "q" in rows and qa is not None:
-        out[rows["q"]:rows["q"] + 2] = qa.to(device=device, dtype=torch.float64)
-    if not (any(owned_n) or any(owned_s)):
-        return out
     covs: list = []
     res = solve((list(owned_n), list(owned_s)), covs) if pool_fold is not None else \
         solve((list(owned_n), list(owned_s)))
@@ -304,15 +299,8 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
         out[rows["pool"]:rows["pool"] + 2] = torch.where(ok, vals, nan_like(vals))
     elif pool_fold is not None and covs:
         vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
-        vals = torch.where(ok, vals, nan_like(vals))
-        if len(covs) == L:  # every matrix owned (the hooks' one solve): in column order
-            out[rows["pool"]:rows["pool"] + 2] = vals
-            return out
-        cols = [out[rows["pool"]:rows["pool"] + 2, l] for l in range(L)]  # zeros (not owned)
-        for j, (l, _) in enumerate(covs):  # device ops only (no index tensor from the host)
-            cols[l] = vals[:, j]
-        p = rows["pool"]
-        out[p:p + 2] = torch.stack(cols, dim=1)
+        # every matrix is owned (the caller solves only its own): covs in column order
+        out[rows["pool"]:rows["pool"] + 2] = torch.where(ok, vals, nan_like(vals))
     return out
 
 
@@ -616,7 +604,7 @@ class SolveShare:
 
         def run() -> Tensor:
             if n:
-                part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows, None,
+                part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows,
                                   lambda sel: solve(sel, signal="debiased"), fold,
                                   finite_from_outputs=resolve_method(self.method, dev) in NEWTON_METHODS)
                 out = _scatter_cols(part, cols, L)

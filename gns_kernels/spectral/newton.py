@@ -314,16 +314,12 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
             Y = torch.where(active, bmm(Y, T, prec), Y)
             Z = torch.where(active, bmm(T, Z, prec), Z)
             continue
-        if k < len(sched):
-            in_bound = r <= bounds[k]
-            # a scaled matrix out of its bound falls back to its previous iterate and takes
-            # plain steps from there (an eigenvalue of M below 0: the plain step drives it
-            # away from 1 more slowly, and the plain guard below then freezes it)
-            demote = active & scaled & finite & ~in_bound
-            scaled = scaled & in_bound
-        else:
-            demote = torch.zeros_like(active)
-            scaled = torch.zeros_like(scaled)
+        in_bound = r <= bounds[k]
+        # a scaled matrix out of its bound falls back to its previous iterate and takes
+        # plain steps from there (an eigenvalue of M below 0: the plain step drives it
+        # away from 1 more slowly, and the plain guard below then freezes it)
+        demote = active & scaled & finite & ~in_bound
+        scaled = scaled & in_bound
         plain_ok = r <= rmin * (1.0 + _FREEZE_SLACK)
         ok = finite & (scaled | demote | plain_ok)
         # a failed check freezes the matrix at the last iterate that passed
@@ -332,10 +328,7 @@ def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, 
         Z = torch.where(back, Zp, Z)
         active = active & ok
         rmin = torch.where(active & ~scaled & ~demote, torch.minimum(rmin, r), rmin)
-        if k < len(sched):
-            a = torch.where(scaled, torch.full_like(r, sched[k]), torch.ones_like(r))
-        else:
-            a = torch.ones_like(r)
+        a = torch.where(scaled, torch.full_like(r, sched[k]), torch.ones_like(r))
         P = torch.where(demote, Pp, P)  # the restored iterate's product
         T = (1.5 * a) * eye - (0.5 * a ** 3) * P
         Yp, Zp, Pp = Y, Z, P
