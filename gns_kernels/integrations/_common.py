@@ -4,10 +4,14 @@ from __future__ import annotations
 from ..metrics import scalars  # noqa: F401 (the integrations' logger payload)
 
 
-def rank() -> int:
+def rank_world(group=None) -> tuple[int, int]:
+    """(rank, world size) of ``group`` (default: the default group); (0, 1) without
+    torch.distributed."""
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
 
 
 def missing(package: str, extra: str, what: str) -> ImportError:

@@ -46,19 +46,13 @@ from typing import Any
 
 import torch
 
+from ._common import rank_world
+
 
 __all__ = ["DCPState", "PREFIX"]
 
 PREFIX = "rank_"
 _VERSION = 1
-
-
-def _rank_world(group=None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 def _dumps(sd: dict) -> bytes:
@@ -112,7 +106,7 @@ class DCPState:
         self.obj, self.group = obj, group
 
     def state_dict(self) -> dict:
-        rank, world = _rank_world(self.group)
+        rank, world = rank_world(self.group)
         sd = self.obj.state_dict()
         tag = {"rank": rank, "world_size": world}
         return {"version": _VERSION, "world_size": world,
@@ -120,7 +114,7 @@ class DCPState:
                 "shared": _dumps({**tag, "state": _without_pool(sd)})}
 
     def load_state_dict(self, state: dict) -> None:
-        rank, world = _rank_world(self.group)
+        rank, world = rank_world(self.group)
         if not isinstance(state, dict) or state.get("version") != _VERSION:
             raise ValueError(f"DCPState.load_state_dict: expected a state of version {_VERSION} "
                              f"(written by DCPState.state_dict), got {type(state).__name__}")

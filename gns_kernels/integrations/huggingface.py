@@ -329,8 +329,7 @@ class AdaptiveTrainer(_Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         c = self.coord
-        if (c is not None and self.max_samples is not None
-                and c.samples_seen + c.batch_size > self.max_samples):
+        if c is not None and not c._within_budget(self.max_samples, None):
             self.control.should_training_stop = True
             return [], None
         return [next(epoch_iterator)], None

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._common import missing, scalars
+from ._common import missing, rank_world, scalars
 
 try:
     from lightning.pytorch.callbacks import Callback as _Callback
@@ -219,8 +219,9 @@ class GNSCallback(_Callback):
         import torch.distributed as dist
 
         mine = self.coord.state_dict()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shares: list = [None] * dist.get_world_size()
+        world = rank_world()[1]
+        if world > 1:
+            shares: list = [None] * world
             dist.all_gather_object(shares, mine)   # Lightning writes rank 0's dict
         else:
             shares = [mine]

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from ._common import missing, scalars
 
@@ -169,7 +169,7 @@ class GNSTrainer(_Trainer):
 
     def should_continue_training(self) -> bool:
         c, cap = self.coord, self.config.gns.max_samples
-        if c is not None and cap is not None and c.samples_seen + c.batch_size > cap:
+        if c is not None and not c._within_budget(cap, None):
             return False
         return super().should_continue_training()
 

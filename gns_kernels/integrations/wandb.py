@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from ._common import missing, rank, scalars
+from ._common import missing, rank_world, scalars
 
 __all__ = ["WandbWriter"]
 
@@ -64,7 +64,7 @@ class WandbWriter:
         if not isinstance(metrics, Mapping):
             raise TypeError(f"WandbWriter.write: metrics: expected a dict (coord.metrics()), got "
                             f"{type(metrics).__name__}")
-        if not metrics or (not self.all_ranks and rank() != 0):
+        if not metrics or (not self.all_ranks and rank_world()[0] != 0):
             return 0
         run = self._run()
         step_key = self.prefix + "step"
