@@ -75,6 +75,16 @@ __all__ = ["AdaptiveBatchSize"]
 logger = logging.getLogger("gns_kernels.controller")
 
 _LR_SCALINGS = ("sqrt", "linear", "none")
+
+
+def lr_omega(ratio: float, lr_scaling: str) -> float:
+    """omega(B / B_0): sqrt(ratio) ("sqrt"), ratio ("linear") or 1 ("none")."""
+    if lr_scaling == "sqrt":
+        return math.sqrt(ratio)
+    if lr_scaling == "linear":
+        return float(ratio)
+    return 1.0
+
 _STATE_VERSION = 1
 # a quotient within this relative distance of an integer is taken as that integer before ceil
 _CEIL_RTOL = 1e-9
@@ -228,12 +238,7 @@ class AdaptiveBatchSize:
     @property
     def lr_multiplier(self) -> float:
         """omega_{k+1}: multiply the scheduled learning rate with this (1 at the start)."""
-        ratio = self._batch_size / self.initial_batch_size
-        if self.lr_scaling == "sqrt":
-            return math.sqrt(ratio)
-        if self.lr_scaling == "linear":
-            return float(ratio)
-        return 1.0
+        return lr_omega(self._batch_size / self.initial_batch_size, self.lr_scaling)
 
     @property
     def noise_ema(self) -> float | None:

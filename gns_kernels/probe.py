@@ -37,12 +37,13 @@ fresh one at the checkpoint in every geometry (`measure_gns`).
 """
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from .controller import _LR_SCALINGS, lr_omega
 
 __all__ = ["samples_to_target", "CriticalBatch", "critical_batch", "theta_for", "summarize",
            "run_branch", "run_probe", "measure_gns", "controller_lr_rule"]
@@ -170,14 +171,12 @@ def controller_lr_rule(schedule: Optional[Callable[[int], float]], samples_at_st
     factor(n, B) = schedule(samples_at_start + n) x omega(B), with omega = sqrt(B / B_0)
     ("sqrt"), B / B_0 ("linear") or 1 ("none"); schedule None counts as 1. n is the examples
     the branch has seen before the step."""
-    if lr_scaling not in ("sqrt", "linear", "none"):
+    if lr_scaling not in _LR_SCALINGS:
         raise ValueError(f"controller_lr_rule: lr_scaling must be 'sqrt', 'linear' or 'none', got {lr_scaling!r}")
 
     def rule(n: int, B: int) -> float:
         f = 1.0 if schedule is None else float(schedule(samples_at_start + n))
-        ratio = B / initial_batch_size
-        omega = math.sqrt(ratio) if lr_scaling == "sqrt" else ratio if lr_scaling == "linear" else 1.0
-        return f * omega
+        return f * lr_omega(B / initial_batch_size, lr_scaling)
     return rule
 
 

@@ -160,6 +160,19 @@ def gns_by_batch(run: "DemoRun", batch_sizes, repeats: int, bias_correction: boo
             for B in sorted(batch_sizes)}
 
 
+def fixed_point_thetas(by_b: dict, bc: float) -> dict:
+    """{geometry: sqrt(GNS(B_crit) / B_crit) or None}: Algorithm 1's fixed point at B_crit, the
+    GNS measured at each grid batch (by_b: {B: {geometry: {"gns": ...}}}) interpolated
+    log-log at bc (None outside the grid)."""
+    from ..probe import theta_for
+
+    out = {}
+    for g in next(iter(by_b.values())):
+        x = interp_loglog({B: d[g]["gns"] for B, d in by_b.items()}, bc)
+        out[g] = None if x is None else theta_for(x, bc)
+    return out
+
+
 def interp_loglog(points: dict, x: float) -> float | None:
     """y at x from {x_i: y_i}, linear in log x / log y between the neighbours; None outside
     the points' range or where a neighbour is not finite and > 0."""
@@ -230,9 +243,7 @@ def probe_run(run_dir: str, batch_sizes, samples: int, seeds, tolerance: float =
                  # Algorithm 1's fixed point: GNS measured AT B_crit (log-log between the
                  # grid's measurements) / theta^2 = B_crit
                  at_batch={str(B): {g: v["gns"] for g, v in d.items()} for B, d in by_b.items()},
-                 fixed_point_theta={g: (lambda x: None if x is None else theta_for(x, bc))(
-                     interp_loglog({B: d[g]["gns"] for B, d in by_b.items()}, bc))
-                     for g in next(iter(by_b.values()))}),
+                 fixed_point_theta=fixed_point_thetas(by_b, bc)),
         seconds=time.time() - t0)
     return report
 
@@ -288,8 +299,6 @@ def format_report(r: dict) -> str:
 
 
 def _gns_only(args, Bs, out) -> int:
-    from ..probe import theta_for
-
     bc = args.b_crit
     if bc is not None and not (math.isfinite(bc) and bc > 0):
         raise DemoError(f"--b-crit must be a finite number > 0, got {bc!r}")
@@ -297,11 +306,7 @@ def _gns_only(args, Bs, out) -> int:
     run = DemoRun(cfg, ck)
     by_b = gns_by_batch(run, Bs, args.repeats, cfg.bias_correction)
     geoms = list(next(iter(by_b.values())))
-    fixed = {}
-    if bc is not None:
-        for g in geoms:
-            x = interp_loglog({B: d[g]["gns"] for B, d in by_b.items()}, bc)
-            fixed[g] = None if x is None else theta_for(x, bc)
+    fixed = fixed_point_thetas(by_b, bc) if bc is not None else {}
     lines = [f"GNS of {os.path.abspath(args.run_dir)} at step {run.step} measured at each batch "
              f"({'bias-corrected' if cfg.bias_correction else 'raw'} estimator, {args.repeats} measurements, "
              f"B / {run.micro_batch} micro-batches); controller EMA ({run.geometry}) {run.gns_ema:.2f}",
