@@ -116,9 +116,10 @@ def _check_grad_scale(grad_scale) -> float:
 
 class _Entry:
     """One key's pool: P, and 0-d float64 device tensors n, U (and, for covariances, the
-    pair-moment EMAs num, var and their count npair)."""
+    pair-moment EMAs num, var and their count npair). block, row: the ``_Block`` whose row
+    ``row`` these tensors are views of (None: tensors of their own)."""
 
-    __slots__ = ("P", "n", "U", "num", "var", "npair")
+    __slots__ = ("P", "n", "U", "num", "var", "npair", "block", "row")
 
     def __init__(self, P: Tensor, pair: bool):
         dev = P.device
@@ -127,12 +128,43 @@ class _Entry:
         self.num = self.var = self.npair = None
         if pair:
             self.num, self.var, self.npair = z(), z(), z()
+        self.block, self.row = None, -1
 
     def tensors(self) -> dict:
         out = {"P": self.P, "n": self.n, "U": self.U}
         if self.num is not None:
             out.update(num=self.num, var=self.var, npair=self.npair)
         return out
+
+
+_STATS = ("n", "U", "num", "var", "npair")  # a covariance entry's scalars, a block's columns
+
+
+class _Block:
+    """The covariance entries of one ``fold_covariances`` key list, stacked: P (n, k, k)
+    float32 and st (n, 5) float64 (columns n, U, num, var, npair); entry i's tensors are
+    views of row i. A fold of the same keys reads and writes the block in place (two
+    copies) instead of stacking and scattering 6 tensors per key."""
+
+    __slots__ = ("entries", "P", "st")
+
+    def __init__(self, entries: list):
+        old = [t for e in entries for t in e.tensors().values()]
+        self.entries = entries
+        self.P = torch.stack([e.P for e in entries])
+        self.st = torch.stack([getattr(e, f) for e in entries for f in _STATS]).view(len(entries), len(_STATS))
+        if self.P.device.type == "cuda":  # the old tensors are freed while this stream may read them
+            for t in old:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        for i, e in enumerate(entries):
+            e.P = self.P[i]
+            e.n, e.U, e.num, e.var, e.npair = self.st[i].unbind(0)
+            e.block, e.row = self, i
+
+    def holds(self, entries: list) -> bool:
+        """Whether the block is exactly these entries, in this order, as its views."""
+        return len(entries) == len(self.entries) and all(
+            e.block is self and e.row == i for i, e in enumerate(entries))
 
 
 class NoisePool:
@@ -143,6 +175,7 @@ class NoisePool:
     def __init__(self, beta: float = 0.9):
         self.beta = check_pool_beta(beta, "beta", allow_none=False)
         self._entries: dict = {}
+        self._blocks: dict = {}  # tuple of keys -> _Block (fold_covariances)
         self._warned_reset = False
         # CUDA: the stream the last fold ran on (a nuclear fold runs on its measurement's
         # side stream); the next measurement's stream waits for it (gns_kernels.distributed)
@@ -165,10 +198,23 @@ class NoisePool:
             self._move(e, like.device)
         return e
 
-    @staticmethod
-    def _move(e: _Entry, device) -> None:
+    def _move(self, e: _Entry, device) -> None:
         for name, t in e.tensors().items():
             setattr(e, name, t.to(device))
+        e.block, e.row = None, -1
+        self._blocks.clear()
+
+    def _block(self, keys: list, es: list) -> _Block:
+        """The block of these keys' entries (made, or remade, when they are not one)."""
+        kt = tuple(keys)
+        blk = self._blocks.get(kt)
+        if blk is None or not blk.holds(es):
+            blk = _Block(es)
+            ids = {id(e) for e in es}
+            for k in [k for k, b in self._blocks.items() if any(id(e) in ids for e in b.entries)]:
+                del self._blocks[k]
+            self._blocks[kt] = blk
+        return blk
 
     def to(self, device) -> "NoisePool":
         """Move every entry to ``device`` (a checkpoint loads on the CPU; the hooks call this
@@ -242,9 +288,11 @@ class NoisePool:
         """``fold_covariance`` of n distinct keys at once: C (n, k, k) (any float dtype), one
         covariance per key, all of one side k. Returns (P (n, k, k) float32, nu (n,)
         float64, first (n,) bool), row i as fold_covariance(keys[i], C[i]) would give. The
-        keys' states are stacked, updated by one vectorized expression and copied back
-        (elementwise and per-matrix reductions only: a key's values do not depend on the
-        other keys of the call). No host synchronization."""
+        keys' states live stacked in one block per key list (``_Block``, made on the first
+        call with that list: the hooks fold the same keys every measurement) and are
+        updated by one vectorized expression in place (elementwise and per-matrix
+        reductions only: a key's values do not depend on the other keys of the call). No
+        host synchronization."""
         S = _check_samples(num_samples)
         gs = _check_grad_scale(grad_scale)
         keys = list(keys)
@@ -256,10 +304,11 @@ class NoisePool:
         x = C.detach()
         x = (x if x.dtype == torch.float32 else x.float()) / (gs * gs)
         ok = torch.isfinite(x.sum((-2, -1), dtype=torch.float64))
-        es = [self._entry(key, x[i], pair=True) for i, key in enumerate(keys)]
-        P = torch.stack([e.P for e in es])
-        st = torch.stack([t for e in es for t in (e.n, e.U, e.num, e.var, e.npair)]).view(len(es), 5)
-        n, U, num, var, npair = st.unbind(1)
+        like = x[0]
+        es = [self._entry(key, like, pair=True) for key in keys]
+        blk = self._block(keys, es)
+        P = blk.P
+        n, U, num, var, npair = blk.st.unbind(1)
         # the pair moments of this measurement against the pool so far (independent of it)
         have = ok & (n > 0)
         x64, P64 = x.double(), P.double()
@@ -277,10 +326,8 @@ class NoisePool:
         n = n + ok.to(torch.float64)
         bf = b.float().view(-1, 1, 1)
         P = torch.where(ok.view(-1, 1, 1), P * bf + (1.0 - bf) * x, P)
-        new = torch.stack([n, U, num, var, npair], 1)
-        torch._foreach_copy_([t for e in es for t in (e.n, e.U, e.num, e.var, e.npair)],
-                             list(new.reshape(-1).unbind(0)))
-        torch._foreach_copy_([e.P for e in es], list(P.unbind(0)))
+        blk.st.copy_(torch.stack([n, U, num, var, npair], 1))
+        blk.P.copy_(P)
         nu_s = torch.where(var > 0, num.clamp_min(0) / torch.where(var > 0, var, 1.0),
                            math.inf).clamp_min(NU_S_MIN)
         first = npair == 0
@@ -301,11 +348,13 @@ class NoisePool:
 
     def drop(self, key: Hashable) -> None:
         self._entries.pop(key, None)
+        self._blocks.clear()
 
     def rekey(self, key_map) -> None:
         """Move every entry to ``key_map(key)``; an entry whose new key is None is dropped
         (the keys' owner changed its parameter order)."""
         entries = {k: self._entries[k] for k in self.keys()}
+        self._blocks.clear()
         moved = {}
         for k, e in entries.items():
             new = key_map(k)
@@ -317,6 +366,7 @@ class NoisePool:
     def clear(self) -> None:
         self._join_stream()
         self._entries.clear()
+        self._blocks.clear()
 
     def _join_stream(self) -> None:
         """CUDA: order the current stream after the stream of the last fold (a nuclear fold
@@ -397,6 +447,7 @@ class NoisePool:
             entries[k] = e
         self.beta = float(sd["beta"])
         self._entries = entries
+        self._blocks.clear()
 
     def __repr__(self) -> str:
         return f"NoisePool(beta={self.beta}, entries={len(self._entries)})"

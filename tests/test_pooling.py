@@ -492,3 +492,57 @@ def test_checkpoint_waits_for_the_fold_stream(monkeypatch):
     pool.load_state_dict(sd)
     pool.clear()
     assert waits == [side, side, side]
+
+
+def test_fold_covariances_blocks_follow_any_key_lists():
+    """The stacked blocks of fold_covariances (one per key list) give every key the values
+    of folding it alone, whatever lists the keys come in (a list repeated, a sub-list, a
+    reordering, a dropped key, a reload), and P is the EMA of the key's covariances."""
+    g = torch.Generator().manual_seed(11)
+    k, beta, S = 5, 0.8, 4
+
+    def cov():
+        x = torch.randn(k, 2 * k, generator=g, dtype=torch.float64)
+        return (x @ x.T / (2 * k)).float()
+
+    lists = [[0, 1, 2], [0, 1, 2], [2, 0], [1], [0, 1, 2], "drop 1", [0, 1, 2], "reload", [2, 1, 0],
+             "reset 0", [0, 1, 2], [0, 1, 2], "rekey", [3, 0, 1]]
+    pool, alone = NoisePool(beta), NoisePool(beta)
+    ema: dict = {}
+    for step in lists:
+        if step == "drop 1":
+            pool.drop(1)
+            alone.drop(1)
+            ema.pop(1)
+            continue
+        if step == "reload":
+            fresh = NoisePool(0.5)
+            fresh.load_state_dict(pool.state_dict())
+            pool = fresh
+            continue
+        if step == "reset 0":  # another shape under key 0: its pool starts afresh (warned)
+            for p in (pool, alone):
+                p._warned_reset = False
+                with pytest.warns(RuntimeWarning, match="starts afresh"):
+                    p.fold_covariance(0, torch.eye(3), S)
+            ema.pop(0)
+            continue
+        if step == "rekey":  # key 2 becomes 3
+            pool.rekey(lambda key: 3 if key == 2 else key)
+            alone.rekey(lambda key: 3 if key == 2 else key)
+            ema[3] = ema.pop(2)
+            continue
+        C = torch.stack([cov() for _ in step])
+        P, nu, first = pool.fold_covariances(step, C, S)
+        for i, key in enumerate(step):
+            P1, nu1, first1 = alone.fold_covariance(key, C[i], S)
+            assert torch.equal(P[i], P1) and torch.equal(nu[i], nu1) and bool(first[i]) == bool(first1)
+            ema[key] = C[i].double() if key not in ema else beta * ema[key] + (1 - beta) * C[i].double()
+            torch.testing.assert_close(P[i].double(), ema[key], rtol=1e-5, atol=1e-6)
+    sd = pool.state_dict()
+    assert sorted(sd["entries"]) == [0, 1, 3]
+    saved = {key: e["P"].clone() for key, e in sd["entries"].items()}
+    pool.fold_covariances([3, 0, 1], torch.stack([cov() for _ in range(3)]), S)
+    for key, e in sd["entries"].items():  # a state_dict is a copy, not a view of the blocks
+        assert e["P"].shape == (k, k) and torch.equal(e["P"], saved[key])
+        assert e["P"].untyped_storage().nbytes() == k * k * 4

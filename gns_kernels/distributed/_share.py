@@ -56,13 +56,16 @@ results:
   (and other buckets) than the uninterrupted run did at that step; its totals are the same.
 
 - one solve per measurement: ``add_grads`` / ``add_grams`` only assign the part's
-  matrices and keep, for the ones this rank owns, copies of the mean Gram, the Gram of the
-  mean gradient D D^T (and G G^T for a shifted matrix's signal) -- 2-3 k x k float32 per
-  owned matrix, held from the part until ``launch`` (DDP: after the last bucket) -- and the
-  deviation sums (rows q, a); ``launch`` (or ``vector``) then solves every owned matrix
-  of the measurement in one call (noise, signal, debiased signal and the pool's solves
-  each batched by Gram size) and spreads the values into this rank's columns. The
-  layout of the shared vector (columns in part order) is unchanged.
+  matrices and keep, for the ones this rank owns, a copy of the mean Gram (k x k float32)
+  and of the mean gradient D (m x n float32; its D D^T is formed at the solve, one batch
+  per shape and side over the whole measurement) -- or D D^T itself (FSDP2 hands it in;
+  DDP forms it in the part for a D wider than 4 k^2 elements), and G G^T for a shifted
+  matrix's signal -- held from the part until ``launch`` (DDP: after the last bucket), and
+  the deviation sums (rows q, a); ``launch`` (or ``vector``) then solves every owned
+  matrix of the measurement in one call (noise, signal, debiased signal and the pool's
+  solves each batched by Gram size) and spreads the values into this rank's columns (one
+  gather by an index, ``column_index``). The layout of the shared vector (columns
+  in part order) is unchanged.
 
 With one rank the solver runs everything and no collective is issued. Nothing here reads
 a device value on the host: the totals stay device tensors until ``read()`` (called when
@@ -81,7 +84,7 @@ from .._validation import check_signal
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
-from ..spectral.grams import grams64_on_sides, grams_on_sides
+from ..spectral.grams import aligned_in_stack, grams64_on_sides, grams_on_sides
 from ..spectral.precision import bmm
 from ..spectral.trace import NEWTON_METHODS, resolve_method
 from ..spectral.nuclear import _scatter_cols, nuclear_stats_from_grams_select
@@ -208,7 +211,7 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
 
 
 def _stackable(m: int, n: int) -> bool:
-    return (m * n * 4) % 64 == 0 and m * n > 0
+    return aligned_in_stack(m * n)
 
 
 def deviation_sums_runs(runs: Sequence, device) -> Tensor:
@@ -226,24 +229,62 @@ def deviation_sums_runs(runs: Sequence, device) -> Tensor:
 
 
 def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
-    """``deviation_sums_runs`` as two lists of float64 vectors (q, a), one entry per run
-    (a stacked run) or per matrix, in order: their concatenations are its rows (kept
-    apart so a measurement joins them once, ``SolveShare.add_part``)."""
-    qs, as_ = [], []
+    """``deviation_sums_runs`` as two lists of float64 vectors (q, a) whose concatenations
+    are its rows (kept apart so a measurement joins them once, ``SolveShare.add_part``).
+    Each run's float32 Grams come from one bmm (a stacked run) or per matrix; the Grams of
+    one side k are joined and their sums taken together (one set of reductions per k, not
+    per run: the values do not depend on the grouping, the reductions being per matrix)."""
+    grams, ks = [], []
     for run in runs:
         if isinstance(run, Tensor) and _stackable(run.shape[-2], run.shape[-1]):
             m, n = run.shape[-2:]
             X = run if run.dtype == torch.float32 else run.float()
-            G = (bmm(X, X.mT, "ieee") if m <= n else bmm(X.mT, X, "ieee")).double()
-            qs.append((G * G).sum((-2, -1)))
-            as_.append(G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2)
+            grams.append(bmm(X, X.transpose(-2, -1), "ieee") if m <= n else bmm(X.transpose(-2, -1), X, "ieee"))
+            ks.append(min(m, n))
         else:
             for d in (run.unbind(0) if isinstance(run, Tensor) else run):
                 (G,) = spectral.gram([d.float()], side=spectral.smaller_side(tuple(d.shape)))
-                G = G.to(torch.float64)
-                qs.append((G * G).sum().reshape(1))
-                as_.append((torch.diagonal(G).sum() ** 2).reshape(1))
-    return qs, as_
+                grams.append(G.unsqueeze(0))
+                ks.append(G.shape[-1])
+    if not grams:
+        return [], []
+    by_k: dict = {}
+    for i, k in enumerate(ks):
+        by_k.setdefault(k, []).append(i)
+    sums: list = [None] * len(grams)
+    for k, idx in by_k.items():
+        G = (grams[idx[0]] if len(idx) == 1 else torch.cat([grams[i] for i in idx])).double()
+        q = (G * G).sum((-2, -1))
+        a = G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2
+        if len(by_k) == 1:
+            return [q], [a]
+        j = 0
+        for i in idx:
+            c = grams[i].shape[0]
+            sums[i] = (q[j:j + c], a[j:j + c])
+            j += c
+    return [q for q, _ in sums], [a for _, a in sums]
+
+
+# a kept mean gradient D (m x n) is copied for the one solve when m n <= this x k^2
+# (``SolveShare.add_part``)
+_KEEP_D_ASPECT = 4
+
+
+def column_index(cols: Sequence[int], L: int, device) -> Tensor:
+    """int64 Tensor[L] on ``device``: entry l is j where cols[j] = l, else len(cols) (the
+    source index that spreads a part's columns into L columns, a zero column appended).
+    To CUDA it goes from pinned memory without blocking, on the current stream (a pageable
+    host-to-device copy waits for the stream: a host synchronization inside the
+    measurement)."""
+    src = [len(cols)] * L
+    for j, l in enumerate(cols):
+        src[l] = j
+    idx = torch.tensor(src, dtype=torch.int64)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return idx.pin_memory().to(dev, non_blocking=True)
+    return idx if dev.type == "cpu" else idx.to(dev)
 
 
 def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
@@ -507,20 +548,27 @@ class SolveShare:
             self.qa_a.extend(qa[1])
         idx = [l for l in range(L) if own[l]]
         grams_o, grads_o = owned(idx) if idx else ([], [])
-        # D D^T on the side spectral.nuclear_stats_select takes (the Gram's side; 'row'
-        # for a square matrix) and, for a shifted matrix, G G^T of G = D + S (its signal)
+        # D D^T is formed at the solve, batched over the measurement (``_solve_kept``),
+        # from a copy of D (the caller reuses the pack it views), where D is at most
+        # _KEEP_D_ASPECT k^2 elements (its copy then takes at most twice the memory of the
+        # float64 D D^T); a wider D (an embedding) has its D D^T formed now. A shifted
+        # matrix's signal Gram G G^T (G = D + S) is formed now, before this
+        # measurement's mean replaces a shift="last"
+        n_o = len(idx)
         sides = ["row" if shapes[l][0] == ks[l] else "col" for l in idx]
-        # (float64 on the Newton path, as spectral.nuclear_stats_select forms it there)
-        on_sides = grams64_on_sides if resolve_method(self.method, device) in NEWTON_METHODS else grams_on_sides
-        dd = on_sides(grads_o, sides) if idx else []
-        gg = list(dd)
-        sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
-        if sh:
-            gs = grams_on_sides([grads_o[j].float() + shifts[idx[j]].float() for j in sh],
-                                [sides[j] for j in sh])
-            for j, G in zip(sh, gs):
-                gg[j] = G
-        self._keep(grams_o, dd, gg, shapes, idx, keys, device)
+        keep_d = [shapes[l][0] * shapes[l][1] <= _KEEP_D_ASPECT * ks[l] ** 2 for l in idx]
+        dd: list = [None] * n_o
+        now = [j for j in range(n_o) if not keep_d[j]]
+        if now:
+            on_sides = grams64_on_sides if resolve_method(self.method, device) in NEWTON_METHODS else grams_on_sides
+            for j, G in zip(now, on_sides([grads_o[j] for j in now], [sides[j] for j in now])):
+                dd[j] = G
+        gg: list = [None] * n_o
+        for j, l in enumerate(idx):
+            if shifts is not None and shifts[l] is not None:
+                (gg[j],) = grams_on_sides([grads_o[j].float() + shifts[l].float()], [sides[j]])
+        self._keep(grams_o, dd, gg, shapes, idx, keys, device,
+                   [D.detach().clone() if k else None for D, k in zip(grads_o, keep_d)])
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
@@ -548,18 +596,37 @@ class SolveShare:
             raise ValueError(f"keys: a noise pool needs one key per matrix ({L}), got "
                              f"{None if keys is None else len(keys)}")
 
-    def _keep(self, grams: list, dd: list, gg: list, shapes: list, idx: list, keys, dev) -> None:
+    def _keep(self, grams: list, dd: list, gg: list, shapes: list, idx: list, keys, dev,
+              grads: Optional[list] = None) -> None:
         """Keep a part's owned matrices (idx: their positions in the part) for the one
-        solve: a copy of the mean Gram (grams[j]), D D^T and the signal's Gram (k x k each,
-        float32), the parameter shape, the pool key and the column (position in the
-        measurement)."""
+        solve: a copy of the mean Gram (grams[j], k x k float32), D D^T (dd[j], k x k) or,
+        when dd[j] is None, a copy of D itself (grads[j], m x n float32: its Gram is formed
+        at the solve), the signal's Gram (gg[j]; None: D D^T), the parameter shape, the
+        pool key and the column (position in the measurement)."""
         if self.device is None:
             self.device = dev
         base = len(self.shapes)
         self.shapes.extend(shapes)
         for j, l in enumerate(idx):
             self.kept.append((grams[j].detach().clone(), dd[j], gg[j], shapes[l],
-                              None if keys is None else keys[l], base + l))
+                              None if keys is None else keys[l], base + l,
+                              None if grads is None else grads[j]))
+
+    def _mean_grad_grams(self, kept: list) -> tuple[list, list]:
+        """(D D^T, signal Gram) per kept matrix: the kept D's Grams formed here, one batch
+        per (shape, side) (float64 products on the Newton path, as
+        spectral.nuclear_stats_select forms them there; float32 Grams on the eigenvalue
+        path), on the Gram's side ('row' for a square matrix)."""
+        todo = [i for i, e in enumerate(kept) if e[1] is None]
+        dd = [e[1] for e in kept]
+        if todo:
+            on_sides = (grams64_on_sides if resolve_method(self.method, self.device) in NEWTON_METHODS
+                        else grams_on_sides)
+            Ds = [kept[i][6] for i in todo]
+            sides = ["row" if kept[i][3][0] == kept[i][0].shape[-1] else "col" for i in todo]
+            for i, G in zip(todo, on_sides(Ds, sides)):
+                dd[i] = G
+        return dd, [e[2] if e[2] is not None else dd[i] for i, e in enumerate(kept)]
 
     def _solve_kept(self) -> None:
         """The one solve of a measurement (module docstring): every owned matrix of every
@@ -578,11 +645,10 @@ class SolveShare:
         rows = self.rows
         n = len(kept)
         grams = [e[0] for e in kept]
-        dd = [e[1] for e in kept]
-        gg = [e[2] for e in kept]
+        mats: list = []  # [D D^T, signal Grams], formed in run() (on CUDA on the side stream)
         shapes = [e[3] for e in kept]
         cols = [e[5] for e in kept]
-        inputs = grams + [t for e in kept for t in ((e[1],) if e[2] is e[1] else (e[1], e[2]))]
+        inputs = grams + [t for e in kept for t in (e[1], e[2], e[6]) if t is not None]
         fold = None
         chain = None  # the pool's fold inside the Newton chain ('gauss-sums' sums)
         if self.pool is not None and n:
@@ -598,16 +664,20 @@ class SolveShare:
         def solve(select, cov_out=None, signal="raw"):
             raw = signal == "raw"
             return nuclear_stats_from_grams_select(
-                grams, dd, signal_grams=gg, shapes=shapes, select=select, signal=signal,
+                grams, mats[0], signal_grams=mats[1], shapes=shapes, select=select, signal=signal,
                 return_sums=self.gauss and raw, cov_out=None if chain is not None else cov_out,
                 pool_fold=chain if raw else None, **self._kw())
 
         def run() -> Tensor:
             if n:
+                mats.extend(self._mean_grad_grams(kept))
                 part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows,
                                   lambda sel: solve(sel, signal="debiased"), fold,
                                   finite_from_outputs=resolve_method(self.method, dev) in NEWTON_METHODS)
-                out = _scatter_cols(part, cols, L)
+                # a gather (deterministic; index_copy_ is not on CUDA): column l takes
+                # part's column j when this rank solved it (cols[j] = l), else a zero column
+                out = part if n == L else torch.cat([part, part.new_zeros((len(rows), 1))], dim=1).index_select(
+                    1, column_index(cols, L, dev))
             else:
                 out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)
             if qa is not None:

@@ -82,11 +82,13 @@ ones plain DDP would produce; the next measurement starts afresh.
 Memory of a measurement step: one packed buffer in flight (2x the bucket's elements in
 float32 for l1/l2; the bucket's elements plus the Grams for nuclear, which exist
 separately for the moment they are copied in). Nuclear also holds, from each bucket's
-statistics until the one solve after the last bucket, 2 k x k float32 per matrix this
-rank owns (3 for a shifted matrix; k its Gram side): about 2 sum_l k_l^2 / R floats
-(160M shapes, R = 8: 84 x 768^2 x 2 x 4 bytes / 8 = 50 MB per rank), freed when the
-estimate is read (CUDA: when the solve stream is done with them), and with 'gauss-sums'
-2 float64 per matrix. Before packing a bucket the hook waits for
+statistics until the one solve after the last bucket, per matrix this rank owns (m x n,
+k its Gram side) a float32 copy of its mean Gram (k x k) and of its mean gradient (m x n;
+its Gram is formed at the solve) -- or, for a matrix wider than 4 k^2 elements (an
+embedding), its float64 D D^T instead of the gradient; a shifted matrix also its signal
+Gram (k x k float32). At the 160M shapes and R = 8 that is (84 x 768^2 + 85M) x 4 bytes /
+8 = 67 MB per rank, freed when the estimate is read (CUDA: when the solve stream is done
+with them); with 'gauss-sums' 2 float64 per matrix. Before packing a bucket the hook waits for
 the previous measured bucket's all-reduce and statistics (gloo would otherwise queue the
 packs of all the tail buckets at once); on CUDA that wait only orders the streams. So the
 extra memory is bounded by the largest bucket (``bucket_cap_mb``), never by the model,
@@ -100,6 +102,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ..spectral.grams import aligned_in_stack
 from ._measurement import Measurement
 from ._share import deviation_sums_parts
 from ._stats import l1_signal_debiased_sum
@@ -334,7 +337,7 @@ class _NuclearLayout:
             else:
                 runs.append([j, j + 1, (off, off + n)])
         self.dev_runs = [tuple(r) for r in runs]
-        self.dev_whole = all(r[2] is not None and (r[2][0] * 4) % 64 == 0 for r in runs)
+        self.dev_whole = all(r[2] is not None and (r[2][0] == 0 or aligned_in_stack(r[2][0])) for r in runs)
 
 
 _LAYOUTS: dict = {}
@@ -380,7 +383,7 @@ def _pack_nuclear(buf: Tensor, segs, micro):
         flat = [buf]
         for g, i0, i1 in lay.pieces:
             G = stacks[g]
-            flat.append((G if i1 - i0 == G.shape[0] else G[i0:i1]).reshape(-1))
+            flat.append((G if i1 - i0 == G.shape[0] else G[i0:i1]).view(-1))
         pack = torch.cat(flat)  # float32 (a bf16 / fp16 bucket is promoted)
         del stacks, flat
         return pack, (lay, mats)

@@ -92,6 +92,15 @@ def _gram_cpu(xs: Sequence[Tensor], col: bool) -> list[Tensor]:
 _STACK_MAX_SIDE = 128  # CPU: Grams up to this side are formed as one stacked batch (gram())
 
 
+def aligned_in_stack(numel: int) -> bool:
+    """Whether float32 matrices of ``numel`` elements each start on a 64-byte boundary in a
+    fresh contiguous stack (or in a fresh tensor at that offset): their size is a multiple
+    of 64 bytes (the CPU allocator's alignment, which the CPU GEMM's bits depend on;
+    ``_gram_cpu``). The one alignment rule of the stacked CPU products (Grams here, the DDP
+    hook's deviation sums)."""
+    return numel > 0 and (numel * 4) % _CPU_ALIGN == 0
+
+
 def _stackable_cpu(shape: tuple, col: bool) -> bool:
     """Whether CPU Grams of (m, n) matrices go through one stacked bmm (``_gram_cpu_stacked``):
     a small Gram side (the per-matrix path's launches dominate there) and a matrix size that
@@ -100,17 +109,22 @@ def _stackable_cpu(shape: tuple, col: bool) -> bool:
     function of its values, not of its place in the batch."""
     m, n = shape
     k = n if col else m
-    return 0 < k <= _STACK_MAX_SIDE and (m * n * 4) % _CPU_ALIGN == 0 and min(m, n) > 0
+    return 0 < k <= _STACK_MAX_SIDE and aligned_in_stack(m * n)
 
 
 def _gram_cpu_stacked(x: Tensor, col: bool) -> Tensor:
-    """x x^T (or x^T x) of a contiguous float32 stack (a fresh copy of x: aligned, see
-    ``_stackable_cpu``), one bmm (float32 whatever the process flag says), symmetrized as
-    (G + G^T) / 2. (L, k, k) float32."""
-    x = torch.empty(x.shape, dtype=torch.float32).copy_(x)
-    xt = x.mT if col else x
-    G = _bmm_in(xt, xt.mT, "ieee")
-    return torch.add(G, G.mT).mul_(0.5)
+    """x x^T (or x^T x) of a contiguous float32 stack starting on a 64-byte boundary (x
+    itself when it is one, else a fresh copy: aligned, see ``_stackable_cpu``), one bmm
+    (float32 whatever the process flag says), symmetrized as (G + G^T) / 2. (L, k, k)
+    float32."""
+    if not (x.dtype == torch.float32 and x.is_contiguous() and x.data_ptr() % _CPU_ALIGN == 0):
+        x = torch.empty(x.shape, dtype=torch.float32).copy_(x)
+    xt = x.transpose(-2, -1) if col else x
+    G = _bmm_in(xt, xt.transpose(-2, -1), "ieee")
+    return torch.add(G, G.transpose(-2, -1)).mul_(_HALF)
+
+
+_HALF = torch.tensor(0.5)  # a 0-d CPU operand: mul_(0.5) would wrap the number (4 more aten ops)
 
 
 @torch.library.custom_op("gns_kernels::gram_list", mutates_args=())
@@ -240,7 +254,7 @@ def grams64_on_sides(tensors: Sequence[Tensor], sides: Sequence[str]) -> list[Te
     for i, (g, s) in enumerate(zip(tensors, sides)):
         groups.setdefault((tuple(g.shape), g.device, s), []).append(i)
     for (_, _, s), idx in groups.items():
-        X = torch.stack([tensors[i].detach() for i in idx]).double()
+        X = torch.stack([tensors[i].detach() if tensors[i].requires_grad else tensors[i] for i in idx]).double()
         res = torch.bmm(X.mT, X) if s == "col" else torch.bmm(X, X.mT)
         for i, r in zip(idx, res.unbind(0)):
             out[i] = r

@@ -277,9 +277,9 @@ def _covariances(mean_grams: list, dd: list, scale: float, want_n: list, cov_out
         return
     for l, want in enumerate(want_n):
         if want:
-            A = mean_grams[l].detach()
+            A = _plain(mean_grams[l])
             cdt = torch.float64 if A.dtype == torch.float64 or dd[l].dtype == torch.float64 else torch.float32
-            cov_out.append((l, (A.to(cdt) - dd[l].detach().to(cdt)).mul_(scale)))
+            cov_out.append((l, (A.to(cdt) - _plain(dd[l]).to(cdt)).mul_(scale)))
 
 
 def _check_select(select, L: int) -> tuple[list, list]:
@@ -456,9 +456,9 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     def sig_matrix(l: int) -> Tensor:
         """The signal's matrix: gg, or gg - c (mean_gram - dd) (debias)."""
         if debias is None:
-            return gg[l].detach()
-        A = gg[l].detach().to(cdt)
-        return A - debias * (mean_grams[l].detach().to(cdt) - dd[l].detach().to(cdt))
+            return _plain(gg[l])
+        A = _plain(gg[l]).to(cdt)
+        return A - debias * (_plain(mean_grams[l]).to(cdt) - _plain(dd[l]).to(cdt))
 
     by_k: dict[int, list[tuple[str, int]]] = {}
     zeros: dict = {}
@@ -484,8 +484,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         if meth == "eigh":
             # C_l = scale * (mean_gram - D D^T) formed per matrix inside the op's workers
             lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
-                [(mean_grams[l].detach() if w == "n" else sig_matrix(l)) for w, l in items],
-                [dd[l].detach() if w == "n" else None for w, l in items],
+                [(_plain(mean_grams[l]) if w == "n" else sig_matrix(l)) for w, l in items],
+                [_plain(dd[l]) if w == "n" else None for w, l in items],
                 [scale if w == "n" else 1.0 for w, l in items], float(EIGH_TOL),
                 [bool(hint[l]) for w, l in items])
             flagged.append((items, wide))
@@ -522,8 +522,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         dev_k = mean_grams[items[0][1]].device
         parts = []
         if n_ls:
-            Cn = torch.stack([mean_grams[l].detach() for l in n_ls]).double()
-            Cn = Cn.sub_(torch.stack([dd[l].detach() for l in n_ls]).double()).mul_(scale)
+            Cn = torch.stack([_plain(mean_grams[l]) for l in n_ls]).double()
+            Cn = Cn.sub_(torch.stack([_plain(dd[l]) for l in n_ls]).double()).mul_(scale)
             parts.append(Cn)
             if pool_fold is not None:
                 parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
@@ -586,6 +586,12 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     out = (_gather(noise), _gather(signal), used)
     out = out + (extra,) if sums else out
     return out + (pooled,) if pooled is not None else out
+
+
+def _plain(t: Tensor) -> Tensor:
+    """t without autograd history (detach() only where there is some: each call is an aten
+    op, and the hooks' solve stacks a few per matrix)."""
+    return t.detach() if t.requires_grad else t
 
 
 def _put(dst: list, ls: list, vals: Tensor) -> None:

@@ -196,3 +196,32 @@ def test_totals_do_not_depend_on_the_matrix_order():
         assert tot == base and pl == pooled, (order, split)
         plain_differs |= not torch.equal(pt, plain)
     assert plain_differs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deviation_sums_of_mixed_sides_match_float64(dtype):
+    """deviation_sums on runs of several shapes and Gram sides (stacked runs, odd shapes
+    that go per matrix, sides 3, 5, 8 interleaved): per matrix q = ||d d^T||_F^2 and
+    a = ||d||_F^4 in the input order, against float64."""
+    from gns_kernels.distributed._share import deviation_sums
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(8, 16), (8, 16), (5, 7), (16, 8), (3, 11), (3, 11), (8, 16), (32, 8), (5, 7)]
+    ds = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    out = deviation_sums(ds, "cpu")
+    assert out.shape == (2, len(shapes)) and out.dtype == torch.float64
+    for i, d in enumerate(ds):
+        x = d.double()
+        G = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+        torch.testing.assert_close(out[0, i], (G * G).sum(), rtol=2e-6, atol=0)
+        torch.testing.assert_close(out[1, i], (x * x).sum() ** 2, rtol=2e-6, atol=0)
+
+
+def test_column_index_spreads_owned_columns():
+    from gns_kernels.distributed._share import column_index
+
+    idx = column_index([1, 4, 5], 7, "cpu")
+    assert idx.tolist() == [3, 0, 3, 3, 1, 2, 3]
+    part = torch.tensor([[10.0, 40.0, 50.0]], dtype=torch.float64)
+    out = torch.cat([part, part.new_zeros((1, 1))], dim=1).index_select(1, idx)
+    assert out.tolist() == [[0.0, 10.0, 0.0, 0.0, 40.0, 50.0, 0.0]]
