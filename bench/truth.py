@@ -61,6 +61,12 @@ weight is 0.9^39 = 0.016) and the CV at 40:
 second pool at B2 and the window extrapolation (rows l1x, nucx; a prototype, not in the hooks):
     OMP_NUM_THREADS=1 python bench/truth.py --pooled --arch embbag,wide --R 2,4,8 --b 16,64 \
         --extra "" --seqs 60 --beta2 0.8
+--methods eigh,newton solves the same pool state (a twin pool fed the same covariances) by
+eigh and by the GPU path's Newton chain (method "newton": float64 Newton-Schulz on the
+positive part; "auto" is eigh on CPU) and adds a table of newton / eigh of the pooled
+corrected sum_l tr(P_l^{1/2}) per measurement count (mean [min, max]) and its max |ratio - 1|:
+    OMP_NUM_THREADS=1 python bench/truth.py --pooled --methods eigh,newton --arch mlp,cnn --b 16 \
+        --extra "" --seqs 20 --pool-at 1,3,10,40
 and during training (R:b:measurements:SGD steps between them):
     OMP_NUM_THREADS=1 python bench/truth.py --pooled --drift 4:16:40:10 --arch mlp,transformer --seqs 100
 
@@ -636,9 +642,10 @@ def rank_gradients(x, layout):
              for k, shape, off, num, mat in layout] for j in range(x.shape[0])]
 
 
-def fold_measurement(npool, x, layout, R, b):
+def fold_measurement(npool, x, layout, R, b, method="eigh"):
     """One measurement (rank means x, (R, P) float64) folded into a NoisePool through the
-    hooks' calls: (pooled l1 ||s||_1 total, pooled_sqrt_traces rows [value, new] per matrix)."""
+    hooks' calls: (pooled l1 ||s||_1 total, pooled_sqrt_traces rows [value, new] per matrix,
+    the pooled matrices solved by `method`: 'eigh', or 'newton', the GPU path's)."""
     from gns_kernels.distributed._share import pooled_sqrt_traces
 
     B = R * b
@@ -657,7 +664,7 @@ def fold_measurement(npool, x, layout, R, b):
         covs.append((B / (R * (R - 1)) * (d @ d.mT).sum(0)).float())
         shapes.append((m, n))
         keys.append(("nuc", i))
-    return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method="eigh")
+    return l1, pooled_sqrt_traces(npool, keys, covs, shapes, R, 1.0, method=method)
 
 
 def _pool_U(npool) -> float:
@@ -724,12 +731,16 @@ def _extrapolated(ex, full_pool, x, layout, R, b, l1, vals, nuc_default):
     return a1 * a1, nuc_default if a2 is None else a2 * a2
 
 
-def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None, split=False):
+def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=None, split=False,
+               methods=("eigh",)):
     """The hooks' noise pool on independent sequences of len POOL_AT[-1] measurements:
     {("l1" | "nuc", t): tensor[seqs] of the pooled noise after t measurements}. With
     beta2: a second pool at beta2 beside it, and ("l1x" | "nucx", t) the window
     extrapolation r + (r - r2) U / (U2 - U) of the two corrected roots (U, U2: the pools'
-    sum_k w_k^2 / (S - 1))."""
+    sum_k w_k^2 / (S - 1)). The pool solves with methods[0]; each further method m solves
+    a twin pool fed the same covariances (the same state): ("nuc/" + m, t) the ratio of its
+    pooled corrected sum_l tr(P_l^{1/2}) to methods[0]'s after t >= 2 measurements, and
+    ("nuc/" + m, "all") that ratio after every measurement 2..POOL_AT[-1]."""
     from gns_kernels.pooling import NoisePool
 
     pool_at = pool_at or POOL_AT
@@ -737,8 +748,10 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
     B = R * b
     geos = ("l1", "nuc") + (("l1x", "nucx") if beta2 is not None else ()) + (("l1s", "nucs") if split else ())
     out = {(g, t): [] for g in geos for t in pool_at}
+    out.update({("nuc/" + m, t): [] for m in methods[1:] for t in tuple(pool_at) + ("all",)})
     for _ in range(seqs):
         npool = NoisePool(beta)
+        twins = {m: NoisePool(beta) for m in methods[1:]}
         exs = {}
         if beta2 is not None:
             exs["x"] = _TwoBeta(beta2)
@@ -747,7 +760,14 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
         xs = rank_means(pool, pool_at[-1], R, b, gen)  # (T, R, P) float64
         for t in range(pool_at[-1]):
             x = xs[t]
-            l1, vals = fold_measurement(npool, x, layout, R, b)
+            l1, vals = fold_measurement(npool, x, layout, R, b, methods[0])
+            for m, twin in twins.items():  # folds at t = 0 too: the twin holds the same state
+                value = float(fold_measurement(twin, x, layout, R, b, m)[1][0].sum())
+                if t:  # t = 0: no pooled value yet
+                    r = value / float(vals[0].sum())
+                    out[("nuc/" + m, "all")].append(r)
+                    if t + 1 in pool_at:
+                        out[("nuc/" + m, t + 1)].append(r)
             if t == 0:  # every matrix is new: the measurement's own corrected noise (gk.estimate's default)
                 nuc = gk.estimate(rank_gradients(x, layout), B, geometry="nuclear").noise
             else:
@@ -824,17 +844,23 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta
             print(f"| {'nuclear' if g == 'nuc' else 'l1'} | {name} | {fmt(ratio(v, last))} | {fmt(ratio(v, ema_truth))} |")
 
 
+def method_cell(r) -> str:
+    """mean [min, max] of the ratios r of two methods' pooled values ('–' if none)."""
+    return f"{float(r.mean()):.6f} [{float(r.min()):.6f}, {float(r.max()):.6f}]" if r.numel() else "–"
+
+
 def main_pooled(args) -> None:
     pool_at = tuple(int(v) for v in args.pool_at.split(",")) if args.pool_at else POOL_AT
     configs = [(int(R), int(b)) for R in args.R.split(",") for b in args.b.split(",")]
     configs += [tuple(int(v) for v in e.split(":")) for e in args.extra.split(",") if e]
-    rows = []
+    methods = tuple(args.methods.split(","))
+    rows, method_rows = [], []
     for arch in args.arch.split(","):
         pool, layout, tn, ts = setup_arch(arch, args)
         for R, b in configs:
             t1 = time.time()
             o = pooled_run(pool, layout, R, b, args.seqs, args.seed + 1000 * R + b, beta2=args.beta2,
-                           beta=args.beta, pool_at=pool_at, split=args.split)
+                           beta=args.beta, pool_at=pool_at, split=args.split, methods=methods)
             geos = (("l1", "l1"), ("nuc", "nuclear"))
             if args.split:
                 geos += (("l1s", "l1"), ("nucs", "nuclear"))
@@ -846,6 +872,11 @@ def main_pooled(args) -> None:
                 rows.append(f"| {arch} | {g} | {R} | {b} | " + " | ".join(cells)
                             + f" | {cv:.3f} |")
                 print(rows[-1], f"  [{time.time() - t1:.0f}s]", flush=True)
+            for m in methods[1:]:
+                r = o[("nuc/" + m, "all")]
+                method_rows.append(f"| {arch} | {R} | {b} | {m} | " + " | ".join(
+                    method_cell(o[("nuc/" + m, t)]) for t in pool_at) + f" | {float((r - 1).abs().max()):.1e} |")
+                print(method_rows[-1], flush=True)
         del pool
     extra = f", second pool {args.beta2} (l1x, nucx: the window extrapolation)" if args.beta2 is not None else ""
     print(f"\n### The noise pool (beta {args.beta}{extra}): E[noise_pooled] / truth ± one standard error "
@@ -853,6 +884,13 @@ def main_pooled(args) -> None:
     print("| arch | geometry | R | b | " + " | ".join(f"after {t}" for t in pool_at) + f" | CV at {pool_at[-1]} |")
     print("|---" * (5 + len(pool_at)) + "|")
     print("\n".join(rows))
+    if method_rows:
+        print(f"\n### Pooled sum_l tr(P_l^{{1/2}}) (corrected) of each method / {methods[0]}'s on the same pool "
+              f"state: mean [min, max] over {args.seqs} sequences; max |ratio - 1| over the sequences and "
+              f"measurements 2..{pool_at[-1]}\n")
+        print("| arch | R | b | method | " + " | ".join(f"after {t}" for t in pool_at) + " | max abs(ratio - 1) |")
+        print("|---" * (5 + len(pool_at)) + "|")
+        print("\n".join(method_rows))
 
 
 def main(argv=None):
@@ -873,6 +911,9 @@ def main(argv=None):
     ap.add_argument("--pool-at", default="", help="--pooled: measurement counts to report after (default 1,3,10,20,40)")
     ap.add_argument("--split", action="store_true",
                     help="--pooled: also the split-half extrapolation (rows l1s, nucs; a prototype)")
+    ap.add_argument("--methods", default="eigh",
+                    help="--pooled: the pooled matrices' solvers, e.g. eigh,newton: the pool solves with the "
+                         "first; each further one solves a twin pool of the same state (ratio table)")
     ap.add_argument("--beta2", type=float, default=None,
                     help="--pooled: also a second pool at this beta and the window extrapolation (l1x, nucx)")
     args = ap.parse_args(argv)
