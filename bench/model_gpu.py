@@ -21,14 +21,14 @@ Terms of the nuclear measurement (per rank, per measurement):
 - solves: the solver AS BUILT (gns_kernels.spectral, counted by running it on CPU:
   ``solver_counts``, record_matmuls per product, non-view aten ops per launch): per Gram
   size ONE chain of float64 products (the positive-part sign steps, the scaled coupled
-  Newton-Schulz steps at NOISE_NEWTON = (24 iterations, shift 1e-12), the shift
+  Newton-Schulz steps at NOISE_NEWTON = (20 iterations, shift 1e-11), the shift
   correction) over the owned matrices' noise C, pooled P and signal Grams together, in
   chunks of chunk_size(m) matrices (16 at m = 768). The noise and signal traces are this
   term. Ranks share the matrices (both solves of a matrix on one rank) by the package's
   own greedy assignment by 2 m^3; the model takes the busiest rank's matrices (at 160M,
   R = 8: 11 of the 84, not 10.5).
 - bias: the pair sum's float64 products per owned noise matrix (qhat(W) Horner, S, F_0's
-  Taylor series, S^2 and K = pair_nodes(1e-12) = 32 squarings), counted likewise.
+  Taylor series, S^2 and K = pair_nodes(1e-11) = 30 squarings), counted likewise.
 - dof (R >= 3, the default 'gauss-sums' degrees of freedom): the Gram d d^T of this rank's
   deviation d = G^j - G per matrix (2 m^2 n FLOPs) and its Frobenius norms.
 - pool (the noise pool, on by default: gns_kernels.pooling): per owned matrix the EMA update

@@ -228,16 +228,14 @@ class NoisePool:
                 self._move(e, dev)
         return self
 
-    def _weights(self, e: _Entry, ok: Tensor, num_samples: int) -> Tensor:
-        """Update n and U of one fold in place (where ok); returns b, the factor of the old
-        pool (0 for the first fold), as a float64 0-d tensor. In place: the state tensors
-        are never reallocated, so a fold on one CUDA stream and the next on another do not
-        race the caching allocator."""
-        b = torch.where(e.n > 0, torch.full_like(e.n, self.beta), torch.zeros_like(e.n))
-        U = b * b * e.U + (1.0 - b) ** 2 / (num_samples - 1)
-        e.U.copy_(torch.where(ok, U, e.U))
-        e.n.add_(ok.to(torch.float64))
-        return b
+    def _weights(self, n: Tensor, U: Tensor, ok: Tensor, num_samples: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(b, U', n') of one fold (elementwise over keys; n, U float64, n >= 0): b = beta
+        where the pool has a measurement, else 0 (the factor of the old pool), float64;
+        U' = b^2 U + (1 - b)^2 / (S - 1) and n' = n + 1 where ok, else U and n."""
+        b = n.sign() * self.beta
+        cb = 1.0 - b
+        U = torch.where(ok, b * b * U + cb * cb / (num_samples - 1), U)
+        return b, U, n + ok.to(torch.float64)
 
     def fold_variance(self, key: Hashable, mean: Tensor, mean_sq: Tensor, scale: float,
                       num_samples: int, grad_scale: float = 1.0) -> Tensor:
@@ -260,7 +258,12 @@ class NoisePool:
         s2 = (mean_sq.detach().float() - m * m).mul_(float(scale) / (gs * gs)).clamp_min_(0)
         ok = torch.isfinite(s2.sum(dtype=torch.float64))
         e = self._entry(key, s2, pair=False)
-        b = self._weights(e, ok, S).float()
+        # in place: the state tensors are never reallocated, so a fold on one CUDA stream
+        # and the next on another do not race the caching allocator
+        b, U, n = self._weights(e.n, e.U, ok, S)
+        e.U.copy_(U)
+        e.n.copy_(n)
+        b = b.float()
         e.P.copy_(torch.where(ok, e.P * b + (1.0 - b) * s2, e.P))
         root = e.P.sqrt().sum(dtype=torch.float64) / c4_tensor(1.0 / e.U + 1.0)
         nan = torch.full_like(root, math.nan)
@@ -302,33 +305,36 @@ class NoisePool:
         if len(set(keys)) != len(keys):
             raise ValueError("keys: expected distinct keys (one fold per key and call)")
         x = C.detach()
-        x = (x if x.dtype == torch.float32 else x.float()) / (gs * gs)
-        ok = torch.isfinite(x.sum((-2, -1), dtype=torch.float64))
+        x = x if x.dtype == torch.float32 else x.float()
+        if gs != 1.0:
+            x = x / (gs * gs)
+        x64 = x.double()
+        ok = torch.isfinite(x64.sum((-2, -1)))
         like = x[0]
         es = [self._entry(key, like, pair=True) for key in keys]
         blk = self._block(keys, es)
         P = blk.P
         n, U, num, var, npair = blk.st.unbind(1)
+        # the pair moments' EMA factor (npair >= 0: sign() is 1 where a pair exists)
+        bp = npair.sign() * self.beta
         # the pair moments of this measurement against the pool so far (independent of it)
         have = ok & (n > 0)
-        x64, P64 = x.double(), P.double()
+        P64 = P.double()
         num_k = (x64.diagonal(dim1=-2, dim2=-1).sum(-1) * P64.diagonal(dim1=-2, dim2=-1).sum(-1)
                  + (x64 * P64).sum((-2, -1)))
         d = x64 - P64
-        var_k = (d * d).sum((-2, -1)) / (1.0 / (S - 1) + U)
-        bp = torch.where(npair > 0, self.beta, 0.0)
-        num = torch.where(have, bp * num + (1.0 - bp) * num_k, num)
-        var = torch.where(have, bp * var + (1.0 - bp) * var_k, var)
+        var_k = (d * d).sum((-2, -1)) / (U + 1.0 / (S - 1))
+        cbp = 1.0 - bp
+        num = torch.where(have, bp * num + cbp * num_k, num)
+        var = torch.where(have, bp * var + cbp * var_k, var)
         npair = npair + have.to(torch.float64)
-        # the weights (as _weights)
-        b = torch.where(n > 0, self.beta, 0.0)
-        U = torch.where(ok, b * b * U + (1.0 - b) ** 2 / (S - 1), U)
-        n = n + ok.to(torch.float64)
+        b, U, n = self._weights(n, U, ok, S)
         bf = b.float().view(-1, 1, 1)
         P = torch.where(ok.view(-1, 1, 1), P * bf + (1.0 - bf) * x, P)
         blk.st.copy_(torch.stack([n, U, num, var, npair], 1))
         blk.P.copy_(P)
-        nu_s = torch.where(var > 0, num.clamp_min(0) / torch.where(var > 0, var, 1.0),
+        vpos = var > 0
+        nu_s = torch.where(vpos, num.clamp_min(0) / torch.where(vpos, var, 1.0),
                            math.inf).clamp_min(NU_S_MIN)
         first = npair == 0
         nu = torch.where(first, 0.0, nu_s / U)

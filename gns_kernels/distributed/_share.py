@@ -255,7 +255,8 @@ def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
     for k, idx in by_k.items():
         G = (grams[idx[0]] if len(idx) == 1 else torch.cat([grams[i] for i in idx])).double()
         q = (G * G).sum((-2, -1))
-        a = G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2
+        t = G.diagonal(dim1=-2, dim2=-1).sum(-1)
+        a = t * t
         if len(by_k) == 1:
             return [q], [a]
         j = 0
@@ -264,6 +265,11 @@ def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
             sums[i] = (q[j:j + c], a[j:j + c])
             j += c
     return [q for q, _ in sums], [a for _, a in sums]
+
+
+def _copy(t: Tensor) -> Tensor:
+    """A copy of t without autograd history (no detach() op where there is none)."""
+    return (t.detach() if t.requires_grad else t).clone()
 
 
 # a kept mean gradient D (m x n) is copied for the one solve when m n <= this x k^2
@@ -568,7 +574,7 @@ class SolveShare:
             if shifts is not None and shifts[l] is not None:
                 (gg[j],) = grams_on_sides([grads_o[j].float() + shifts[l].float()], [sides[j]])
         self._keep(grams_o, dd, gg, shapes, idx, keys, device,
-                   [D.detach().clone() if k else None for D, k in zip(grads_o, keep_d)])
+                   [_copy(D) if k else None for D, k in zip(grads_o, keep_d)])
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
@@ -588,7 +594,7 @@ class SolveShare:
         shapes = [tuple(int(d) for d in s) for s in shapes]
         idx = [l for l in range(L) if own[l]]
         # copies: the caller may reuse the buffers the Grams view before launch()
-        kept = [dd[l].detach().clone() for l in idx]
+        kept = [_copy(dd[l]) for l in idx]
         self._keep([mean_grams[l] for l in idx], kept, kept, shapes, idx, keys, mean_grams[0].device)
 
     def _check_keys(self, keys, L: int) -> None:
@@ -608,7 +614,7 @@ class SolveShare:
         base = len(self.shapes)
         self.shapes.extend(shapes)
         for j, l in enumerate(idx):
-            self.kept.append((grams[j].detach().clone(), dd[j], gg[j], shapes[l],
+            self.kept.append((_copy(grams[j]), dd[j], gg[j], shapes[l],
                               None if keys is None else keys[l], base + l,
                               None if grads is None else grads[j]))
 

@@ -102,7 +102,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
-from ..spectral.grams import aligned_in_stack
+from ..spectral.grams import aligned_in_stack, gram_groups_cpu
 from ._measurement import Measurement
 from ._share import deviation_sums_parts
 from ._stats import l1_signal_debiased_sum
@@ -287,7 +287,7 @@ class _NuclearLayout:
     offset (a float32 deviation of the whole bucket then holds every run, aligned, as one
     of _share.deviation_sums's fresh stacks would be)."""
 
-    __slots__ = ("n_buf", "mats", "groups", "pieces", "total", "dev_runs", "dev_whole", "ks",
+    __slots__ = ("n_buf", "mats", "groups", "pieces", "joined", "total", "dev_runs", "dev_whole", "ks",
                  "shapes")
 
     def __init__(self, segs_shapes: tuple):
@@ -328,6 +328,20 @@ class _NuclearLayout:
             else:
                 pieces.append([g, i, i + 1])
         self.pieces = [tuple(pc) for pc in pieces]
+        # the same pieces as row ranges of the groups' Grams stacked in group order (one
+        # tensor when spectral.grams.gram_groups_cpu forms them together), merged
+        starts, c = [], 0
+        for grp in self.groups:
+            starts.append(c)
+            c += len(grp[2])
+        joined: list = []
+        for g, i0, i1 in self.pieces:
+            a, b = starts[g] + i0, starts[g] + i1
+            if joined and joined[-1][1] == a:
+                joined[-1][1] = b
+            else:
+                joined.append([a, b])
+        self.joined = [tuple(r) for r in joined]
         runs: list = []
         for j, (_, off, n, shape, _, _) in enumerate(self.mats):
             if runs and self.mats[runs[-1][0]][3] == shape:
@@ -370,22 +384,29 @@ def _pack_nuclear(buf: Tensor, segs, micro):
     lay = None if micro is not None else _nuclear_layout(segs)
     if lay is not None:
         mats = [(segs[i][2], segs[i][3]) for i, *_ in lay.mats]
-        stacks = []
+        xs = []
         for shape, col, js, run in lay.groups:
             if run is not None:
                 X = buf[run[0]:run[1]].view((len(js),) + shape)
             else:
                 X = torch.stack([buf[lay.mats[j][1]:lay.mats[j][1] + lay.mats[j][2]].view(shape)
                                  for j in js])
-            # spectral.gram's batch of this group (the same bits: the CPU op copies its
-            # input to an aligned stack, a function of the values alone)
-            stacks.append(torch.ops.gns_kernels.gram_batched(X, col))
+            xs.append((X, col))
+        # spectral.gram's batches (the same bits: on CPU each group's bmm on an aligned
+        # stack, a function of the values alone); on CPU, groups of one Gram side
+        # together (one symmetrization for the bucket)
+        joined = gram_groups_cpu(xs) if buf.device.type == "cpu" else None
         flat = [buf]
-        for g, i0, i1 in lay.pieces:
-            G = stacks[g]
-            flat.append((G if i1 - i0 == G.shape[0] else G[i0:i1]).view(-1))
+        if joined is not None:
+            for a, b in lay.joined:
+                flat.append((joined if b - a == joined.shape[0] else joined[a:b]).view(-1))
+        else:
+            stacks = [torch.ops.gns_kernels.gram_batched(X, col) for X, col in xs]
+            for g, i0, i1 in lay.pieces:
+                G = stacks[g]
+                flat.append((G if i1 - i0 == G.shape[0] else G[i0:i1]).view(-1))
         pack = torch.cat(flat)  # float32 (a bf16 / fp16 bucket is promoted)
-        del stacks, flat
+        del flat, joined
         return pack, (lay, mats)
     n_buf = buf.numel()
     mats = [(off, n, p, pp) for off, n, p, pp in segs if pp.measured]

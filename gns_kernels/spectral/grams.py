@@ -117,14 +117,35 @@ def _gram_cpu_stacked(x: Tensor, col: bool) -> Tensor:
     itself when it is one, else a fresh copy: aligned, see ``_stackable_cpu``), one bmm
     (float32 whatever the process flag says), symmetrized as (G + G^T) / 2. (L, k, k)
     float32."""
-    if not (x.dtype == torch.float32 and x.is_contiguous() and x.data_ptr() % _CPU_ALIGN == 0):
-        x = torch.empty(x.shape, dtype=torch.float32).copy_(x)
-    xt = x.transpose(-2, -1) if col else x
-    G = _bmm_in(xt, xt.transpose(-2, -1), "ieee")
-    return torch.add(G, G.transpose(-2, -1)).mul_(_HALF)
+    return gram_groups_cpu([(x, col)])
 
 
 _HALF = torch.tensor(0.5)  # a 0-d CPU operand: mul_(0.5) would wrap the number (4 more aten ops)
+
+
+def gram_groups_cpu(groups: Sequence[tuple[Tensor, bool]]) -> Tensor | None:
+    """The Grams of several stacks at once on CPU: groups [(x (n_g, m_g, n_g'), col)], one
+    Gram side k for all, every shape ``_stackable_cpu``. One bmm per group and ONE
+    symmetrization (G + G^T) / 2 of them all: (sum n_g, k, k) float32 in group order, bit
+    for bit the concatenation of gram_batched's results per group (the same bmm on the
+    same aligned operand; the symmetrization is elementwise). None when a group is not on
+    the CPU, not stackable, or has another Gram side (the caller then takes gram_batched
+    per group)."""
+    ks = set()
+    for x, col in groups:
+        if x.device.type != "cpu" or x.dim() != 3 or not _stackable_cpu(tuple(x.shape[1:]), col):
+            return None
+        ks.add(x.shape[-1] if col else x.shape[-2])
+    if len(ks) != 1:
+        return None
+    raw = []
+    for x, col in groups:
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.data_ptr() % _CPU_ALIGN == 0):
+            x = torch.empty(x.shape, dtype=torch.float32).copy_(x)
+        xt = x.transpose(-2, -1) if col else x
+        raw.append(_bmm_in(xt, xt.transpose(-2, -1), "ieee"))
+    G = raw[0] if len(raw) == 1 else torch.cat(raw)
+    return torch.add(G, G.transpose(-2, -1)).mul_(_HALF)
 
 
 @torch.library.custom_op("gns_kernels::gram_list", mutates_args=())

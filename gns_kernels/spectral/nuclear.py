@@ -31,18 +31,24 @@ from ._checks import check_square, validate_requested, validate_symmetric
 from .eigh import EIGH_TOL
 from .grams import grams64_on_sides, grams_on_sides
 from .hints import EigHints
-from .newton import check_newton_args
+from .newton import check_newton_args, newton_min_iters
 from .trace import METHODS, NEWTON_METHODS, newton_precision, resolve_method
 from .._validation import check_signal
 
 # (iters, eps) of the noise matrices' Newton solve (float64 matmuls, positive-part
-# projection): float64's smallest shift, 1e-12 relative to ||C||_F, and its default
-# iterations. Measured on a random family of steep spectra (tests/spectral/
-# test_newton_steep.py): within max(1e-3, 2 e_in) of float64 eigh of the same inputs
-# (worst err / bound 5e-5 over 90 cases),
-# where the float32 iteration with the shift relative to the subtraction's operands was
-# up to 13x over that bound.
-NOISE_NEWTON = check_newton_args(None, None, "float64")
+# projection): the shift 1e-11 relative to ||C||_F -- four decades below the rounding of
+# the float32 operands C is formed from (6e-8 ||scale mean Gram||_F >= 6e-8 ||C||_F),
+# where the eigenvalues it soft-thresholds are noise already -- and one iteration past
+# newton_min_iters(1e-11) = 19 (the smallest eigenvalue's scalar recursion is then at
+# 1 - 1e-14). Measured on a random family of steep spectra (tests/spectral/
+# test_newton_steep.py, 45 cases, sides 64-256): within max(1e-3, 2 e_in) of float64
+# eigh of the same inputs, worst err / bound 5.5e-5 (error 5.5e-8), the same as the
+# earlier (24 iterations, 1e-12) chain, with 20 instead of 24 coupled, 35 instead of 38
+# sign steps and 30 instead of 32 pair nodes (bench/RESULTS.md, "fewer float64
+# products"); the float32 iteration with the shift relative to the subtraction's
+# operands was up to 13x over that bound.
+NOISE_EPS = 1e-11
+NOISE_NEWTON = check_newton_args(newton_min_iters(NOISE_EPS) + 1, NOISE_EPS, "float64")
 
 Tensor = torch.Tensor
 
@@ -514,7 +520,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         # the pair sum only for the first two groups (when a correction needs it).
         n_ls = [l for w, l in items if w == "n"]
         # signal matrices: those that need the positive-part step first (the debiased
-        # signal's indefinite matrix, a float32 Gram: rounding far above the 1e-12 shift),
+        # signal's indefinite matrix, a float32 Gram: rounding far above the 1e-11 shift),
         # then float64 Grams of float32 data (PSD to float64 rounding: no projection)
         s_all = [l for w, l in items if w != "n"]
         s_ls = ([l for l in s_all if debias is not None or gg[l].dtype != torch.float64]
