@@ -40,10 +40,12 @@ results:
   that solves a matrix's noise also folds its covariance C_l = scale (M_l - D_l D_l^T) into
   the pool under the matrix's key, solves the pooled covariance's sqrt-trace and pair sum
   (one more sqrt-trace per owned matrix, same solver) and corrects it for the pool's
-  degrees of freedom. Rows added: pool_l (the pooled corrected tr(P_l^{1/2})) and
-  pool_new_l (1.0 when the pool has no pair of measurements yet, the first measurement:
-  the pooled value is then that measurement's own corrected noise, formed after the
-  all-reduce like the 'gauss-sums' one). The pooled total is kept as ``pooled_total``.
+  degrees of freedom. Rows added: pool_tr_l, pool_pair_l (the pooled tr(P_l^{1/2}) and
+  pair sum), pool_nu_l (the pool's degrees of freedom, NaN where the covariance was not
+  finite) and pool_new_l (1.0 when the pool has no pair of measurements yet, the first
+  measurement: the pooled value is then that measurement's own corrected noise); the
+  pooled value is corrected after the all-reduce, by the same call as the 'gauss-sums'
+  noise. The pooled total is kept as ``pooled_total``.
 - validity: a rank whose solved inputs are non-finite (non-finite gradients on some rank)
   writes NaN for the values it owns in that part; a solver failure likewise (with a
   warning). NaN survives the sum, so the measurement is invalid on every rank.
@@ -116,7 +118,7 @@ def share_rows(signal_debiased: bool = False, gauss_sums: bool = False, pooled: 
     if gauss_sums:
         names += ["pair", "trace", "fro2", "q", "a"]
     if pooled:
-        names += ["pool", "pool_new"]
+        names += ["pool_tr", "pool_pair", "pool_nu", "pool_new"]
     return {n: i for i, n in enumerate(names)}
 
 
@@ -136,11 +138,12 @@ def pool_folder(pool: NoisePool, keys: Sequence, num_samples: int, grad_scale: f
     return fold, folds
 
 
-def pooled_values(sums: Tensor, folds: list, L: int, device) -> Tensor:
-    """float64 Tensor[2, L] rows [pooled value, new] from the pooled matrices' [tr P^{1/2},
-    pair sum] (sums, Tensor[2, L]) and the folds' (ls, nu, first): the value is
-    tr P^{1/2} corrected for the pool's nu degrees of freedom, 0 where new (no pair yet),
-    NaN where the covariance was not finite (nu NaN)."""
+def pooled_sums(sums: Tensor, folds: list, L: int, device) -> Tensor:
+    """float64 Tensor[4, L] rows [tr P^{1/2}, pair sum, nu, new] of the pooled matrices,
+    from their [tr P^{1/2}, pair sum] (sums, Tensor[2, L]) and the folds' (ls, nu, first):
+    nu the pool's degrees of freedom (NaN where the covariance was not finite), new 1.0
+    where the pool has no pair yet. ``pooled_correct`` turns them into values (the share
+    vector carries them raw: the read corrects them with the noise, ``share_columns``)."""
     nu = torch.zeros(L, dtype=torch.float64, device=device)
     new = torch.zeros(L, dtype=torch.bool, device=device)
     for ls, nu_k, first_k in folds:
@@ -149,20 +152,29 @@ def pooled_values(sums: Tensor, folds: list, L: int, device) -> Tensor:
         else:
             nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
             new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
-    sums = sums.to(device=device, dtype=torch.float64)
-    value = _corrected(sums[0], sums[1], torch.where(nu > 0, nu, 1.0))
-    value = torch.where(new, 0.0, value)
-    value = torch.where(torch.isnan(nu), math.nan, value)
-    return torch.stack([value, new.to(torch.float64)])
+    return torch.cat([sums.to(device=device, dtype=torch.float64), torch.stack([nu, new.to(torch.float64)])])
+
+
+def pooled_dof(nu: Tensor) -> Tensor:
+    """The pool's nu as the correction takes it (1 where there is none yet: nu <= 0)."""
+    return torch.where(nu > 0, nu, 1.0)
+
+
+def pooled_correct(corrected: Tensor, nu: Tensor, new: Tensor, own: Tensor) -> Tensor:
+    """The pooled values from the pooled tr P^{1/2} corrected for pooled_dof(nu)
+    (``corrected``): ``own`` (the measurement's own corrected noise, or 0) where new > 0.5
+    (no pair yet), NaN where nu is NaN (a covariance that was not finite)."""
+    return torch.where(new > 0.5, own, torch.where(torch.isnan(nu), math.nan, corrected))
 
 
 def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
                        shapes: Sequence[tuple], num_samples: int, grad_scale: float,
-                       method: str = "auto", hints=None) -> Tensor:
+                       method: str = "auto", hints=None, raw: bool = False) -> Tensor:
     """Fold each covariance into the pool under its key, then the pooled, corrected
-    tr(P^{1/2}) per matrix: float64 Tensor[2, L] rows [pooled value, new] (new = 1.0 where
-    the pool has no pair yet: the caller uses the measurement's own corrected noise there;
-    the value is then 0). NaN values where a covariance is not finite. The sqrt-traces and
+    tr(P^{1/2}) per matrix: float64 Tensor[2, L] rows [pooled value, new] (``pooled_values``;
+    new = 1.0 where the pool has no pair yet: the caller uses the measurement's own
+    corrected noise there; the value is then 0), NaN values where a covariance is not
+    finite; raw: the uncorrected Tensor[4, L] of ``pooled_sums`` instead. The sqrt-traces and
     pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
     in one call, of their positive parts; no host synchronization. (The hooks' Newton path
     folds inside the noise solve instead: ``pool_folder``.)"""
@@ -181,7 +193,17 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     _, _, _, sums = nuclear_stats_from_grams_select(
         Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
         eig_hints=hints, record_hints=False, return_sums=True, project=True)
-    return pooled_values(sums[:2], folds, L, dev)
+    rows = pooled_sums(sums[:2], folds, L, dev)
+    return rows if raw else pooled_values(rows)
+
+
+def pooled_values(rows: Tensor) -> Tensor:
+    """float64 Tensor[2, L] rows [pooled value, new] of ``pooled_sums``'s rows: tr P^{1/2}
+    corrected for the pool's nu degrees of freedom, 0 where new (no pair yet), NaN where
+    the covariance was not finite."""
+    tr, pair, nu, new = rows
+    value = pooled_correct(_corrected(tr, pair, pooled_dof(nu)), nu, new, torch.zeros_like(tr))
+    return torch.stack([value, new])
 
 
 def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
@@ -306,8 +328,8 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
     all NaN when an owned input is non-finite; used64 (0 / 1); rows q, a are left 0 (the
     caller writes them). solve_debiased(select): the debiased signals (row signal_deb).
-    pool_fold(covs) -> Tensor[2, number of owned noise matrices]: rows pool, pool_new of the
-    owned matrices (pooled_sqrt_traces), given the covariances the solve appended to its
+    pool_fold(covs) -> Tensor[4, number of owned noise matrices]: the pool rows of the owned
+    matrices (pooled_sqrt_traces), given the covariances the solve appended to its
     ``cov_out`` list as (l, C), one per selected matrix. Entries this rank does not own are
     0. No host synchronization.
     """
@@ -341,13 +363,13 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     if "signal_deb" in rows and any(owned_s):
         deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
         out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
-    if chained:  # pool_fold(the pooled matrices' sums) -> rows pool, pool_new, every column
+    if chained:  # pool_fold(the pooled matrices' sums) -> the 4 pool rows, every column
         vals = pool_fold(res[4]).to(device=device, dtype=torch.float64)
-        out[rows["pool"]:rows["pool"] + 2] = torch.where(ok, vals, nan_like(vals))
+        out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, vals, nan_like(vals))
     elif pool_fold is not None and covs:
         vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
         # every matrix is owned (the caller solves only its own): covs in column order
-        out[rows["pool"]:rows["pool"] + 2] = torch.where(ok, vals, nan_like(vals))
+        out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, vals, nan_like(vals))
     return out
 
 
@@ -355,7 +377,8 @@ def share_columns(vec: Tensor, rows: Optional[dict] = None, num_samples: Optiona
                   scale: Optional[float] = None) -> Tensor:
     """float64 Tensor[T, L]: the per-matrix values whose sums over the L matrices are the
     totals, rows noise (corrected here with the 'gauss-sums' rows), signal, then
-    signal_deb when rows has it and the pooled noise when rows has 'pool' (T = 2, 3 or 4).
+    signal_deb when rows has it and the pooled noise when rows has the pool's (T = 2, 3 or
+    4; the pooled sqrt-traces corrected here for the pool's degrees of freedom).
     Element-wise per matrix, so a matrix's values do not depend on the column order
     (the bucket layout). With the 'gauss-sums' rows: nu_l from (Q_l, A_l, tr M_l,
     ||M_l||_F^2), M_l = num_samples / scale * C_l (module docstring); needs num_samples and
@@ -364,17 +387,28 @@ def share_columns(vec: Tensor, rows: Optional[dict] = None, num_samples: Optiona
     L = vec.numel() // len(rows)
     v = vec.view(len(rows), L)
     noise = v[rows["noise"]]
+    pool = "pool_tr" in rows
+    if pool:
+        i = rows["pool_tr"]
+        p_tr, p_pair, p_nu, p_new = v[i:i + 4]
     if "pair" in rows:
         R = int(num_samples)
         f = R / float(scale)  # M = sum_j d_j d_j^T = R / scale * C
         nu = dof_from_sample_sums(v[rows["q"]], v[rows["a"]], f * v[rows["trace"]],
                                   (f * f) * v[rows["fro2"]], R)
-        noise = _corrected(noise, v[rows["pair"]], nu)
+        if pool:  # the noise and the pooled noise corrected by one call
+            c = _corrected(torch.cat([noise, p_tr]), torch.cat([v[rows["pair"]], p_pair]),
+                           torch.cat([nu, pooled_dof(p_nu)]))
+            noise, pooled = c[:L], c[L:]
+        else:
+            noise = _corrected(noise, v[rows["pair"]], nu)
+    elif pool:
+        pooled = _corrected(p_tr, p_pair, pooled_dof(p_nu))
     out = [noise, v[rows["signal"]]]
     if "signal_deb" in rows:
         out.append(v[rows["signal_deb"]])
-    if "pool" in rows:  # the first measurement of a pool: its own corrected noise
-        out.append(torch.where(v[rows["pool_new"]] > 0.5, noise, v[rows["pool"]]))
+    if pool:  # the first measurement of a pool: its own corrected noise
+        out.append(pooled_correct(pooled, p_nu, p_new, noise))
     return torch.stack(out)
 
 
@@ -382,7 +416,7 @@ def share_totals(vec: Tensor, rows: Optional[dict] = None, num_samples: Optional
                  scale: Optional[float] = None) -> Tensor:
     """float64 Tensor[2] (sum_l noise_l, sum_l signal_l), or Tensor[3] with the debiased
     signal total last when rows has 'signal_deb' (and the pooled total last when rows has
-    'pool'), of a reduced shared vector: the row sums of ``share_columns`` on the device
+    the pool's), of a reduced shared vector: the row sums of ``share_columns`` on the device
     (identical on every rank). ``SolveShare.read`` sums the same columns on the host with
     ``exact_sum`` instead, which does not depend on their order. No host synchronization."""
     return share_columns(vec, rows, num_samples, scale).sum(1)
@@ -661,11 +695,11 @@ class SolveShare:
             okeys = [e[4] for e in kept]
             if self.gauss and resolve_method(self.method, dev) in NEWTON_METHODS:
                 chain, folds = pool_folder(self.pool, okeys, self.num_samples, self.grad_scale)
-                fold = lambda sums: pooled_values(sums, folds, n, dev)  # noqa: E731
+                fold = lambda sums: pooled_sums(sums, folds, n, dev)  # noqa: E731
             else:
                 fold = lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, shapes,  # noqa: E731
                                                        self.num_samples, self.grad_scale, self.method,
-                                                       self.hints)
+                                                       self.hints, raw=True)
 
         def solve(select, cov_out=None, signal="raw"):
             raw = signal == "raw"

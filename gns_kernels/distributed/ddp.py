@@ -32,8 +32,9 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
   all-reduce, the same all-reduce carries them (8L float64 in all) and the corrected noise
   is formed after it on every rank; signal='debiased' adds L more (``_share.py``); the
-  noise pool (default) 2L more: the solving rank folds the matrix's covariance into the
-  pool and shares the pooled, corrected sqrt-trace (gns_kernels.pooling).
+  noise pool (default) 4L more: the solving rank folds the matrix's covariance into the
+  pool and shares the pooled sqrt-trace, pair sum, degrees of freedom and first-measurement
+  flag, corrected after the all-reduce with the noise (gns_kernels.pooling).
   An unshifted bucket (no micro-batches) is packed and unpacked by Gram group, not by
   matrix (``_NuclearLayout``, cached per layout: a function of the parameters' shapes
   alone): one Gram batch per (shape, side) -- the batches spectral.gram forms, from one

@@ -33,7 +33,7 @@ def _pooled(cfg):
 
 
 def _share_rows(cfg, world):
-    return 3 + (cfg.get("signal") == "debiased") + 5 * _gauss(cfg, world) + 2 * _pooled(cfg)
+    return 3 + (cfg.get("signal") == "debiased") + 5 * _gauss(cfg, world) + 4 * _pooled(cfg)
 
 SCENARIOS_2 = {
     "l2": dict(geometry="l2"),

@@ -188,7 +188,7 @@ def test_collectives_counted(request, world, name):
                 assert [c[0] for c in hooked] == ["reduce_scatter", "all_reduce"] * GROUPS + ["all_reduce"]
                 # L matrices = the groups' Gram all-reduces (one weight matrix per group)
                 rows = 4 if kw.get("signal") == "debiased" else 3  # + the debiased signal
-                rows += 2 * _pooled(kw)  # + the pooled value and its 'first' flag
+                rows += 4 * _pooled(kw)  # + the pooled sqrt-trace, pair sum, dof and first flag
                 assert hooked[-1] == ("all_reduce", rows * (len(ar) - 1), "torch.float64")
                 ar = ar[:-1]
             else:
