@@ -127,7 +127,7 @@ def c4_tensor(N: Tensor) -> Tensor:
     """Element-wise c4(N) for a tensor of real N > 1 (no host sync)."""
     small = N.clamp_max(_C4_SERIES_FROM)
     exact = torch.exp(0.5 * torch.log(2.0 / (small - 1.0)) + torch.lgamma(small / 2.0) - torch.lgamma((small - 1.0) / 2.0))
-    series = 1.0 - 1.0 / (4 * N) - 7.0 / (32 * N * N) - 19.0 / (128 * N**3)
+    series = 1.0 - 1.0 / (4.0 * N) - 7.0 / (32.0 * N * N) - 19.0 / (128.0 * N**3)
     return torch.where(N > _C4_SERIES_FROM, series, exact)
 
 
@@ -238,11 +238,12 @@ def nuclear_sqrt_trace_corrected(
 def _corrected(raw: Tensor, pair_sum: Tensor, nu) -> Tensor:
     """raw / c4(nu / k + 1), k = (pair_sum + raw / 2) / raw (float64); raw = 0 gives 0."""
     # k = 4 nu beta / raw (nu cancels): 1 for one eigen-direction, (m+1)/2 for m equal ones
-    k = (pair_sum + 0.5 * raw) / torch.where(raw > 0, raw, torch.ones_like(raw))
+    pos = raw > 0.0
+    k = (pair_sum + 0.5 * raw) / torch.where(pos, raw, 1.0)
     if isinstance(nu, Tensor):
         nu = nu.to(device=raw.device)
-    nu_eff = (nu / torch.where(raw > 0, k, torch.ones_like(k))).clamp_min(1.0)  # inf: no correction
-    return torch.where(raw > 0, raw / c4_tensor(nu_eff + 1.0), raw)
+    nu_eff = (nu / torch.where(pos, k, 1.0)).clamp_min(1.0)  # inf: no correction
+    return torch.where(pos, raw / c4_tensor(nu_eff + 1.0), raw)
 
 
 def nuclear_sqrt_trace_corrected_from_sums(

@@ -234,7 +234,7 @@ class NoisePool:
         U' = b^2 U + (1 - b)^2 / (S - 1) and n' = n + 1 where ok, else U and n."""
         b = n.sign() * self.beta
         cb = 1.0 - b
-        U = torch.where(ok, b * b * U + cb * cb / (num_samples - 1), U)
+        U = torch.where(ok, b * b * U + cb * cb / float(num_samples - 1), U)
         return b, U, n + ok.to(torch.float64)
 
     def fold_variance(self, key: Hashable, mean: Tensor, mean_sq: Tensor, scale: float,
@@ -318,7 +318,7 @@ class NoisePool:
         # the pair moments' EMA factor (npair >= 0: sign() is 1 where a pair exists)
         bp = npair.sign() * self.beta
         # the pair moments of this measurement against the pool so far (independent of it)
-        have = ok & (n > 0)
+        have = ok & (n > 0.0)
         P64 = P.double()
         num_k = (x64.diagonal(dim1=-2, dim2=-1).sum(-1) * P64.diagonal(dim1=-2, dim2=-1).sum(-1)
                  + (x64 * P64).sum((-2, -1)))
@@ -330,13 +330,13 @@ class NoisePool:
         npair = npair + have.to(torch.float64)
         b, U, n = self._weights(n, U, ok, S)
         bf = b.float().view(-1, 1, 1)
-        P = torch.where(ok.view(-1, 1, 1), P * bf + (1.0 - bf) * x, P)
+        P = torch.where(ok.view(-1, 1, 1), P * bf + bf.neg().add_(1.0) * x, P)  # 1 - bf
         blk.st.copy_(torch.stack([n, U, num, var, npair], 1))
         blk.P.copy_(P)
-        vpos = var > 0
+        vpos = var > 0.0
         nu_s = torch.where(vpos, num.clamp_min(0) / torch.where(vpos, var, 1.0),
                            math.inf).clamp_min(NU_S_MIN)
-        first = npair == 0
+        first = npair == 0.0
         nu = torch.where(first, 0.0, nu_s / U)
         return P * (gs * gs), torch.where(ok, nu, math.nan), first
 

@@ -203,12 +203,13 @@ def _normalize(flat: Tensor) -> tuple[Tensor, Tensor]:
     a = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
     a = 0.5 * (a + a.mT)
     amax = a.abs().amax((-2, -1), keepdim=True)
-    ok = torch.isfinite(amax) & (amax > 0)
-    p2 = torch.ldexp(torch.ones_like(amax), torch.frexp(torch.where(ok, amax, torch.ones_like(amax))).exponent)
+    one = torch.ones_like(amax)
+    ok = torch.isfinite(amax) & (amax > 0.0)
+    p2 = torch.ldexp(one, torch.frexp(torch.where(ok, amax, one)).exponent)
     a = a / p2
     f = torch.linalg.matrix_norm(a, keepdim=True)
-    f = torch.where(f > 0, f, torch.ones_like(f))
-    c = torch.where(amax == 0, torch.zeros_like(amax), p2).double() * f.double()
+    f = torch.where(f > 0.0, f, one)
+    c = torch.where(amax == 0.0, 0.0, p2).double() * f.double()
     return (a / f), c
 
 

@@ -455,8 +455,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     noise: list = [None] * L
     signal: list = [None] * L
     dev0 = mean_grams[0].device
-    extra = torch.zeros((4, L), dtype=torch.float64, device=dev0) if sums else None
-    pooled = torch.zeros((2, L), dtype=torch.float64, device=dev0) if pool_fold is not None else None
+    extra: list = []  # the sums' [4, L] and the pool's [2, L] per Gram size, added at the end
+    pooled: list = []
     correct = bias_correction and not sums  # correct here, from this solve's spectra
 
     def sig_matrix(l: int) -> Tensor:
@@ -507,8 +507,10 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                     if sums:
                         lam64 = lam[i].to(torch.float64)
                         sq = lam64.clamp_min(0).sqrt()
-                        extra[:, l] = torch.stack([sq.sum(), _pair_sum(sq), lam64.sum(),
-                                                   (lam64 * lam64).sum()]).to(dev0)
+                        if not extra:
+                            extra.append(torch.zeros((4, L), dtype=torch.float64, device=dev0))
+                        extra[0][:, l] = torch.stack([sq.sum(), _pair_sum(sq), lam64.sum(),
+                                                      (lam64 * lam64).sum()]).to(dev0)
                 else:
                     signal[l] = res[i]
             continue
@@ -567,7 +569,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             _put(noise, n_ls, tr[:nn])
             cols = torch.stack([tr[:nn], pair[:nn], Cn.diagonal(dim1=-2, dim2=-1).sum(-1),
                                 (Cn * Cn).sum((-2, -1))])
-            extra = extra + _scatter_cols(cols.to(dev0), n_ls, L)
+            extra.append(_scatter_cols(cols.to(dev0), n_ls, L))
         elif correct:
             from ..bias import nuclear_sqrt_trace_corrected_from_sums
 
@@ -578,7 +580,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         else:
             _put(noise, n_ls, tr[:nn])
         if pool_fold is not None:
-            pooled = pooled + _scatter_cols(torch.stack([tr[nn:2 * nn], pair[nn:2 * nn]]).to(dev0), n_ls, L)
+            pooled.append(_scatter_cols(torch.stack([tr[nn:2 * nn], pair[nn:2 * nn]]).to(dev0), n_ls, L))
     used: Tensor | None = None
     if meth == "eigh":
         dev = mean_grams[0].device
@@ -590,8 +592,20 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         if eig_hints is not None and record_hints:  # reads the flags; newton tells nothing
             eig_hints.record(shapes, used.tolist())
     out = (_gather(noise), _gather(signal), used)
-    out = out + (extra,) if sums else out
-    return out + (pooled,) if pooled is not None else out
+    if sums:
+        out = out + (_add_parts(extra, 4, L, dev0),)
+    return out + (_add_parts(pooled, 2, L, dev0),) if pool_fold is not None else out
+
+
+def _add_parts(parts: list, rows: int, L: int, device) -> Tensor:
+    """The sum of the per-Gram-size float64 [rows, L] parts (zeros without any; one part
+    is returned as it is)."""
+    if not parts:
+        return torch.zeros((rows, L), dtype=torch.float64, device=device)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
 
 
 def _plain(t: Tensor) -> Tensor:

@@ -69,13 +69,15 @@ def pair_nodes(eps: float) -> int:
     return math.ceil(math.log2(10.0 / math.sqrt(eps))) - PAIR_T0_LOG2
 
 
-def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64") -> Tensor:
+def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64", eye: Tensor | None = None) -> Tensor:
     """P(S) for symmetric S (B, m, m) with spectrum in [~0, 1] by the module's quadrature
-    (step 2), matmuls in ``prec``. Shape (B,), S's dtype for float64, float32 otherwise."""
+    (step 2), matmuls in ``prec``. Shape (B,), S's dtype for float64, float32 otherwise.
+    eye: the identity expanded to S's shape, when the caller has it in the product's dtype."""
     dt = torch.float64 if prec == "float64" else torch.float32
     S = S if S.dtype == dt else S.to(dt)
     S = torch.add(S, S.mT).mul_(0.5)
-    eye = torch.eye(S.shape[-1], dtype=dt, device=S.device).expand_as(S)
+    if eye is None or eye.dtype != dt or eye.shape != S.shape:
+        eye = torch.eye(S.shape[-1], dtype=dt, device=S.device).expand_as(S)
     t0 = 2.0**PAIR_T0_LOG2
     h = math.log(2.0)
     S2 = bmm(S, S, prec)
@@ -114,7 +116,7 @@ def _pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, proje
     pair = torch.zeros_like(trace)
     if n:
         S = bmm(Y[:n], _poly(W[:n], _QHAT_COEFFS, eye[:n], prec), prec)
-        p = _pair_sum_normalized(S, pair_nodes(eps), pair_prec).double() * sc[:n]
+        p = _pair_sum_normalized(S, pair_nodes(eps), pair_prec, eye[:n]).double() * sc[:n]
         pair = p if n == B else torch.cat([p, pair[n:]])
     return trace, pair
 
