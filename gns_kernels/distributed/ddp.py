@@ -355,6 +355,21 @@ class _NuclearLayout:
         self.dev_whole = all(r[2] is not None and (r[2][0] == 0 or aligned_in_stack(r[2][0])) for r in runs)
 
 
+def _view(t: Tensor, off: int, shape: tuple) -> Tensor:
+    """t.reshape(-1)[off:off + numel].view(shape) of a contiguous tensor t, as one aten op
+    (as_strided; a slice and a view are three). The layout path takes a few per bucket."""
+    if not t.is_contiguous():
+        n = 1
+        for d in shape:
+            n *= d
+        return t.reshape(-1)[off:off + n].view(shape)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return torch.as_strided(t, shape, tuple(reversed(strides)), t.storage_offset() + off)
+
+
 _LAYOUTS: dict = {}
 _LAYOUTS_MAX = 512
 
@@ -388,7 +403,7 @@ def _pack_nuclear(buf: Tensor, segs, micro):
         xs = []
         for shape, col, js, run in lay.groups:
             if run is not None:
-                X = buf[run[0]:run[1]].view((len(js),) + shape)
+                X = _view(buf, run[0], (len(js),) + shape)
             else:
                 X = torch.stack([buf[lay.mats[j][1]:lay.mats[j][1] + lay.mats[j][2]].view(shape)
                                  for j in js])
@@ -400,7 +415,8 @@ def _pack_nuclear(buf: Tensor, segs, micro):
         flat = [buf]
         if joined is not None:
             for a, b in lay.joined:
-                flat.append((joined if b - a == joined.shape[0] else joined[a:b]).view(-1))
+                k2 = joined.shape[-1] * joined.shape[-2]
+                flat.append(_view(joined, a * k2, ((b - a) * k2,)))
         else:
             stacks = [torch.ops.gns_kernels.gram_batched(X, col) for X, col in xs]
             for g, i0, i1 in lay.pieces:
@@ -473,7 +489,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
     run of same-shape matrices, and views of the mean Grams and gradients only for the
     matrices this rank solves (``SolveShare.add_part``)."""
     qa = None
-    mean = pack[:lay.n_buf]  # the bucket's mean gradient
+    mean = _view(pack, 0, (lay.n_buf,))  # the bucket's mean gradient
     if m.share.gauss:
         # this rank's deviation G^j - G per run: buf still holds the local gradient, the
         # pack's first part the mean. One fresh (aligned) tensor per run, the values of
@@ -486,7 +502,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
         for j0, j1, ab in lay.dev_runs:
             shape = lay.mats[j0][3]
             if whole is not None:
-                runs.append(whole[ab[0]:ab[1]].view((j1 - j0,) + shape))
+                runs.append(_view(whole, ab[0], (j1 - j0,) + shape))
             elif ab is not None:
                 a, b = ab
                 x = buf[a:b]
@@ -501,8 +517,8 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
         grams, grads = [], []
         for j in idx:
             _, off, n, shape, k, q = lay.mats[j]
-            grams.append(pack[q:q + k * k].view(k, k))
-            grads.append(pack[off:off + n].view(shape))
+            grams.append(_view(pack, q, (k, k)))
+            grads.append(_view(pack, off, shape))
         return grams, grads
 
     keys = [pp.key for _, pp in mats] if m.state.pool is not None else None
