@@ -144,7 +144,10 @@ def bmm_add(c: Tensor | None, a: Tensor, b: Tensor, precision: str, beta: float 
     product in ``precision`` as ``bmm`` (c, beta and alpha in the result's dtype: float64 for
     "float64", else float32; the term beta c is not rounded to the product's precision).
     Recorded by ``record_matmuls`` like ``bmm``."""
-    flag = fp32_matmul_flag(a.device)
+    log = _RECORDER.get()
+    # the process flag only matters to float32 requests (a float64 product is never lowered):
+    # read it (torch.backends lookups, ~5 us) only for them or for the recorder
+    flag = fp32_matmul_flag(a.device) if precision != "float64" or log is not None else "ieee"
     if precision == "float64":
         route, dt = "float64", torch.float64
         a, b = _as(a, dt), _as(b, dt)
@@ -171,7 +174,6 @@ def bmm_add(c: Tensor | None, a: Tensor, b: Tensor, precision: str, beta: float 
         out = torch.baddbmm(_as(c, dt), a, b, beta=beta, alpha=alpha)
     if dt == torch.float64 and precision != "float64":
         out = out.float()
-    log = _RECORDER.get()
     if log is not None:
         log.append(MatmulRecord(precision, route, flag, a.device.type, (a.shape[0], a.shape[1], a.shape[2], b.shape[2])))
     return out
