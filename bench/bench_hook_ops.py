@@ -44,7 +44,7 @@ def _aten_ops(fn) -> tuple[int, collections.Counter]:
 
 
 def run(pooled: bool, buckets: str, rank: int = 0, R: int = 8, reps: int = 3, method: str = "newton",
-        count: bool = True, tokens: int = 16) -> dict:
+        count: bool = True, tokens: int = 16, div: int = 32) -> dict:
     """{'ops', 'top', 'ms', 'buckets'} of rank ``rank``'s measurement (see the module docstring)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,7 +52,7 @@ def run(pooled: bool, buckets: str, rank: int = 0, R: int = 8, reps: int = 3, me
 
     import gns_kernels as gk
 
-    shapes = [(m // 32, n // 32) for m, n in LLAMA]
+    shapes = [(m // div, n // div) for m, n in LLAMA]
     B = 8 * R
     layer_mb = sum(m * n for m, n in shapes[:PER_LAYER]) * 4 / 2**20
     cap = layer_mb * 0.99 if buckets == "12" else 4 * layer_mb * len(shapes) / PER_LAYER
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--method", default="newton", choices=("newton", "eigh"))
+    p.add_argument("--div", type=int, default=32,
+                   help="the 160M shapes divided by this (32: sides 24-64; 8: 96-256)")
     p.add_argument("--check", type=int, default=None, metavar="N",
                    help="only the pooled 12-bucket count: exit 0 when it is at most N aten ops")
     a = p.parse_args(argv)
@@ -129,13 +131,13 @@ def main(argv=None) -> int:
               f"(bound {a.check}: {'ok' if ok else 'EXCEEDED'})")
         return 0 if ok else 1
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; rank {a.rank} of {a.ranks}, "
-          f"84 matrices (160M / 32), {a.method}")
+          f"84 matrices (160M / {a.div}), {a.method}")
     print("| pool | buckets | aten ops | CPU ms (extra per measuring step) | top ops |")
     print("|---|---:|---:|---:|---|")
     ms = {}
     for pooled in (False, True):
         for buckets in ("1", "12"):
-            r = run(pooled, buckets, a.rank, a.ranks, a.reps, a.method)
+            r = run(pooled, buckets, a.rank, a.ranks, a.reps, a.method, div=a.div)
             ms[pooled, buckets] = r["ms"]
             top = ", ".join(f"{k[6:]} {v}" for k, v in r["top"].most_common(6))
             print(f"| {'on' if pooled else 'off'} | {r['buckets']} | {r['ops']} | {r['ms']:.1f} | {top} |",
