@@ -30,6 +30,30 @@ from .config import COMPOSITES, METRIC_COLUMNS, DemoConfig
 from .progress import Progress, fmt
 
 
+def build_model(cfg: DemoConfig):
+    """The run's ByteTransformer (vocab 256, cfg's shape), on the CPU, freshly initialised
+    from the global torch RNG (seed it first for a reproducible start)."""
+    from .model import ByteTransformer
+
+    return ByteTransformer(vocab=256, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
+                           mlp_hidden=cfg.mlp, context=cfg.context)
+
+
+def lr_schedule(cfg: DemoConfig):
+    """The run's LR schedule factor as a function of SAMPLES seen: warm-up (cfg.lr_warmup of
+    the budget cfg.samples) + cosine down to cfg.lr_min_ratio, times cfg.lr_scale (x the
+    base lr; `gk.AdaptiveBatching` multiplies in the batch's sqrt(B / B_0))."""
+    import gns_kernels as gk
+
+    budget = cfg.samples
+    warmup = cfg.lr_warmup * budget
+
+    def schedule(samples: int) -> float:
+        """Warm-up + cosine over SAMPLES seen, times cfg.lr_scale (x the base lr)."""
+        return cfg.lr_scale * gk.warmup_cosine(samples, budget, warmup, cfg.lr_min_ratio)
+    return schedule
+
+
 def build_optimizers(cfg: DemoConfig, model):
     """(optimizers, measured): the optimizer(s) of cfg.optimizer and the parameters the GNS
     is measured on (the 2-D hidden weights for the composites muon/specsgd, None = all)."""
@@ -73,7 +97,6 @@ class Trainer:
 
         import gns_kernels as gk
         from .data import TokenWindows
-        from .model import ByteTransformer
 
         self.cfg, self.corpus, self.device = cfg, corpus, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -83,8 +106,7 @@ class Trainer:
         B0, b = cfg.initial_batch_size, cfg.micro_batch_size()
 
         torch.manual_seed(cfg.seed)
-        self.model = ByteTransformer(vocab=256, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
-                                     mlp_hidden=cfg.mlp, context=cfg.context).to(device)
+        self.model = build_model(cfg).to(device)
         self.optimizers, measured = build_optimizers(cfg, self.model)
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -103,16 +125,10 @@ class Trainer:
         self.ddp.register_comm_hook(self.gns, gk.ddp_gns_hook)
 
         self.budget = cfg.samples
-        warmup = cfg.lr_warmup * self.budget
-
-        def lr_schedule(samples: int) -> float:
-            """Warm-up + cosine over SAMPLES seen, times cfg.lr_scale (x the base lr)."""
-            return cfg.lr_scale * gk.warmup_cosine(samples, self.budget, warmup, cfg.lr_min_ratio)
-
         self.coord = gk.AdaptiveBatching(
             self.gns, self.optimizers, micro_batch_size=b, initial_batch_size=B0,
             max_batch_size=(cfg.max_batch_size if cfg.adaptive else B0), theta=self.theta,
-            warmup_steps=cfg.resolved_warmup(), lr_scaling="sqrt", lr_schedule=lr_schedule,
+            warmup_steps=cfg.resolved_warmup(), lr_scaling="sqrt", lr_schedule=lr_schedule(cfg),
             world_size=self.world, rank=self.rank)
         sampler = self.coord.batch_sampler(len(self.train_set), shuffle=True, seed=cfg.seed)
         # one micro-batch of b windows per item; its own generator, so that starting a pass

@@ -89,9 +89,9 @@ class DemoRun:
     LR rule, and the run's point (samples seen, batch, micro-batch, controller EMAs)."""
 
     def __init__(self, cfg, ck, corpus=None):
-        import gns_kernels as gk
         from ..probe import controller_lr_rule
         from .data import TokenWindows, load_corpus
+        from .loop import lr_schedule
 
         self.cfg, self.ck = cfg, ck
         corpus = corpus if corpus is not None else load_corpus(cfg.corpus)
@@ -109,22 +109,15 @@ class DemoRun:
         self.gns_ema = (n / m) if (n is not None and m and m > 0) else math.nan
         self.geometry = cfg.resolved_geometry()
         self.theta = cfg.resolved_theta()
-        budget = cfg.samples
-        warmup = cfg.lr_warmup * budget
-
-        def schedule(n: int) -> float:
-            return cfg.lr_scale * gk.warmup_cosine(n, budget, warmup, cfg.lr_min_ratio)
-        self.lr_rule = controller_lr_rule(schedule, self.samples_seen, cfg.initial_batch_size, "sqrt")
+        self.lr_rule = controller_lr_rule(lr_schedule(cfg), self.samples_seen,
+                                          cfg.initial_batch_size, "sqrt")
 
     def start(self):
-        from .loop import build_optimizers
-        from .model import ByteTransformer
+        from .loop import build_model, build_optimizers
 
-        cfg = self.cfg
-        model = ByteTransformer(vocab=256, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
-                                mlp_hidden=cfg.mlp, context=cfg.context)
+        model = build_model(self.cfg)
         model.load_state_dict(self.ck["model"])
-        optimizers, measured = build_optimizers(cfg, model)
+        optimizers, measured = build_optimizers(self.cfg, model)
         for o, sd in zip(optimizers, self.ck["optimizers"]):
             o.load_state_dict(sd)
         self.measured = measured if measured is not None else list(model.parameters())

@@ -106,6 +106,46 @@ def test_gns_only(stopped, tmp_path, capsys):
     assert "fixed point" in capsys.readouterr().out
 
 
+def test_probe_branches_use_the_loops_model_and_lr_schedule(monkeypatch):
+    """The probe's branches build the model and the LR schedule with the demo loop's own
+    functions (one definition of each): whatever loop.build_model / loop.lr_schedule give
+    is what DemoRun uses."""
+    import types
+
+    import gns_kernels as gk
+    from gns_kernels.demo import loop
+    from gns_kernels.demo.config import DemoConfig
+
+    cfg = DemoConfig(ranks=1, optimizer="signum", samples=640, initial_batch_size=8, lr_warmup=0.1,
+                     lr_min_ratio=0.2, lr_scale=2.0, dim=32, layers=1, heads=2, mlp=64, context=16,
+                     val_windows=4)
+    # the loop's schedule: lr_scale x warmup_cosine over samples seen
+    sched = loop.lr_schedule(cfg)
+    for n in (0, 30, 64, 300, 640):
+        assert sched(n) == pytest.approx(2.0 * gk.warmup_cosine(n, 640, 64, 0.2))
+    model = loop.build_model(cfg)
+    opts, _ = loop.build_optimizers(cfg, model)
+    ck = {"model": model.state_dict(), "optimizers": [o.state_dict() for o in opts],
+          "coord": [dict(step=3, samples_seen=24, batch_size=8, micro_batch_size=4, world_size=1,
+                         controller=dict(noise_ema=None, signal_ema=None))]}
+    corpus = types.SimpleNamespace(train=torch.randint(0, 256, (400,), dtype=torch.uint8),
+                                   val=torch.randint(0, 256, (200,), dtype=torch.uint8))
+    built, real_build = [], loop.build_model
+
+    def spy_model(c):
+        built.append(c)
+        return real_build(c)
+    monkeypatch.setattr(loop, "build_model", spy_model)
+    monkeypatch.setattr(loop, "lr_schedule", lambda c: (lambda n: 0.5 + n / 1000))
+    run = DemoRun(cfg, ck, corpus)
+    assert run.lr_rule(0, 8) == pytest.approx(0.5 + 24 / 1000)
+    assert run.lr_rule(16, 32) == pytest.approx((0.5 + 40 / 1000) * 2.0)
+    m, _ = run.start()
+    assert built == [cfg]
+    for k, v in ck["model"].items():
+        torch.testing.assert_close(m.state_dict()[k], v)
+
+
 def test_interp_loglog():
     from gns_kernels.demo.probe import interp_loglog
     assert interp_loglog({16: 4.0, 64: 16.0}, 32) == pytest.approx(8.0)
