@@ -553,7 +553,7 @@ class SolveShare:
         if self.gauss and (deviations is None or len(deviations) != L):
             raise ValueError("deviations: dof 'gauss-sums' needs this rank's deviation from the "
                              f"mean gradient for each of the {L} matrices")
-        self._check_keys(keys, L)
+        self._check_keys(keys, L)  # before the deviation sums (add_part checks again, cheaply)
         dev = mean_grams[0].device
         # on the calling stream, before the caller overwrites what the deviations view
         qa = deviation_sums(deviations, dev) if self.gauss else None

@@ -145,7 +145,7 @@ def _finish(m: Measurement, group) -> None:
     if st.geometry == "nuclear":
         m.record_nuclear(group, dist.all_reduce)
         return
-    width = 5 if st.signal == "debiased" and st.geometry == "l1" else 4
+    width = 5 if st.l1_debiased else 4
     # [P, width]: summed on the host with exactly rounded sums (Sums.read)
     total = torch.stack(m.l_rows) if m.l_rows else torch.zeros(width, dtype=torch.float64)
     pooled = None
@@ -249,7 +249,7 @@ def _unpack_l(buf: Tensor, pack: Tensor, rows, m: Measurement) -> Tensor:
             shift_vals.append(pp.shift.view(-1))
         means.append(mean)
         dsts.append(buf[off:off + n])
-    deb = st.signal == "debiased" and st.geometry == "l1"
+    deb = st.l1_debiased
     for p, pp, d, sq in measured:
         sh = None if pp.shift is None else pp.shift.view(-1)
         # per parameter, not per bucket (Measurement.l_rows)

@@ -242,7 +242,7 @@ def _finish(m: Measurement, group) -> None:
         m.record_nuclear(group, dist.all_reduce)
         return
     # per-rank sums over its shards -> totals: the step's one small all-reduce
-    width = 5 if (st.signal == "debiased" and st.geometry == "l1") else 4
+    width = 5 if st.l1_debiased else 4
     terms = m.l_terms if m.l_terms is not None else torch.zeros(
         width, dtype=torch.float64, device=m.device)
     if st.pool is not None:  # the pooled part rides last in the same all-reduce
@@ -386,7 +386,7 @@ class GNSReduceScatter:
             ctx.l_pool.append(torch.stack(roots).sum())
         if ds:
             terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
-            if st.signal == "debiased" and st.geometry == "l1":  # this shard's part of the sum
+            if st.l1_debiased:  # this shard's part of the sum
                 # g = a d, s2 = a^2 s2(d): the sum scales with a (applied below)
                 deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, ctx.batch_size)
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])

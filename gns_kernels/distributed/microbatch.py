@@ -277,7 +277,7 @@ class MicroBatchGNS(GNSHookState):
             qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
             ds = [self._grad(p).view(-1) for p in live]
             terms = ops.variance_norms_multi(ds, qs, scale).double()
-            if self.signal == "debiased" and self.geometry == "l1":
+            if self.l1_debiased:
                 deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, m.batch_size)
                        if ds else torch.zeros((), dtype=torch.float64))
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])

@@ -267,6 +267,12 @@ class GNSHookState:
         # when a measurement finishes and checkpointed (a resumed run reproduces the numbers)
         self.eig_hints = EigHints()
 
+    @property
+    def l1_debiased(self) -> bool:
+        """l1 with signal='debiased': each parameter's row carries a fifth sum, the debiased
+        signal sum_i sqrt(max(g_i^2 - s2_i / B, 0)) (the transports' one test of it)."""
+        return self.signal == "debiased" and self.geometry == "l1"
+
     # ---------------------------------------------------------------- schedule
     @property
     def step(self) -> int:

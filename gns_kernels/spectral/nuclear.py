@@ -429,14 +429,14 @@ def nuclear_stats_from_grams_select(
     return _solve(mean_grams, mean_grad_grams, list(gg), float(scale), others,
                   meth, bias_correction, num_samples,
                   batch_size, dof_model, eig_hints, shapes, want_n, want_s, record_hints,
-                  bool(return_sums), _debias(signal, scale, batch_size), bool(project), pool_fold)
+                  bool(return_sums), _debias(signal, scale, batch_size), pool_fold)
 
 
 def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, meth: str,
            bias_correction: bool, num_samples, batch_size, dof_model: str,
            eig_hints: EigHints | None, shapes: list | None, want_n: list, want_s: list,
            record_hints: bool, sums: bool = False, debias: float | None = None,
-           project: bool = False, pool_fold=None):
+           pool_fold=None):
     """noise / signal per layer from C_l = scale (mean_grams[l] - dd[l]) and gg[l] (the
     Gram of G_l), all k_l x k_l; noise and signal matrices of one size in one op call.
     Only the sqrt-traces selected by want_n / want_s are solved (the others are 0).
@@ -444,8 +444,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     noise matrices' [tr C^{1/2}, pair sum, tr C, ||C||_F^2] is returned as well (0 where
     not selected), for a correction formed later (the hooks' 'gauss-sums' dof).
     debias: None, or c = scale / B: the signal is tr((G G^T - C / B)_+^{1/2}) of the
-    indefinite gg - c (mean_grams - dd) instead of ||G||_S1. project: no effect (the
-    Newton path projects the noise matrices always: NOISE_NEWTON).
+    indefinite gg - c (mean_grams - dd) instead of ||G||_S1. (The Newton path projects the
+    noise matrices always: NOISE_NEWTON.)
     Returns (noise, signal, used64) as nuclear_stats_select (plus the sums when sums)."""
     from ..bias import _pair_sum
 
