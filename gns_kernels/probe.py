@@ -180,6 +180,18 @@ def controller_lr_rule(schedule: Optional[Callable[[int], float]], samples_at_st
     return rule
 
 
+def _evaluate_in_eval_mode(evaluate: Callable[[torch.nn.Module], float], model: torch.nn.Module) -> float:
+    """float(evaluate(model)) with the model in eval mode under torch.no_grad(); the
+    model's train / eval mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return float(evaluate(model))
+    finally:
+        model.train(was_training)
+
+
 def run_branch(start: Callable[[], tuple], draw: Callable[[int, torch.Generator], object],
                loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                evaluate: Callable[[torch.nn.Module], float], batch_size: int, seed: int,
@@ -192,13 +204,15 @@ def run_branch(start: Callable[[], tuple], draw: Callable[[int, torch.Generator]
     group's lr = base lr x ``lr_rule(samples, batch_size)`` (base lr: the group's
     "base_lr" when it has one, as `AdaptiveBatching(lr_schedule=...)` stores it, else its
     lr at start). Evaluates at 0 and whenever another `eval_every` examples have been
-    seen, and at the end; stops early after the first evaluation <= `stop_at`.
-    Returns (samples, losses) of the evaluations."""
+    seen, and at the end; stops early after the first evaluation <= `stop_at`. Every
+    ``evaluate(model)`` call runs with the model in eval mode (dropout off) under
+    ``torch.no_grad()``; the model's mode is restored after it and every training step
+    runs in train mode. Returns (samples, losses) of the evaluations."""
     model, optimizers = start()
     optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     bases = [[float(g.get("base_lr", g["lr"])) for g in o.param_groups] for o in optimizers]
     gen = torch.Generator().manual_seed(int(seed))
-    samples, losses = [0], [float(evaluate(model))]
+    samples, losses = [0], [_evaluate_in_eval_mode(evaluate, model)]
     n, next_eval = 0, eval_every
     while n + batch_size <= max_samples:
         factor = lr_rule(n, batch_size)
@@ -216,9 +230,7 @@ def run_branch(start: Callable[[], tuple], draw: Callable[[int, torch.Generator]
         if n >= next_eval or n + batch_size > max_samples:
             while next_eval <= n:
                 next_eval += eval_every
-            model.eval()
-            with torch.no_grad():
-                losses.append(float(evaluate(model)))
+            losses.append(_evaluate_in_eval_mode(evaluate, model))
             samples.append(n)
             if stop_at is not None and losses[-1] <= stop_at:
                 break

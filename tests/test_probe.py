@@ -173,6 +173,56 @@ def test_run_branch_applies_the_lr_rule_and_reads_one_stream():
     torch.testing.assert_close(captured["w"], expect, rtol=1e-6, atol=1e-7)
 
 
+class _ModeRecorder(torch.nn.Module):
+    """Linear(5, 1) behind a dropout; every forward records (phase, training, grad enabled)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.lin = torch.nn.Linear(5, 1, bias=False)
+        self.log, self.phase = log, "train"
+
+    def forward(self, x):
+        self.log.append((self.phase, self.training, torch.is_grad_enabled()))
+        return self.lin(self.drop(x))
+
+
+@pytest.mark.parametrize("start_in_eval_mode", [False, True])
+def test_run_branch_evaluates_in_eval_mode_without_grad_and_trains_in_train_mode(start_in_eval_mode):
+    """Every evaluate call (the one at 0 included) sees model.eval() under no_grad, so dropout
+    is off and the evaluation is deterministic; every training step runs in train mode."""
+    draw, loss_fn = _toy()
+    log, models, xv = [], [], torch.randn(64, 5, generator=torch.Generator().manual_seed(1))
+
+    def start():
+        torch.manual_seed(0)
+        m = _ModeRecorder(log)
+        if start_in_eval_mode:
+            m.eval()
+        models.append(m)
+        return m, [torch.optim.SGD(m.parameters(), lr=0.01)]
+
+    def evaluate(m):
+        m.phase = "eval"
+        try:
+            a, b = m(xv), m(xv)
+            assert not a.requires_grad
+            torch.testing.assert_close(a, b)     # dropout off: the same twice
+            return a.pow(2).mean().item()
+        finally:
+            m.phase = "train"
+    s, _ = run_branch(start, draw, loss_fn, evaluate, 8, seed=0, max_samples=32, eval_every=16,
+                      lr_rule=lambda n, B: 1.0)
+    assert s == [0, 16, 32]
+    evals = [r for r in log if r[0] == "eval"]
+    steps = [r for r in log if r[0] == "train"]
+    assert len(evals) == 2 * len(s) and len(steps) == 4
+    assert all(not training and not grad for _, training, grad in evals)
+    assert all(training and grad for _, training, grad in steps)
+    # the mode is put back after each evaluation (the branch's model after the last one)
+    assert models[0].training is True
+
+
 def test_run_probe_on_a_toy_problem_orders_the_batches():
     """A noisy least-squares problem from a poor start: every branch runs and the result
     holds a B_crit inside the grid; the plumbing, not a value."""
