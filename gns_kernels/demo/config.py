@@ -182,6 +182,12 @@ def _finite_positive(name: str, value, allow_none: bool = False) -> None:
         raise DemoError(f"{name} must be a finite number > 0, got {value}")
 
 
+def check_theta(theta: float | None) -> None:
+    """DemoError unless --theta is None (the geometry's default) or a finite number > 0: the
+    one check of --theta, for a single run (`validate`) and the protocol (`run_paper`)."""
+    _finite_positive("--theta", theta, allow_none=True)
+
+
 def validate(cfg: DemoConfig, world: int | None = None) -> None:
     """Raise DemoError (one line, naming the option) on bad input. `world`: the process
     count when it is fixed by a launcher (torchrun), else cfg.ranks."""
@@ -191,8 +197,7 @@ def validate(cfg: DemoConfig, world: int | None = None) -> None:
         raise DemoError(f"unknown --geometry {cfg.geometry!r}; expected one of {', '.join(GEOMETRIES)}")
     if cfg.ranks < 1:
         raise DemoError(f"--ranks must be >= 1, got {cfg.ranks}")
-    if cfg.theta is not None and not (math.isfinite(cfg.theta) and cfg.theta > 0):
-        raise DemoError(f"--theta must be > 0, got {cfg.theta}")
+    check_theta(cfg.theta)
     for name, value, lo in (("--every", cfg.every, 1), ("--samples", cfg.samples, 1),
                             ("--initial-batch-size", cfg.initial_batch_size, 1),
                             ("--max-local-batch", cfg.max_local_batch, 1),

@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 
-from .config import OPTIMIZERS, DemoConfig, DemoError, validate
+from .config import OPTIMIZERS, DemoConfig, DemoError, check_theta, validate
 from .plots import finish_figure
 
 # options the preset fixes (every other DemoConfig field keeps its default). Why these:
@@ -454,8 +454,7 @@ def run_paper(cfg: DemoConfig, protocol: Protocol, top: str, log=print, jobs: in
     t0 = time.time()
     per_opt, grid_res, curves = {}, {}, {}
     theta = cfg.theta   # --theta: the geometry-matched runs' (the l2 runs keep 0.3)
-    if theta is not None and not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
-        raise DemoError(f"--theta must be a finite number > 0, got {theta!r}")
+    check_theta(theta)
     base_cfgs = {opt: replace(cfg, optimizer=opt, geometry=None, theta=None, lr=None)
                  for opt in protocol.optimizers}
     for opt, bc in base_cfgs.items():

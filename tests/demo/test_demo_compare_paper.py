@@ -193,6 +193,21 @@ def test_cli_rejects_unknown_preset(capsys, tmp_path):
     assert "--preset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("theta", ["0", "-1", "nan", "inf"])
+def test_bad_theta_same_message_for_one_run_and_the_protocol(capsys, tmp_path, theta):
+    """--theta has one check (config.check_theta): a single run and --compare --preset
+    refuse the same values with the same line, nan and inf included, before writing."""
+    lines = []
+    for extra in ([], ["--compare", "--preset", "paper-cpu"]):
+        out = tmp_path / ("o" + str(len(lines)))
+        assert main(["demo", *extra, f"--theta={theta}", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        lines.append(err[0])
+        assert not out.exists()
+    assert lines[0] == lines[1] == f"gns-kernels demo: error: --theta must be a finite number > 0, got {float(theta)}"
+
+
 @pytest.mark.parametrize("jobs", [0, -1, 1.5])
 def test_run_paper_rejects_bad_jobs(tmp_path, jobs):
     with pytest.raises(DemoError, match="--jobs must be an integer >= 1"):

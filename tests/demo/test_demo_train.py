@@ -49,8 +49,8 @@ def _error_line(capsys):
     (["--ranks", "2", "--initial-batch-size", "7"], "does not split across 2 ranks"),
     (["--ranks", "2", "--initial-batch-size", "8", "--max-local-batch", "2",
       "--micro-batches", "5"], "does not split across 2 ranks"),
-    (["--theta", "0"], "--theta must be > 0"),
-    (["--theta", "-0.5"], "--theta must be > 0"),
+    (["--theta", "0"], "--theta must be a finite number > 0, got 0.0"),
+    (["--theta", "-0.5"], "--theta must be a finite number > 0, got -0.5"),
     (["--every", "0"], "--every must be >= 1"),
 ])
 def test_bad_input_one_line_nonzero(argv, needle, capsys, tmp_path):
