@@ -28,19 +28,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _harness import gather_per_rank as _gather, run_scenarios
-from _ddp_scenarios import (IN, HID, MID, OUT, LOCAL_BATCH, MICRO_ESTIMATE_KW, _batch, _est_tuple,
+from _ddp_scenarios import (MID, OUT, LOCAL_BATCH, MICRO_ESTIMATE_KW, _Net, _batch, _est_tuple,
                             _loss, _pooled_reference)
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
 
 
-class _BranchNet(torch.nn.Module):
+class _BranchNet(_Net):
+    """The scenarios' _Net with a branch d beside c, used only when ``branch``."""
+
     def __init__(self):
         super().__init__()
-        self.a = torch.nn.Linear(IN, HID)
-        self.b = torch.nn.Linear(HID, MID)
-        self.c = torch.nn.Linear(MID, OUT, bias=False)
         self.d = torch.nn.Linear(MID, OUT)  # the branch
 
     def forward(self, x, branch: bool):
