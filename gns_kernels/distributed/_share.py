@@ -214,8 +214,8 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
     one bmm when every matrix of the stack starts on a 64-byte boundary (its size a
     multiple of 64 bytes: the CPU GEMM's bits depend on the operand's alignment, so a
     matrix's values must not depend on its place in the stack); other shapes go through
-    spectral.gram per matrix (an aligned copy each). ``deviation_sums_runs`` takes the
-    runs already stacked."""
+    spectral.gram per matrix (an aligned copy each). ``deviation_sums_parts`` takes the
+    runs already formed."""
     if not deviations:
         return torch.zeros((2, 0), dtype=torch.float64, device=device)
     runs: list = []
@@ -227,38 +227,27 @@ def deviation_sums(deviations: Sequence[Tensor], device) -> Tensor:
     stacks = []
     for idx in runs:
         m, n = deviations[idx[0]].shape
-        stacks.append(torch.stack([deviations[i] for i in idx]) if _stackable(m, n)
+        stacks.append(torch.stack([deviations[i] for i in idx]) if aligned_in_stack(m * n)
                       else [deviations[i] for i in idx])
-    return deviation_sums_runs(stacks, device)
-
-
-def _stackable(m: int, n: int) -> bool:
-    return aligned_in_stack(m * n)
-
-
-def deviation_sums_runs(runs: Sequence, device) -> Tensor:
-    """``deviation_sums`` of runs already formed: each run a 64-byte aligned contiguous
-    Tensor (c, m, n) of c consecutive same-shape deviations (a fresh stack, or a view of a
-    fresh tensor at a 64-byte offset), or a list of 2-D deviations (a shape whose matrices
-    are not a multiple of 64 bytes may come either way: those go through spectral.gram per
-    matrix). The same values and bits as ``deviation_sums`` of the runs' matrices in
-    order."""
-    qs, as_ = deviation_sums_parts(runs)
-    if not qs:
-        return torch.zeros((2, 0), dtype=torch.float64, device=device)
+    qs, as_ = deviation_sums_parts(stacks)
     out = torch.stack([qs[0], as_[0]]) if len(qs) == 1 else torch.stack([torch.cat(qs), torch.cat(as_)])
     return out if out.device == torch.device(device) else out.to(device)
 
 
 def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
-    """``deviation_sums_runs`` as two lists of float64 vectors (q, a) whose concatenations
-    are its rows (kept apart so a measurement joins them once, ``SolveShare.add_part``).
+    """``deviation_sums`` of runs already formed, as two lists of float64 vectors (q, a)
+    whose concatenations are its rows (kept apart so a measurement joins them once,
+    ``SolveShare.add_part``). Each run: a 64-byte aligned contiguous Tensor (c, m, n) of c
+    consecutive same-shape deviations (a fresh stack, or a view of a fresh tensor at a
+    64-byte offset), or a list of 2-D deviations (a shape whose matrices are not a
+    multiple of 64 bytes may come either way: those go through spectral.gram per matrix);
+    the same values and bits as ``deviation_sums`` of the runs' matrices in order.
     Each run's float32 Grams come from one bmm (a stacked run) or per matrix; the Grams of
     one side k are joined and their sums taken together (one set of reductions per k, not
     per run: the values do not depend on the grouping, the reductions being per matrix)."""
     grams, ks = [], []
     for run in runs:
-        if isinstance(run, Tensor) and _stackable(run.shape[-2], run.shape[-1]):
+        if isinstance(run, Tensor) and aligned_in_stack(run.shape[-2] * run.shape[-1]):
             m, n = run.shape[-2:]
             X = run if run.dtype == torch.float32 else run.float()
             grams.append(bmm(X, X.transpose(-2, -1), "ieee") if m <= n else bmm(X.transpose(-2, -1), X, "ieee"))
@@ -363,12 +352,11 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     if "signal_deb" in rows and any(owned_s):
         deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
         out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
-    if chained:  # pool_fold(the pooled matrices' sums) -> the 4 pool rows, every column
-        vals = pool_fold(res[4]).to(device=device, dtype=torch.float64)
-        out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, vals, nan_like(vals))
-    elif pool_fold is not None and covs:
-        vals = pool_fold([C for _, C in covs]).to(device=device, dtype=torch.float64)
-        # every matrix is owned (the caller solves only its own): covs in column order
+    if pool_fold is not None and (chained or covs):
+        # the 4 pool rows, every column: from the pooled matrices' sums (chained), or from
+        # the covariances (every matrix is owned, the caller solves only its own: covs in
+        # column order)
+        vals = pool_fold(res[4] if chained else [C for _, C in covs]).to(device=device, dtype=torch.float64)
         out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, vals, nan_like(vals))
     return out
 
