@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field, replace
+import functools
+from dataclasses import dataclass, field
 
 SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
 SHAPES_1B = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048),
@@ -100,9 +101,7 @@ class Hardware:
         return self.hbm_bw * self.hbm_eff
 
 
-_COUNTS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def solver_counts(precision: str = "float64") -> dict:
     """What the package's Newton chain issues, counted on CPU by running it (cached):
     trace (float64 or tf32 products per matrix for its sqrt-trace; trace_unprojected: a
@@ -111,8 +110,6 @@ def solver_counts(precision: str = "float64") -> dict:
     chain: a chunk, with and without pair rows; independent of the batch size), for
     ``precision`` "float64" (NOISE_NEWTON, the default chain) or "tf32" (the opt-in's
     signal chain, check_newton_args defaults)."""
-    if precision in _COUNTS:
-        return _COUNTS[precision]
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -143,7 +140,6 @@ def solver_counts(precision: str = "float64") -> dict:
            "launches_pair": out[2, -1][1], "iters": it,
            # a float64 signal Gram skips the positive-part step (spectral.nuclear)
            "trace_unprojected": out[0, 0][0] if precision == "float64" else out[0, -1][0]}
-    _COUNTS[precision] = res
     return res
 
 
@@ -159,7 +155,7 @@ class Solver:
     signal_precision: str = "fp64"  # "tf32": the opt-in's separate signal chain
     launches_per_chain: int = field(default_factory=lambda: solver_counts()["launches_pair"])
     signal_launches_per_chain: int = 0  # > 0: the signal matrices run a chain of their own
-    chunk_elems: int = 16 * 768 * 768  # spectral.newton.chunk_size: matrices per chain chunk
+    chunk_elems: int = field(default_factory=lambda: _package_chunk_elems())  # matrices per chain chunk x m^2
     dof_grams: bool = True  # the 'gauss-sums' deviation Gram at R >= 3
     pool: bool = True  # the noise pool (GNSHookState's default pool_beta = 0.9)
     gram_precision: str = "fp32"  # matmul precision of the Grams
@@ -183,20 +179,22 @@ def newton_flops(m: int, s: Solver) -> int:
     return s.trace_products * 2 * m ** 3
 
 
+def _package_chunk_elems() -> int:
+    """spectral.newton's workspace per chain chunk (chunk_size(m) = this // m^2)."""
+    from gns_kernels.spectral.newton import _CHUNK_ELEMS
+
+    return _CHUNK_ELEMS
+
+
 def chunk_size(m: int, s: Solver) -> int:
     return max(1, s.chunk_elems // max(1, m * m))
 
 
 def matmul_floor_s(shapes: list, ranks: int, hw: "Hardware", s: Solver) -> float:
     """The solver's matmul floor on one rank: every product of its chain (noise, signal,
-    pool traces; noise and pool pair sums) at the matmul rate, nothing else."""
-    ms = [min(a, b) for a, b in shapes]
-    owned = busiest_rank_matrices(ms, ranks)
-    f = 2 * sum(ms[i] ** 3 for i in owned)
-    per_noise = s.trace_products + s.pair_products
-    fp64 = f * (per_noise * (2 if s.pool else 1))
-    sig = f * s.signal_products
-    return fp64 / hw.matmul_rate(s.precision) + sig / hw.matmul_rate(s.signal_precision)
+    pool traces; noise and pool pair sums) at the matmul rate, nothing else
+    (``nuclear_step``'s ``matmul_s``)."""
+    return nuclear_step(shapes, ranks, hw, s).matmul_s
 
 
 def busiest_rank_matrices(ms: list, ranks: int) -> list:
@@ -230,6 +228,7 @@ class Terms:
     flops: dict = field(default_factory=dict)
     host_syncs: int = 1
     launches: int = 0  # kernels of the solver's chains
+    matmul_s: float = 0.0  # the solver's chain at the matmul rate alone (its floor)
 
     @property
     def total_s(self) -> float:
@@ -304,6 +303,7 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
         t.launches += sum(math.ceil(n / chunk_size(k, s)) for k, n in per_k.items()) * s.signal_launches_per_chain
     floor = t.launches * hw.launch_s
     gpu = t.seconds["solves"] + t.seconds["bias"] + t.seconds["pool"]
+    t.matmul_s = gpu - t.bytes["pool"] / hw.copy_rate()
     if floor > gpu:
         t.seconds["solves"] += floor - gpu
     return t
