@@ -186,10 +186,12 @@ class GNSTrainer(_Trainer):
         self.optimizers.zero_grad(set_to_none=True)
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
-        # the step's A_k micro-batches with their sync contexts (the FSDP2 kind does nothing
-        # after a yield, so drawing them first is the same as drawing them one by one);
-        # torchtitan counts the step's valid tokens before the first backward
-        pairs = list(coord.micro_batches(data_iterator, model))
+        # the step's A_k micro-batches with their sync contexts, drawn before the first
+        # backward (torchtitan counts the step's valid tokens first; the FSDP2 kind does
+        # nothing between yields); the generator is finished after the backward passes, so
+        # its end-of-step checks (parameter coverage) see the step's gradients
+        batches = coord.micro_batches(data_iterator, model)
+        pairs = [next(batches) for _ in range(coord.accum_steps)]
         local_valid = torch.tensor(0, dtype=torch.int64)
         for (_, labels), _ctx in pairs:
             local_valid += (labels != IGNORE_INDEX).sum()
@@ -204,6 +206,8 @@ class GNSTrainer(_Trainer):
                                                   global_valid_tokens=global_valid)
             loss = loss.detach()
             accumulated = loss.clone() if accumulated is None else accumulated.add_(loss)
+        for _ in batches:  # the generator's end (no more batches: A_k were drawn)
+            pass
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm,
             foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
