@@ -73,6 +73,7 @@ import torch
 
 from ._validation import check_scale
 from .bias import c4_tensor
+from .nuclear_dof import dof_from_moments
 
 Tensor = torch.Tensor
 
@@ -333,9 +334,7 @@ class NoisePool:
         P = torch.where(ok.view(-1, 1, 1), P * bf + bf.neg().add_(1.0) * x, P)  # 1 - bf
         blk.st.copy_(torch.stack([n, U, num, var, npair], 1))
         blk.P.copy_(P)
-        vpos = var > 0.0
-        nu_s = torch.where(vpos, num.clamp_min(0) / torch.where(vpos, var, 1.0),
-                           math.inf).clamp_min(NU_S_MIN)
+        nu_s = dof_from_moments(num, var).clamp_min(NU_S_MIN)  # NaN only where not ok (masked below)
         first = npair == 0.0
         nu = torch.where(first, 0.0, nu_s / U)
         return P * (gs * gs), torch.where(ok, nu, math.nan), first

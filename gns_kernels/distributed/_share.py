@@ -155,13 +155,13 @@ def pooled_sums(sums: Tensor, folds: list, L: int, device) -> Tensor:
     return torch.cat([sums.to(device=device, dtype=torch.float64), torch.stack([nu, new.to(torch.float64)])])
 
 
-def pooled_dof(nu: Tensor) -> Tensor:
+def _pool_nu(nu: Tensor) -> Tensor:
     """The pool's nu as the correction takes it (1 where there is none yet: nu <= 0)."""
     return torch.where(nu > 0, nu, 1.0)
 
 
 def pooled_correct(corrected: Tensor, nu: Tensor, new: Tensor, own: Tensor) -> Tensor:
-    """The pooled values from the pooled tr P^{1/2} corrected for pooled_dof(nu)
+    """The pooled values from the pooled tr P^{1/2} corrected for _pool_nu(nu)
     (``corrected``): ``own`` (the measurement's own corrected noise, or 0) where new > 0.5
     (no pair yet), NaN where nu is NaN (a covariance that was not finite)."""
     return torch.where(new > 0.5, own, torch.where(torch.isnan(nu), math.nan, corrected))
@@ -202,7 +202,7 @@ def pooled_values(rows: Tensor) -> Tensor:
     corrected for the pool's nu degrees of freedom, 0 where new (no pair yet), NaN where
     the covariance was not finite."""
     tr, pair, nu, new = rows
-    value = pooled_correct(_corrected(tr, pair, pooled_dof(nu)), nu, new, torch.zeros_like(tr))
+    value = pooled_correct(_corrected(tr, pair, _pool_nu(nu)), nu, new, torch.zeros_like(tr))
     return torch.stack([value, new])
 
 
@@ -308,7 +308,8 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
                owned_s: Sequence[bool], device, rows: Optional[dict] = None,
                solve_debiased: Optional[Callable] = None,
                pool_fold: Optional[Callable] = None, finite_from_outputs: bool = False) -> Tensor:
-    """One part (bucket / param group) of a rank's share: float64 Tensor[len(rows), L_part].
+    """The solve of a rank's share (SolveShare's one per measurement: every matrix it owns):
+    float64 Tensor[len(rows), L_part].
 
     solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
     selected sqrt-traces (spectral.nuclear_stats_select / nuclear_stats_from_grams_select
@@ -317,9 +318,11 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
     all NaN when an owned input is non-finite; used64 (0 / 1); rows q, a are left 0 (the
     caller writes them). solve_debiased(select): the debiased signals (row signal_deb).
-    pool_fold(covs) -> Tensor[4, number of owned noise matrices]: the pool rows of the owned
-    matrices (pooled_sqrt_traces), given the covariances the solve appended to its
-    ``cov_out`` list as (l, C), one per selected matrix. Entries this rank does not own are
+    pool_fold -> Tensor[4, number of owned noise matrices]: the pool rows of the owned
+    matrices, given either the pooled matrices' sums the Newton chain returned (its fifth
+    result: the pool folded inside the chain, ``pool_folder``) or the covariances the solve
+    appended to its ``cov_out`` list as (l, C), one per selected matrix
+    (pooled_sqrt_traces). Entries this rank does not own are
     0. No host synchronization.
     """
     rows = rows or share_rows()
@@ -386,12 +389,12 @@ def share_columns(vec: Tensor, rows: Optional[dict] = None, num_samples: Optiona
                                   (f * f) * v[rows["fro2"]], R)
         if pool:  # the noise and the pooled noise corrected by one call
             c = _corrected(torch.cat([noise, p_tr]), torch.cat([v[rows["pair"]], p_pair]),
-                           torch.cat([nu, pooled_dof(p_nu)]))
+                           torch.cat([nu, _pool_nu(p_nu)]))
             noise, pooled = c[:L], c[L:]
         else:
             noise = _corrected(noise, v[rows["pair"]], nu)
     elif pool:
-        pooled = _corrected(p_tr, p_pair, pooled_dof(p_nu))
+        pooled = _corrected(p_tr, p_pair, _pool_nu(p_nu))
     out = [noise, v[rows["signal"]]]
     if "signal_deb" in rows:
         out.append(v[rows["signal_deb"]])
@@ -592,9 +595,11 @@ class SolveShare:
             for j, G in zip(now, on_sides([grads_o[j] for j in now], [sides[j] for j in now])):
                 dd[j] = G
         gg: list = [None] * n_o
-        for j, l in enumerate(idx):
-            if shifts is not None and shifts[l] is not None:
-                (gg[j],) = grams_on_sides([grads_o[j].float() + shifts[l].float()], [sides[j]])
+        sh = [j for j, l in enumerate(idx) if shifts is not None and shifts[l] is not None]
+        if sh:  # one batched call (each Gram a function of its own matrix)
+            for j, G in zip(sh, grams_on_sides([grads_o[j].float() + shifts[idx[j]].float() for j in sh],
+                                               [sides[j] for j in sh])):
+                gg[j] = G
         self._keep(grams_o, dd, gg, shapes, idx, keys, device,
                    [_copy(D) if k else None for D, k in zip(grads_o, keep_d)])
 

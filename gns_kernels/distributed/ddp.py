@@ -86,7 +86,7 @@ separately for the moment they are copied in). Nuclear also holds, from each buc
 statistics until the one solve after the last bucket, per matrix this rank owns (m x n,
 k its Gram side) a float32 copy of its mean Gram (k x k) and of its mean gradient (m x n;
 its Gram is formed at the solve) -- or, for a matrix wider than 4 k^2 elements (an
-embedding), its float64 D D^T instead of the gradient; a shifted matrix also its signal
+embedding), its D D^T (float64 on the Newton path) instead of the gradient; a shifted matrix also its signal
 Gram (k x k float32). At the 160M shapes and R = 8 that is (84 x 768^2 + 85M) x 4 bytes /
 8 = 67 MB per rank, freed when the estimate is read (CUDA: when the solve stream is done
 with them); with 'gauss-sums' 2 float64 per matrix. Before packing a bucket the hook waits for
@@ -288,8 +288,7 @@ class _NuclearLayout:
     offset (a float32 deviation of the whole bucket then holds every run, aligned, as one
     of _share.deviation_sums's fresh stacks would be)."""
 
-    __slots__ = ("n_buf", "mats", "groups", "pieces", "joined", "total", "dev_runs", "dev_whole", "ks",
-                 "shapes")
+    __slots__ = ("n_buf", "mats", "groups", "pieces", "joined", "dev_runs", "dev_whole", "ks", "shapes")
 
     def __init__(self, segs_shapes: tuple):
         n_buf = 0
@@ -303,7 +302,6 @@ class _NuclearLayout:
             n_buf += n
         self.n_buf = n_buf
         self.mats = [(i, off, n, shape, k, n_buf + q) for i, off, n, shape, k, q in mats]
-        self.total = n_buf + q_rel
         self.ks = [e[4] for e in mats]
         self.shapes = [e[3] for e in mats]
         where = {}  # (shape, col) -> group index

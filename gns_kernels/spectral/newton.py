@@ -364,7 +364,7 @@ def chunk_size(m: int) -> int:
 def _newton_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None,
                project: bool = True, precision: str = "ieee") -> Tensor:
     """tr(A_+^{1/2}) per matrix of A (..., m, m) by _newton_impl, in chunks of chunk_size(m)
-    matrices, matmuls in ``precision`` ("ieee" or "float64", see precision.bmm); shape
+    matrices, matmuls in ``precision`` (NEWTON_PRECISIONS, see precision.bmm); shape
     (...), float64 for float64 A, else float32. m = 0 gives 0."""
     check_precision(precision, "precision", NEWTON_PRECISIONS)
     m = A.shape[-1]

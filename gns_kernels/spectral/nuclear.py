@@ -367,7 +367,8 @@ def nuclear_stats_from_grams_select(
     """nuclear_stats_from_grams solving only the selected sqrt-traces: (noise[L],
     signal[L], used64); select, record_hints, used64, signal, return_sums and cov_out as
     nuclear_stats_select. project: kept for callers; no effect since the Newton path
-    always solves the noise matrices' positive part in float64 (NOISE_NEWTON), which the
+    solves the noise matrices' positive part in float64 (NOISE_NEWTON; with method
+    'newton-tf32' only when a correction needs their pair sums, else in the TF32 chain), which the
     pool's averaged covariances needed already (their negative rounding eigenvalues made
     the old shifted float32 iteration lose the pair sum: inf / NaN at a negative
     eigenvalue of 1e-4 ||C||). The eigenvalue path clamps them either way.
@@ -525,8 +526,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
         # signal's indefinite matrix, a float32 Gram: rounding far above the 1e-11 shift),
         # then float64 Grams of float32 data (PSD to float64 rounding: no projection)
         s_all = [l for w, l in items if w != "n"]
-        s_ls = ([l for l in s_all if debias is not None or gg[l].dtype != torch.float64]
-                + [l for l in s_all if debias is None and gg[l].dtype == torch.float64])
+        s_proj = [l for l in s_all if debias is not None or gg[l].dtype != torch.float64]
+        s_ls = s_proj + [l for l in s_all if debias is None and gg[l].dtype == torch.float64]
         dev_k = mean_grams[items[0][1]].device
         parts = []
         if n_ls:
@@ -535,7 +536,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             parts.append(Cn)
             if pool_fold is not None:
                 parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
-        n_pair = sum(p.shape[0] for p in parts) if (correct or sums) else 0
+        n_rows = sum(p.shape[0] for p in parts)  # the noise and pooled rows, first
+        n_pair = n_rows if (correct or sums) else 0
         smats = torch.stack([sig_matrix(l) for l in s_ls]).to(device=dev_k, dtype=torch.float64) if s_ls else None
         prec = newton_precision(meth)
         if prec == "tf32" and n_pair:
@@ -551,8 +553,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                 it, ep = check_newton_args(None, None, prec)
                 tr = torch.cat([tr, torch.ops.gns_kernels.newton_sqrt_trace(smats, it, ep, None, True, prec)])
         else:
-            n_proj = sum(p.shape[0] for p in parts) + len(s_ls) - len(
-                [l for l in s_ls if debias is None and gg[l].dtype == torch.float64])
+            n_proj = n_rows + len(s_proj)
             if smats is not None:
                 parts.append(smats)
             mats = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -560,9 +561,8 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             tr, pair = torch.ops.gns_kernels.newton_sqrt_trace_pair(
                 mats, it, ep, None, True, prec, "float64", n_pair, n_proj if prec == "float64" else -1)
         nn = len(n_ls)
-        np_ = nn if pool_fold is not None else 0
         if s_ls:
-            _put(signal, s_ls, tr[nn + np_:])
+            _put(signal, s_ls, tr[n_rows:])
         if not n_ls:
             continue
         if sums:

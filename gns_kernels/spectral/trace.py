@@ -11,7 +11,8 @@ from .precision import check_precision
 Tensor = torch.Tensor
 
 # "newton-tf32": the Newton path with TF32 products (operands rounded to nearest), opt in
-# (newton.NEWTON_PRECISIONS); the hooks' ``method=`` takes it as well
+# (newton.NEWTON_PRECISIONS) of sqrt_trace / nuclear_stats; the hook states refuse it
+# (distributed.state.check_hook_method: it left the hooks' signal 18% low in emulation)
 METHODS = ("auto", "eigh", "newton", "newton-tf32")
 NEWTON_METHODS = ("newton", "newton-tf32")
 

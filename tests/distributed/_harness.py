@@ -131,3 +131,8 @@ def run_scenarios(fn, rank, world, scenarios: dict) -> dict:
         out[name] = fn(rank, world, **kwargs)
         dist.barrier()
     return out
+
+
+def rel(a, b) -> float:
+    """|a - b| / |b| (b = 0: / 1e-300) of two numbers."""
+    return abs(a - b) / max(abs(b), 1e-300)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from _harness import run_world
+from _harness import run_world, rel as _rel
 
 pytestmark = pytest.mark.distributed
 
@@ -130,10 +130,6 @@ def _results(request, world):
 
 def _same(a, b):
     return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-300)
 
 
 @pytest.mark.parametrize("world,name", list(_cases()))

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from _harness import run_world
+from _harness import run_world, rel as _rel
 
 pytestmark = pytest.mark.distributed
 
@@ -41,10 +41,6 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def world2():
     return run_world("_unused_workers", "run_many", 2, scenarios=SCENARIOS)
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-300)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

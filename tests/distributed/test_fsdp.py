@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from _harness import run_world
+from _harness import run_world, rel as _rel
 
 pytestmark = pytest.mark.distributed
 
@@ -79,10 +79,6 @@ def _scenario(world, name):
 
 def _results(request, world, name):
     return [r[name] for r in request.getfixturevalue(f"world{world}")]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-300)
 
 
 def _same(a, b):

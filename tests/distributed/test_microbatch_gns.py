@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS
+from _harness import rel as _rel
 
 TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
 # the nuclear bias correction from eigenvalues alone, as the spectral ops apply it
@@ -45,10 +46,6 @@ def _sample_grads(model, xs, ys):
         out.append([p.grad.detach().clone() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     return out
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-300)
 
 
 @pytest.mark.parametrize("geometry", ["l2", "l1", "nuclear"])
