@@ -9,9 +9,11 @@ the training text, one process, no DDP; every branch is evaluated on the run's o
 validation windows. Beside the probed critical batch it puts the GNS at the same point:
 the controller's own EMA from the checkpoint (what Algorithm 1 compares with B) and a
 fresh measurement in every geometry (l1, nuclear, l2) on the run's measured parameters,
-with the run's estimator (raw or bias-corrected) at the run's current batch split into
-its micro-batches; and the theta at which Algorithm 1 would ask for the probed B_crit.
-Writes probe.json and probe.txt (``--out``, default RUN_DIR).
+with the run's estimator (raw or bias-corrected), at each batch of the grid split into
+the run's micro-batches (``gns_by_batch``); and, per geometry, the theta at which
+Algorithm 1's fixed point is the probed B_crit (``fixed_point_thetas``). Writes probe.json
+and probe.txt (``--out``, default RUN_DIR); ``--gns-only`` runs no branch and writes
+gns.json (the GNS per grid batch, and the thetas for a given ``--b-crit``).
 """
 from __future__ import annotations
 
@@ -140,17 +142,21 @@ class DemoRun:
 
 
 def gns_by_batch(run: "DemoRun", batch_sizes, repeats: int, bias_correction: bool) -> dict:
-    """{B: {geometry: measure_gns entry}}: the fresh GNS at the checkpoint measured as a run at
-    batch B would measure it (B / b micro-batches of the run's b, at least 2). With the raw
-    signal the measured GNS grows with the B it is measured at (the noise leaks into the
-    signal, docs/estimators.md), so the batch Algorithm 1 settles at depends on it."""
+    """{batch: {geometry: measure_gns entry}}: the fresh GNS at the checkpoint measured as a
+    run at batch B would measure it, for each B of ``batch_sizes``: A = max(2, B // b)
+    micro-batches of the run's b, keyed by the batch measured, A b (B itself when it is a
+    multiple of b of at least 2 b; grid batches that round to one measured batch give one
+    entry). With the raw signal the measured GNS grows with the batch it is measured at (the
+    noise leaks into the signal, docs/estimators.md), so the batch Algorithm 1 settles at
+    depends on it."""
     from ..probe import measure_gns
 
     model, _ = run.start()
-    return {int(B): measure_gns(model, run.measured, run.draw, run.loss_fn, run.micro_batch,
-                                max(2, int(B) // run.micro_batch), repeats=repeats, seed=20_000 + int(B),
-                                bias_correction=bias_correction)
-            for B in sorted(batch_sizes)}
+    b = run.micro_batch
+    measured = sorted({b * max(2, int(B) // b) for B in batch_sizes})
+    return {M: measure_gns(model, run.measured, run.draw, run.loss_fn, b, M // b, repeats=repeats,
+                           seed=20_000 + M, bias_correction=bias_correction)
+            for M in measured}
 
 
 def fixed_point_thetas(by_b: dict, bc: float) -> dict:

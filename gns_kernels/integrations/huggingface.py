@@ -207,7 +207,7 @@ class AdaptiveTrainer(_Trainer):
     accumulation inside ``_run_epoch`` from ``args.gradient_accumulation_steps`` (which
     micro-batch steps, ``(step + 1) % A == 0``, so A cannot change mid-run). This class
     keeps the Trainer's loop with ``gradient_accumulation_steps=1`` (one loop iteration =
-    one optimizer step) and overrides three public methods: ``get_train_dataloader``
+    one optimizer step) and overrides, among others, three public methods: ``get_train_dataloader``
     returns endless step ticks, ``get_batch_samples`` hands one tick per step (and stops
     at ``max_samples``), and ``training_step`` runs the step's A_k micro-batches from
     ``coord.micro_batches`` (the coordinator's sampler over ``train_dataset``, the first
@@ -427,6 +427,6 @@ class AdaptiveTrainer(_Trainer):
         return super()._track_num_input_tokens(inputs)
 
     def log(self, logs, start_time=None):
-        if self.coord is not None and "loss" in logs and self.coord.metrics():
+        if self.coord is not None and "loss" in logs:
             logs = {**logs, **scalars(self.coord.metrics(), self.gns_prefix, keep_step=True)}
         return super().log(logs, start_time)

@@ -172,3 +172,28 @@ def test_missing_checkpoint_named(tmp_path, capsys):
     assert main(["probe", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "checkpoint.pt" in err
+
+
+def test_gns_by_batch_keys_the_batch_measured(monkeypatch):
+    """A grid batch below 2 b or not a multiple of b is measured at b x max(2, B // b):
+    the result is keyed by that batch (one entry per measured batch), not by the grid's."""
+    import gns_kernels.probe as probe
+    from gns_kernels.demo.probe import gns_by_batch
+
+    calls = []
+
+    def fake_measure(model, measured, draw, loss_fn, b, micro, **kw):
+        calls.append((b, micro, kw["seed"]))
+        return {"l1": {"gns": float(b * micro)}}
+
+    class Run:
+        micro_batch, measured, draw, loss_fn = 32, [], None, None
+
+        def start(self):
+            return torch.nn.Linear(2, 2), []
+
+    monkeypatch.setattr(probe, "measure_gns", fake_measure)
+    out = gns_by_batch(Run(), [16, 32, 64, 100, 128], repeats=1, bias_correction=False)
+    assert sorted(out) == [64, 96, 128]
+    assert all(out[M]["l1"]["gns"] == M for M in out)
+    assert calls == [(32, 2, 20_064), (32, 3, 20_096), (32, 4, 20_128)]
