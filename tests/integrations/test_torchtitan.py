@@ -35,6 +35,17 @@ _NO_TT = ("torchtitan is not installed: it is left out of the test extra (about 
 
 @pytest.mark.distributed
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason=_NO_TT)
+def test_torchtitan_gns_trainer_refuses_cuda_graphs():
+    """A step's number of micro-batches changes: GNSTrainer refuses captured CUDA graphs."""
+    from _harness import run_world
+
+    with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
+        res = run_world("_torchtitan_workers", "refused", 2, folder=folder, what="cudagraphs", timeout=400)
+    assert all(r is not None and "training.disable_cuda_graphs" in r for r in res), res
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason=_NO_TT)
 def test_torchtitan_gns_trainer_two_gloo_ranks():
     from _harness import run_world
 
