@@ -591,7 +591,7 @@ class SolveShare:
         dd: list = [None] * n_o
         now = [j for j in range(n_o) if not keep_d[j]]
         if now:
-            on_sides = grams64_on_sides if resolve_method(self.method, device) in NEWTON_METHODS else grams_on_sides
+            on_sides = self._mean_grad_gram_op(device)
             for j, G in zip(now, on_sides([grads_o[j] for j in now], [sides[j] for j in now])):
                 dd[j] = G
         gg: list = [None] * n_o
@@ -645,6 +645,15 @@ class SolveShare:
                               None if keys is None else keys[l], base + l,
                               None if grads is None else grads[j]))
 
+    def _newton(self, device) -> bool:
+        """Whether this share's method resolves to the Newton path on ``device``."""
+        return resolve_method(self.method, device) in NEWTON_METHODS
+
+    def _mean_grad_gram_op(self, device) -> Callable:
+        """The Gram function of the mean gradients D D^T: float64 products on the Newton
+        path (as spectral.nuclear_stats_select forms them there), float32 Grams else."""
+        return grams64_on_sides if self._newton(device) else grams_on_sides
+
     def _mean_grad_grams(self, kept: list) -> tuple[list, list]:
         """(D D^T, signal Gram) per kept matrix: the kept D's Grams formed here, one batch
         per (shape, side) (float64 products on the Newton path, as
@@ -653,8 +662,7 @@ class SolveShare:
         todo = [i for i, e in enumerate(kept) if e[1] is None]
         dd = [e[1] for e in kept]
         if todo:
-            on_sides = (grams64_on_sides if resolve_method(self.method, self.device) in NEWTON_METHODS
-                        else grams_on_sides)
+            on_sides = self._mean_grad_gram_op(self.device)
             Ds = [kept[i][6] for i in todo]
             sides = ["row" if kept[i][3][0] == kept[i][0].shape[-1] else "col" for i in todo]
             for i, G in zip(todo, on_sides(Ds, sides)):
@@ -686,7 +694,7 @@ class SolveShare:
         chain = None  # the pool's fold inside the Newton chain ('gauss-sums' sums)
         if self.pool is not None and n:
             okeys = [e[4] for e in kept]
-            if self.gauss and resolve_method(self.method, dev) in NEWTON_METHODS:
+            if self.gauss and self._newton(dev):
                 chain, folds = pool_folder(self.pool, okeys, self.num_samples, self.grad_scale)
                 fold = lambda sums: pooled_sums(sums, folds, n, dev)  # noqa: E731
             else:
@@ -706,7 +714,7 @@ class SolveShare:
                 mats.extend(self._mean_grad_grams(kept))
                 part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows,
                                   lambda sel: solve(sel, signal="debiased"), fold,
-                                  finite_from_outputs=resolve_method(self.method, dev) in NEWTON_METHODS)
+                                  finite_from_outputs=self._newton(dev))
                 # a gather (deterministic; index_copy_ is not on CUDA): column l takes
                 # part's column j when this rank solved it (cols[j] = l), else a zero column
                 out = part if n == L else torch.cat([part, part.new_zeros((len(rows), 1))], dim=1).index_select(
