@@ -130,6 +130,16 @@ from ._measurement import Measurement, MeasurementPlan
 from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
 
+
+def _reduce_scatter(output, input, **kwargs):
+    """``dist.reduce_scatter_single`` (torch 2.13 renamed ``reduce_scatter_tensor`` to it;
+    the old name now warns), else ``dist.reduce_scatter_tensor`` (torch 2.8 - 2.12, which
+    pyproject's torch>=2.8 admits). Looked up at each call, so a wrapper installed on
+    ``dist`` (a test's collective counter) sees the call."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, **kwargs)
+
+
 Tensor = torch.Tensor
 
 __all__ = ["attach_fsdp_gns", "GNSReduceScatter", "FSDPGNSHandle", "fsdp_gns_shard_placement"]
@@ -369,7 +379,7 @@ class GNSReduceScatter:
                 ops.square_pack(x[r], pack[r])
         del stash
         out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
-        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        work = _reduce_scatter(out, pack.view(-1), op=op, group=group, async_op=False)
         del pack
         output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
         out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
@@ -435,7 +445,7 @@ class GNSReduceScatter:
             del G
             q += 2 * k * k
         out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
-        work = dist.reduce_scatter_single(out, pack.view(-1), op=op, group=group, async_op=False)
+        work = _reduce_scatter(out, pack.view(-1), op=op, group=group, async_op=False)
         del pack
         output.copy_(out[:chunk].view_as(output))
         if not mats:
@@ -570,24 +580,9 @@ def _param_groups(module):
     return list(state._fsdp_param_groups)
 
 
-def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input: bool = True) -> FSDPGNSHandle:
-    """Measure the GNS of an FSDP2 model inside its reduce-scatters.
-
-    model: a module tree to which ``torch.distributed.fsdp.fully_shard`` was applied
-        (the root and/or submodules). Every FSDPModule in ``model.modules()`` gets a
-        ``GNSReduceScatter`` through ``set_custom_reduce_scatter``; call this after all
-        ``fully_shard`` calls and after any other ``set_custom_reduce_scatter``.
-    state: GNSHookState (geometry, every=F, batch_size=B global, params, bias_correction,
-        process_group is ignored: FSDP's reduce-scatter group is used). After the
-        backward of an optimizer step k with k % F == 0, ``state.estimate`` is the
-        GNSEstimate (same semantics as gk.estimate / ddp_gns_hook) on every rank.
-    reuse_input: l1/l2 with a float32 reduce dtype: on measurement steps hand FSDP2 a
-        reduce-scatter input with room for the squares and pack in place, so the only
-        extra memory is the squares (1x the group's padded unsharded gradient) and the
-        doubled output shard; False: pack into a separate 2x buffer (FSDP's input stays
-        FSDP's, allocated by the previous comm object).
-    Returns an FSDPGNSHandle (``.remove()`` detaches).
-    """
+def _check_attach(model, state: GNSHookState) -> list:
+    """The state and the model checks of ``attach_fsdp_gns`` (nothing installed): the
+    FSDP2 modules of ``model``."""
     FSDPModule, _ = _fsdp_api()
     if not isinstance(state, GNSHookState):
         raise TypeError(f"state: expected a GNSHookState, got {type(state).__name__}")
@@ -616,31 +611,106 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
             "module's parameters with sharded ones, so GNSHookState(params=...) must be "
             "built from model.parameters() AFTER fully_shard (and for the nuclear GNS, "
             "shard_placement_fn=gk.fsdp_gns_shard_placement keeps wide matrices natural)")
-    handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
-    GNSReduceScatter = _reduce_scatter_class()
+    return modules
+
+
+def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input: bool = True) -> FSDPGNSHandle:
+    """Measure the GNS of an FSDP2 model inside its reduce-scatters.
+
+    model: a module tree to which ``torch.distributed.fsdp.fully_shard`` was applied
+        (the root and/or submodules). Every FSDPModule in ``model.modules()`` gets a
+        ``GNSReduceScatter`` through ``set_custom_reduce_scatter``; call this after all
+        ``fully_shard`` calls and after any other ``set_custom_reduce_scatter``.
+    state: GNSHookState (geometry, every=F, batch_size=B global, params, bias_correction,
+        process_group is ignored: FSDP's reduce-scatter group is used). After the
+        backward of an optimizer step k with k % F == 0, ``state.estimate`` is the
+        GNSEstimate (same semantics as gk.estimate / ddp_gns_hook) on every rank.
+    reuse_input: l1/l2 with a float32 reduce dtype: on measurement steps hand FSDP2 a
+        reduce-scatter input with room for the squares and pack in place, so the only
+        extra memory is the squares (1x the group's padded unsharded gradient) and the
+        doubled output shard; False: pack into a separate 2x buffer (FSDP's input stays
+        FSDP's, allocated by the previous comm object).
+    Returns an FSDPGNSHandle (``.remove()`` detaches).
+    """
+    modules = _check_attach(model, state)
+    handle, install = _prepare_fsdp_gns(model, state, reuse_input=reuse_input, checked=modules)
+    install()
+    return handle
+
+
+def _prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
+    """Every check of ``attach_fsdp_gns`` and the handle, with nothing installed yet:
+    (handle, install), ``install()`` putting the GNSReduceScatter objects in place (what
+    ``gk.AdaptiveBatching(model, ...)`` calls last, once every other argument passed).
+    Refuses the meshes the measurement does not handle: HSDP / replicate, a mesh of more
+    than one dimension (FSDP2 x tensor / expert parallelism: DTensor parameters on a 2-D
+    mesh), param groups over different process groups."""
+    FSDPModule, _ = _fsdp_api()
+    if checked is None:
+        _check_attach(model, state)
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    else:
+        modules = checked
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo
 
+    names = {id(p): n for n, p in model.named_parameters()}
+    dp_group = None
     for mod in modules:
         for pg in _param_groups(mod):
-            if isinstance(pg.mesh_info, DDPMeshInfo) or not isinstance(pg.mesh_info, FSDPMeshInfo):
-                raise ValueError("model: HSDP / replicate meshes are not supported (1-D FSDP meshes only)")
+            info = pg.mesh_info
+            if isinstance(info, DDPMeshInfo) or not isinstance(info, FSDPMeshInfo):
+                raise ValueError("model: HSDP / replicate meshes are not supported: the GNS hooks "
+                                 "measure FSDP2 over a 1-D data-parallel mesh (fully_shard(..., "
+                                 "mesh=<1-D mesh>)) or DDP")
+            if info.mesh.ndim != 1 or getattr(info, "is_spmd_mesh", False):
+                raise ValueError(
+                    f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
+                    f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D "
+                    "data-parallel mesh only (or DDP)")
+            for fp in pg.fsdp_params:
+                mesh = getattr(fp.sharded_param, "device_mesh", None)
+                if mesh is not None and mesh.ndim != 1:
+                    name = names.get(id(fp.sharded_param), "?")
+                    raise ValueError(
+                        f"model: parameter {name!r} is sharded over a {mesh.ndim}-D mesh of shape "
+                        f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}, placements "
+                        f"{tuple(fp.sharded_param.placements)}): FSDP2 with tensor / sequence / "
+                        "expert parallelism is a layout the GNS measurement does not handle (each "
+                        "rank would measure its own slice, and the ranks of one data-parallel "
+                        "replica are not separate samples). Supported: FSDP2 over a 1-D "
+                        "data-parallel mesh, DDP, or one rank")
             if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
-                raise ValueError("model: a GNSReduceScatter is already installed; remove() it first")
-    for mod in modules:
-        groups = _param_groups(mod)
-        if len(groups) == 1:
-            rs = GNSReduceScatter(handle, groups[0], groups[0]._reduce_scatter_comm)
-            mod.set_custom_reduce_scatter(rs)
-            handle.reduce_scatters.append(rs)
-        else:  # several groups (per-param meshes): set_custom_reduce_scatter refuses; one each
-            for pg in groups:
-                rs = GNSReduceScatter(handle, pg, pg._reduce_scatter_comm)
-                pg._reduce_scatter_comm = rs
+                raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
+                                 "handle first (attach_fsdp_gns returned it; "
+                                 "gk.AdaptiveBatching(model, ...) keeps it as coord.fsdp_handle)")
+            group = info.shard_process_group
+            if dp_group is None:
+                dp_group = group
+            elif dist.get_process_group_ranks(group) != dist.get_process_group_ranks(dp_group):
+                raise ValueError("model: FSDP2 param groups shard over different process groups; "
+                                 "the GNS is measured over one data-parallel group")
+    handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
+    if dp_group is not None:
+        handle.dp_size, handle.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+
+    def install() -> None:
+        GNSReduceScatter = _reduce_scatter_class()
+        for mod in modules:
+            groups = _param_groups(mod)
+            if len(groups) == 1:
+                rs = GNSReduceScatter(handle, groups[0], groups[0]._reduce_scatter_comm)
+                mod.set_custom_reduce_scatter(rs)
                 handle.reduce_scatters.append(rs)
-    for rs in handle.reduce_scatters:
-        _note_grads(rs)
-    _ATTACHED.add(state)
-    return handle
+            else:  # several groups (per-param meshes): set_custom_reduce_scatter refuses; one each
+                for pg in groups:
+                    rs = GNSReduceScatter(handle, pg, pg._reduce_scatter_comm)
+                    pg._reduce_scatter_comm = rs
+                    handle.reduce_scatters.append(rs)
+        for rs in handle.reduce_scatters:
+            _note_grads(rs)
+        _ATTACHED.add(state)
+
+    return handle, install
 
 
 def fsdp_gns_shard_placement(param: torch.nn.Parameter, world_size: Optional[int] = None):
