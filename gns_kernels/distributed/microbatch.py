@@ -231,6 +231,22 @@ class MicroBatchGNS(GNSHookState):
                 self.advance_step()
                 self._reset()
 
+    def skip_step(self) -> None:
+        """End the optimizer step in progress without measuring it: call it in place of
+        the step's last ``micro_step()`` (after that micro-batch's backward) when the
+        caller knows the step cannot be measured, e.g. a trainer's step with one
+        micro-batch, or with micro-batches of unequal size (an epoch's partial last
+        batch). The micro-batches counted so far are dropped, the step counter k
+        advances as at a step's last ``micro_step()``, and the estimate, the noise pool
+        and the measuring schedule are unchanged. One rank only: under DDP the
+        synchronized backward has already ended the step (RuntimeError)."""
+        if self._synced:
+            raise RuntimeError("MicroBatchGNS.skip_step: this step's synchronized (DDP) backward has "
+                               "already run and measured it; skip_step is for one rank without DDP")
+        self._backwards = 0
+        self.advance_step()
+        self._reset()
+
     def _measure_local(self) -> None:
         A = self._micro_batches
         if A < 2:
