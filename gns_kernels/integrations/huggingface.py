@@ -16,6 +16,18 @@ last). Every ``every`` optimizer steps the measurement's gns, noise, signal (and
 pooled noise) are put into the Trainer's next ``logs`` (``gns/gns``, ...; the callback sets
 ``control.should_log`` on a measured step; also in ``trainer.state.log_history``), kept in ``callback.history``, and written to
 ``writer`` (anything with ``write(dict)``: ``gk.CSVWriter``, ``WandbWriter``) when given.
+The measuring schedule is the Trainer's step counter (``state.global_step``, read at
+every step's start).
+
+Steps other than planned: the Trainer ends each epoch with a shorter step when the
+epoch's micro-batches are not a multiple of A, and a dataset of N examples ends the epoch
+with a micro-batch of N mod b examples (unless ``dataloader_drop_last``). A step of
+n >= 2 full micro-batches is measured from them (B = b x n, ``accum_steps`` = n in its
+row); a step of one micro-batch, or holding the epoch's partial micro-batch (samples of
+unequal size), is not measured: a RuntimeWarning names the first such step (one per
+kind) and the schedule goes on. (The partial micro-batch is found from the train
+dataloader's length; a loader without one, an ``IterableDataset``, is trusted to give
+full micro-batches.)
 
 What it does not do: change the batch (a callback cannot change the Trainer's loop:
 ``gradient_accumulation_steps`` is fixed for the run), support several processes (the
@@ -32,10 +44,9 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any, Optional
 
-from ._common import missing, scalars
+from ._common import missing, scalars, warn_user
 
 try:
     from transformers import Trainer as _Trainer
@@ -71,7 +82,8 @@ class GNSTrainerCallback(_TrainerCallback):
         self.history: list = []
         self._pending: Optional[dict] = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None,
+                       train_dataloader=None, **kwargs):
         from ..distributed import MicroBatchGNS
         from ..optim import geometry_for
 
@@ -94,14 +106,48 @@ class GNSTrainerCallback(_TrainerCallback):
         self.gns = MicroBatchGNS(params, geometry=geometry, every=self.every, batch_size=b * A,
                                  micro_batches=A, **self.state_kw)
         self.gns.step = state.global_step
+        self._b, self._A, self._n = b, A, 0
+        self._epoch = _epoch_shape(train_dataloader, b, A)
+        self._warned: set = set()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.gns is None:
+            return
+        # the Trainer's step counter is the schedule (every, the logged step): follow it
+        self.gns.step = state.global_step
+        self.gns.micro_batches, self.gns.batch_size = self._A, self._b * self._A
+        self._n = 0
 
     def on_substep_end(self, args, state, control, **kwargs):
         if self.gns is not None:
+            self._n += 1
             self.gns.micro_step()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.gns is not None:
-            self.gns.micro_step()
+        if self.gns is None:
+            return
+        n, k = self._n + 1, state.global_step   # the step's micro-batches, this one included
+        short = None
+        if n < 2:
+            short = ("it has 1 micro-batch (an epoch's last step when the epoch's micro-batches "
+                     "are not a multiple of gradient_accumulation_steps), and one process needs "
+                     ">= 2 micro-batches to measure")
+        elif self._epoch is not None and self._epoch.partial(k):
+            short = (f"its last micro-batch is the epoch's partial batch ({self._epoch.last} of "
+                     f"{self._b} examples), and micro-batches of unequal size are not equal "
+                     "samples (dataloader_drop_last=True avoids it)")
+        if short is not None:
+            kind = "one" if n < 2 else "partial"
+            if self.gns.is_measurement_step() and kind not in self._warned:
+                self._warned.add(kind)
+                warn_user(f"GNSTrainerCallback: step {k} is not measured: {short}. Such steps "
+                          "are skipped (this warning is not repeated for them); the other "
+                          "measured steps are not affected")
+            self.gns.skip_step()
+            return
+        if n != self.gns.micro_batches:   # fewer micro-batches than planned, all full: measure them
+            self.gns.micro_batches, self.gns.batch_size = n, self._b * n
+        self.gns.micro_step()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.gns is None:
@@ -111,7 +157,7 @@ class GNSTrainerCallback(_TrainerCallback):
         if est is None or self.gns.estimate_step != k:
             return
         row = {"step": k, "batch_size": self.gns.batch_size,
-               "accum_steps": args.gradient_accumulation_steps, "valid": bool(est.valid),
+               "accum_steps": self.gns.micro_batches, "valid": bool(est.valid),
                "gns": est.gns, "noise": est.noise, "signal": est.signal,
                "noise_pooled": est.noise_pooled if est.noise_pooled is not None else math.nan}
         self.history.append(row)
@@ -126,6 +172,31 @@ class GNSTrainerCallback(_TrainerCallback):
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(self._pending)  # the Trainer appended it before on_log
             self._pending = None
+
+
+class _EpochShape:
+    """Where the Trainer's epoch puts its partial last micro-batch: L micro-batches per
+    epoch, U = ceil(L / A) optimizer steps per epoch (the Trainer's count), so the step k
+    with k % U == U - 1 holds micro-batch L - 1, which has ``last`` < b examples."""
+
+    def __init__(self, L: int, A: int, last: int):
+        self.steps, self.last = -(-L // A), last
+
+    def partial(self, k: int) -> bool:
+        return k % self.steps == self.steps - 1
+
+
+def _epoch_shape(loader, b: int, A: int) -> Optional[_EpochShape]:
+    """The epoch's shape when its last micro-batch is partial (N examples, L = ceil(N / b)
+    micro-batches, the last with N - (L - 1) b < b examples); None when it is full
+    (``dataloader_drop_last``, N a multiple of b) or the loader has no length (an
+    IterableDataset: a short last micro-batch cannot be told apart there)."""
+    try:
+        L, N = len(loader), len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    last = N - (L - 1) * b
+    return _EpochShape(L, A, last) if L >= 1 and 0 < last < b else None
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -179,6 +250,10 @@ class _AdaptiveSteps(_TrainerCallback):
         if t.coord is not None:
             t.coord.step()
             t.gns_history.append(t.coord.metrics())
+            # the Trainer's epoch counts its one endless "epoch" of max_steps ticks (and restarts
+            # it on resume); here: passes over train_dataset, from the examples the
+            # coordinator served (a resumed run continues the uninterrupted one's count)
+            state.epoch = t.coord.samples_seen / len(t.train_dataset)
 
     def on_save(self, args, state, control, **kwargs):
         import torch
@@ -220,7 +295,9 @@ class AdaptiveTrainer(_Trainer):
     ``trainer.gns_history``. Checkpoints: each rank's ``coord.state_dict()`` in the
     checkpoint folder (``gns_kernels_rank{r}.pt``), read back by
     ``train(resume_from_checkpoint=...)``: the data position, batch, EMAs and noise pool
-    continue (the Trainer restores model, optimizer, scheduler and RNG).
+    continue (the Trainer restores model, optimizer, scheduler and RNG). The file is read
+    with torch's safe loader (``weights_only=True``: nothing in it runs) before the Trainer
+    starts; a file that is not a coordinator state is refused with a ValueError naming it.
 
     What it changes or replaces: the data (``train_dataset`` must be map-style; it is read
     through the coordinator's ``batch_sampler``, so a custom ``get_train_dataloader``,
@@ -232,8 +309,11 @@ class AdaptiveTrainer(_Trainer):
     for a model with parameters unused in some forward passes). The loss:
     each micro-batch's mean loss / A_k (the Trainer's token-count normalization,
     ``num_items_in_batch``, is not used: the GNS treats each micro-batch, and each rank,
-    as a sample of equal weight). ``state.epoch`` counts max_steps, not data passes
-    (``gns/samples_seen`` counts examples). Refused: ``gradient_accumulation_steps`` != 1,
+    as a sample of equal weight). ``state.epoch`` (the logged ``epoch``) is the passes over
+    ``train_dataset``: ``gns/samples_seen`` (global examples) / ``len(train_dataset)``, so a
+    resumed run continues the uninterrupted one's value; ``train()``'s
+    ``train_samples_per_second`` is the examples of that call (sum of B_k) per second of
+    ``train_runtime`` (the Trainer's own figures count its one-tick-per-step loop). Refused: ``gradient_accumulation_steps`` != 1,
     ``max_steps`` <= 0 (epochs have no fixed number of steps when the batch grows; give
     ``max_samples`` to stop by examples), fp16 (its GradScaler is not handed to the
     coordinator; use bf16), DeepSpeed, FSDP, several GPUs in one process (DataParallel),
@@ -306,7 +386,9 @@ class AdaptiveTrainer(_Trainer):
         self.coord = None
         self.gns_history: list = []
         self._gns_loader = None
-        self._gns_resume: Optional[str] = None
+        self._gns_state: Optional[dict] = None      # read by train(), loaded at the first step
+        self._gns_state_path: Optional[str] = None
+        self._gns_samples0 = 0                      # samples_seen when this train() began
         self._gns_flops = 0.0
         self.add_callback(_AdaptiveSteps(self))
 
@@ -319,7 +401,10 @@ class AdaptiveTrainer(_Trainer):
                 path = get_last_checkpoint(self.args.output_dir)
             else:
                 path = None
-        self._gns_resume = path
+        # read (and check) the coordinator's state before the Trainer or this object changes:
+        # a missing or foreign file is refused here, with nothing loaded or attached
+        state = None if path is None else self._load_gns_state(path, self.args.process_index)
+        self._gns_state = state
         self.coord, self._gns_loader = None, None   # built at the first training_step
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -345,8 +430,14 @@ class AdaptiveTrainer(_Trainer):
             sched = sched.scheduler
         schedulers = [] if sched is None else [sched]
         coord = AdaptiveBatching(model, [opt], schedulers=schedulers, **self.gns_options)
-        if self._gns_resume is not None:
-            coord.load_state_dict(self._load_gns_state(self._gns_resume, coord.rank))
+        if self._gns_state is not None:
+            try:
+                coord.load_state_dict(self._gns_state)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"resume_from_checkpoint: {self._gns_state_path} is not a usable "
+                                 f"gns_kernels coordinator state for this run: {exc}") from exc
+            self._gns_state = None
+        self._gns_samples0 = coord.samples_seen   # this train() call's first example
         ds = self.train_dataset
         try:
             import datasets
@@ -374,22 +465,42 @@ class AdaptiveTrainer(_Trainer):
         self.coord = coord
         return coord
 
-    @staticmethod
-    def _load_gns_state(folder: str, rank: int) -> dict:
+    def _load_gns_state(self, folder: str, rank: int) -> dict:
+        """This rank's ``gns_kernels_rank{r}.pt`` in checkpoint ``folder`` (rank 0's, with a
+        warning, when the checkpoint was saved on fewer processes), read with torch's safe
+        loader (``weights_only=True``: plain values and tensors, no code is run). Raises
+        FileNotFoundError when the checkpoint has none, ValueError naming the file when it
+        is not a coordinator state."""
         import torch
 
-        path = os.path.join(folder, _STATE_FILE.format(rank))
+        path = os.path.join(str(folder), _STATE_FILE.format(rank))
         if not os.path.exists(path):
-            first = os.path.join(folder, _STATE_FILE.format(0))
+            first = os.path.join(str(folder), _STATE_FILE.format(0))
             if not os.path.exists(first):
                 raise FileNotFoundError(
                     f"resume_from_checkpoint: {folder} has no {_STATE_FILE.format(rank)} (the "
                     "coordinator's state, written by AdaptiveTrainer at each save); was the "
                     "checkpoint written by a plain Trainer?")
-            warnings.warn(f"AdaptiveTrainer: {folder} has no state of rank {rank} (saved on "
-                          "fewer processes); resuming from rank 0's", RuntimeWarning, stacklevel=3)
+            warn_user(f"AdaptiveTrainer: {folder} has no state of rank {rank} (saved on "
+                      "fewer processes); resuming from rank 0's")
             path = first
-        return torch.load(path, weights_only=True)
+        foreign = (f"resume_from_checkpoint: {path} is not a gns_kernels coordinator state (the "
+                   "dict of plain values AdaptiveTrainer writes at each save)")
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as exc:
+            # torch's message would suggest unpickling the file with weights_only=False, which
+            # runs whatever code it holds: not repeated (nor chained) here
+            raise ValueError(f"{foreign}: torch's safe loader refused it ({type(exc).__name__}; "
+                             "nothing in it was run). Resume from a checkpoint folder written by "
+                             "AdaptiveTrainer, or put that run's file back") from None
+        if not isinstance(sd, dict) or "version" not in sd:
+            raise ValueError(f"{foreign}: it holds a {type(sd).__name__}"
+                             f"{' without a version' if isinstance(sd, dict) else ''}")
+        self._gns_state_path = path
+        return sd
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         import torch
@@ -427,6 +538,13 @@ class AdaptiveTrainer(_Trainer):
         return super()._track_num_input_tokens(inputs)
 
     def log(self, logs, start_time=None):
-        if self.coord is not None and "loss" in logs:
-            logs = {**logs, **scalars(self.coord.metrics(), self.gns_prefix, keep_step=True)}
+        c = self.coord
+        if c is not None and "train_samples_per_second" in logs and logs.get("train_runtime"):
+            # the Trainer's figure is max_steps x per_device_train_batch_size x processes
+            # (its ticks), scaled to the steps run: the examples of this train() call are
+            # the coordinator's (B_k per step). In place: train()'s returned metrics are this dict
+            logs["train_samples_per_second"] = round(
+                (c.samples_seen - self._gns_samples0) / logs["train_runtime"], 3)
+        if c is not None and "loss" in logs:
+            logs = {**logs, **scalars(c.metrics(), self.gns_prefix, keep_step=True)}
         return super().log(logs, start_time)

@@ -57,20 +57,35 @@ def params(t):
     return {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
+def _count_examples(t, counts):
+    """Count the examples of every training forward (a pre-hook on the model)."""
+    def hook(module, args, kwargs):
+        if module.training:
+            counts.append(int(kwargs["input_ids"].shape[0]))
+    return t.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def fit(rank, world, folder, resume=True):
     """6 steps on `world` processes (a checkpoint at step 3), then a fresh trainer resumed
-    from checkpoint-3 to step 6: both runs' steps 3-5 and final weights."""
+    from checkpoint-3 to step 6: both runs' steps 3-5 and final weights, train()'s
+    metrics and this rank's examples per train() call (counted at the model's forward)."""
     if world > 1:
         _env(rank, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = trainer(folder, world)
-        t.train()
+        seen = []
+        _count_examples(t, seen)
+        metrics = t.train().metrics
         out = {"history": t.gns_history, "params": params(t), "ddp": type(t.model_wrapped).__name__,
-               "logs": [h for h in t.state.log_history if "gns/step" in h]}
+               "logs": [h for h in t.state.log_history if "gns/step" in h],
+               "metrics": metrics, "examples": sum(seen)}
         if resume:
             t2 = trainer(os.path.join(folder, "again"), world)
             t2.args.output_dir = folder
-            t2.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-3"))
-            out.update(resumed=t2.gns_history, resumed_params=params(t2))
+            seen2 = []
+            _count_examples(t2, seen2)
+            metrics2 = t2.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-3")).metrics
+            out.update(resumed=t2.gns_history, resumed_params=params(t2), resumed_metrics=metrics2,
+                       resumed_examples=sum(seen2))
     return out

@@ -59,6 +59,14 @@ def _check_run(out, world):
     _same_rows(out["resumed"], hist[3:])
     for k, v in out["params"].items():
         assert torch.equal(v, out["resumed_params"][k]), k
+    # issue 39 item 13: train()'s examples per second are the examples the model saw in that
+    # call (they were max_steps x b x processes, the Trainer's ticks: 19.8 where 430 was
+    # real), and epoch is the passes over the 96 examples, the same after a resume (it
+    # restarted: 0.5 where the full run said 1)
+    for m, n in ((out["metrics"], out["examples"]), (out["resumed_metrics"], out["resumed_examples"])):
+        assert m["train_samples_per_second"] == pytest.approx(world * n / m["train_runtime"], rel=2e-3)
+    assert out["metrics"]["epoch"] == pytest.approx(world * out["examples"] / 96)
+    assert out["resumed_metrics"]["epoch"] == out["metrics"]["epoch"]
 
 
 def test_adaptive_trainer_one_process(tmp_path):
@@ -164,7 +172,8 @@ def test_adaptive_trainer_refusals(tmp_path, kw, match):
 
 
 def test_adaptive_trainer_resume_needs_its_state(tmp_path):
-    """A checkpoint without the coordinator's file (a plain Trainer's) is refused by name."""
+    """A checkpoint without the coordinator's file (a plain Trainer's) is refused by name;
+    one whose file is a dict of the wrong shape is refused naming the file, at the first step."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plain = transformers.Trainer(W.model(), W.args(str(tmp_path), max_steps=3), train_dataset=W.DS())
@@ -173,3 +182,52 @@ def test_adaptive_trainer_resume_needs_its_state(tmp_path):
                             initial_batch_size=8)
         with pytest.raises(FileNotFoundError, match="gns_kernels_rank0.pt"):
             t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+        bad = tmp_path / "checkpoint-3" / "gns_kernels_rank0.pt"
+        torch.save({"version": 1, "step": 3}, bad)
+        with pytest.raises(ValueError, match=f"{bad}.*not a usable gns_kernels coordinator state.*missing"):
+            t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+
+
+class _RunsCode:
+    """Unpickling this object would run code (writes the file ``ran``)."""
+
+    def __init__(self, ran):
+        self.ran = ran
+
+    def __reduce__(self):
+        return (open, (self.ran, "w"))
+
+
+def test_adaptive_trainer_refuses_a_crafted_state_file(tmp_path):
+    """Issue 39 item 6: a crafted gns_kernels_rank0.pt (a pickle that would run code, bytes
+    that are no torch file, an empty file, a torch file of another object) is refused with
+    a ValueError naming the file and saying it is not a coordinator state, without torch's
+    advice to unpickle it with weights_only=False (nor that error chained); nothing in it
+    runs, and the trainer is left as it was (no coordinator; a correct resume still works
+    afterwards: tested in the fit tests)."""
+    import pickle
+
+    ck = tmp_path / "checkpoint-3"
+    ck.mkdir()
+    f = ck / "gns_kernels_rank0.pt"
+    ran = tmp_path / "ran"
+    payloads = {"code": lambda: f.write_bytes(pickle.dumps({"version": 1, "x": _RunsCode(str(ran))})),
+                "bytes": lambda: f.write_bytes(b"\x80\x02not a torch file at all"),
+                "empty": lambda: f.write_bytes(b""),
+                "tensor": lambda: torch.save(torch.zeros(3), f),
+                "no version": lambda: torch.save({"step": 3}, f)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = AdaptiveTrainer(W.model(), W.args(str(tmp_path), max_steps=6), train_dataset=W.DS(),
+                            initial_batch_size=8)
+    for name, write in payloads.items():
+        write()
+        with pytest.raises(ValueError) as info:
+            t.train(resume_from_checkpoint=str(ck))
+        msg = str(info.value)
+        assert str(f) in msg and "not a gns_kernels coordinator state" in msg, (name, msg)
+        assert "weights_only=False" not in msg and "weights_only` set to `False" not in msg, name
+        err = info.value   # torch's error is neither chained nor shown as the context
+        assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__), name
+        assert not ran.exists(), name
+        assert t.coord is None and t.state.global_step == 0, name
