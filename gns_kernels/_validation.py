@@ -9,6 +9,9 @@ gns_kernels may use it.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from numbers import Integral, Real
 from typing import Any, Optional, Sequence
 
@@ -17,6 +20,34 @@ import torch
 Tensor = torch.Tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# --------------------------------------------------------------------------------------
+# Warnings that point at the user's line
+# --------------------------------------------------------------------------------------
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_CONTEXTLIB = os.path.abspath(__import__("contextlib").__file__)
+
+
+def _internal(filename: str) -> bool:
+    """A frame of gns_kernels (its integrations excepted: their caller is a trainer stack),
+    of torch (an optimizer's step hooks, autograd's backward) or of contextlib."""
+    if filename.startswith(_PACKAGE_DIR):
+        return not filename.startswith(_PACKAGE_DIR + "integrations" + os.sep)
+    return filename.startswith(_TORCH_DIR) or filename == _CONTEXTLIB
+
+
+def warn_user(message: str, category: type = RuntimeWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside
+    gns_kernels and torch: the user's line (the loop's ``for``, ``opt.step()``,
+    ``loss.backward()``, the constructor call), however deep in the package or in torch's
+    hooks the warning is raised."""
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and _internal(os.path.abspath(frame.f_code.co_filename)):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 # --------------------------------------------------------------------------------------

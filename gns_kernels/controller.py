@@ -61,13 +61,13 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from numbers import Integral, Real
 from typing import Any, Optional
 
 from ._validation import check_int as _check_int
 from ._validation import check_real as _check_real
 from ._validation import check_signal as _check_signal
+from ._validation import warn_user as _warn_user
 from .estimators import GNSEstimate
 
 __all__ = ["AdaptiveBatchSize"]
@@ -481,10 +481,10 @@ class AdaptiveBatchSize:
                 )
         saved_kind = saved.get("signal", "raw")
         if not strict and saved_kind != self.signal and state_dict["signal_ema"] is not None:
-            warnings.warn(
+            _warn_user(
                 f"AdaptiveBatchSize.load_state_dict: the checkpoint's EMAs were formed with "
                 f"signal={saved_kind!r}, this controller uses signal={self.signal!r}; its first "
-                "decisions mix the two until the EMAs turn over", stacklevel=2)
+                "decisions mix the two until the EMAs turn over", UserWarning)
         # check every entry before changing anything: a corrupt state leaves self as it was
         batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
         if batch % self.multiple_of:
@@ -521,11 +521,10 @@ class AdaptiveBatchSize:
         low, high = self.initial_batch_size, self.max_batch_size
         if batch < low or (high is not None and batch > high):
             new = low if batch < low else high
-            warnings.warn(
+            _warn_user(
                 f"AdaptiveBatchSize.load_state_dict: the saved batch size {batch} is "
                 f"{'below initial_batch_size' if batch < low else 'above max_batch_size'} "
-                f"({new}) of this controller; continuing with {new} (the LR multiplier follows)",
-                RuntimeWarning, stacklevel=2)
+                f"({new}) of this controller; continuing with {new} (the LR multiplier follows)")
             batch = new
         self._batch_size = batch
         self._noise_ema, self._signal_ema, self._target = noise, signal, t

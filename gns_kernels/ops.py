@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -121,14 +120,11 @@ def _warn_no_extension() -> None:
     if _WARNED_NO_EXTENSION:
         return
     _WARNED_NO_EXTENSION = True
-    warnings.warn(
+    _v.warn_user(
         f"gns_kernels: no C++ extension ({_C_ERROR}), so the ops use the eager torch formulas "
         "(same results, slower, input-sized temporaries); for the fused kernels reinstall "
         f"gns-kernels where a C++ compiler and ninja are found, without {_NO_EXT_ENV} "
-        "(README: Set up)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+        "(README: Set up)")
 
 
 # Fake (meta) kernels: output shapes/dtypes for torch.compile, FakeTensor and opcheck.

@@ -66,12 +66,12 @@ floats only).
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Hashable, Optional
 
 import torch
 
 from ._validation import check_scale
+from ._validation import warn_user as _warn_user
 from .bias import c4_tensor
 from .nuclear_dof import dof_from_moments
 
@@ -188,9 +188,9 @@ class NoisePool:
         if e is not None and (e.P.shape != like.shape or (e.num is None) == pair):
             if not self._warned_reset:  # e.g. a parameter order that changed between runs
                 self._warned_reset = True
-                warnings.warn(f"gns_kernels: the noise pool of key {key!r} held shape "
-                              f"{tuple(e.P.shape)}, the measurement has {tuple(like.shape)}: that "
-                              "pool starts afresh", RuntimeWarning, stacklevel=3)
+                _warn_user(f"gns_kernels: the noise pool of key {key!r} held shape "
+                           f"{tuple(e.P.shape)}, the measurement has {tuple(like.shape)}: that "
+                           "pool starts afresh")
             e = None
         if e is None:
             e = _Entry(torch.zeros(like.shape, dtype=torch.float32, device=like.device), pair)

@@ -76,13 +76,13 @@ the estimate is first read).
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import spectral
 from .._validation import check_signal
+from .._validation import warn_user as _warn_user
 from ..bias import _corrected
 from ..nuclear_dof import dof_from_sample_sums
 from ..pooling import NoisePool
@@ -514,8 +514,8 @@ class SolveShare:
             try:
                 return fn()
             except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
-                warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement "
-                              "is marked invalid", RuntimeWarning, stacklevel=4)
+                _warn_user(f"gns_kernels: nuclear statistics failed ({exc}); this measurement "
+                           "is marked invalid")
                 out = torch.full((len(self.rows), L), float("nan"), dtype=torch.float64, device=device)
                 out[2] = 0.0
                 return out

@@ -8,12 +8,12 @@ failure also warns, since it means the measurement was lost for a numerical reas
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional, Sequence
 
 import torch
 
 from .. import spectral
+from .._validation import warn_user as _warn_user
 
 Tensor = torch.Tensor
 
@@ -84,7 +84,7 @@ def nuclear_stats_or_nan(mean_grams: Sequence[Tensor], mean_grads: Sequence[Tens
             bias_correction=bias_correction, num_samples=num_samples, batch_size=batch_size,
             eig_hints=hints, signal=signal, method=method)
     except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
-        warnings.warn(f"gns_kernels: nuclear statistics failed ({exc}); this measurement is "
-                      "marked invalid", RuntimeWarning, stacklevel=2)
+        _warn_user(f"gns_kernels: nuclear statistics failed ({exc}); this measurement is "
+                   "marked invalid")
         return nan, nan
     return torch.where(finite, noise, nan), torch.where(finite, signal, nan)

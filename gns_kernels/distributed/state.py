@@ -62,10 +62,10 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-import warnings
 
 from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
+from .._validation import warn_user as _warn_user
 from ..estimators import GEOMETRIES
 from .._dcp_guard import refuse_unwrapped_dcp
 from ..pooling import NoisePool, check_pool_beta
@@ -528,11 +528,10 @@ class GNSHookState:
         if self.pool is not None:
             unkeyed = [k for k in self.pool.keys() if isinstance(k, tuple)]
             if unkeyed:
-                warnings.warn(
+                _warn_user(
                     f"{type(self).__name__}.state_dict: {len(unkeyed)} noise-pool entries are keyed by "
                     "object identity (no parameter order: pass params= or call bind_params), so "
-                    "they are not saved; a resumed run starts their pool afresh", RuntimeWarning,
-                    stacklevel=2)
+                    "they are not saved; a resumed run starts their pool afresh")
             rank, world = self._rank_world()
             pool = self.pool.state_dict(key_map=lambda k: None if isinstance(k, tuple) else k)
             owners = {k: int(o) for k, o in self.pool_owners.items() if not isinstance(k, tuple)}
@@ -577,16 +576,16 @@ class GNSHookState:
                 raise ValueError(f"state_dict: pool['owners'] names a rank >= the saved world "
                                  f"size {pool_sd['world']}")
             if (pool_sd["rank"], pool_sd["world"]) != (rank, world):
-                warnings.warn(
+                _warn_user(
                     f"{type(self).__name__}.load_state_dict: the noise pool was saved by rank "
                     f"{pool_sd['rank']} of {pool_sd['world']}, this is rank {rank} of {world}: "
                     "it is not loaded (each rank pools its own share; save and load every "
-                    "rank's state_dict) and starts afresh", RuntimeWarning, stacklevel=2)
+                    "rank's state_dict) and starts afresh")
             elif float(pool_sd["beta"]) != self.pool_beta:
-                warnings.warn(
+                _warn_user(
                     f"{type(self).__name__}.load_state_dict: the noise pool was saved with pool_beta "
                     f"{pool_sd['beta']}, this state has {self.pool_beta}: it is not loaded and "
-                    "starts afresh", RuntimeWarning, stacklevel=2)
+                    "starts afresh")
             else:
                 use_pool = True
         self.eig_hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
