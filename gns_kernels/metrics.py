@@ -3,7 +3,8 @@ dict of numbers): CSV rows and TensorBoard scalars.
 
 - ``CSVWriter(path)``: appends one row per ``write(metrics)``; the header is written once
   (the first dict's keys, or ``columns``). Re-opening an existing file (a resumed run)
-  keeps its header and appends. Tensors with one element and numpy scalars are written as
+  keeps its header and appends; a last line cut by a crash mid-write (no line end) is
+  ended where it stops, with a warning, so the new rows never glue onto it. Tensors with one element and numpy scalars are written as
   the number they hold (a larger tensor raises ValueError naming its key). None and nan are
   written as empty cells, booleans as 0/1, +-inf as ``inf`` / ``-inf``, floats as Python's
   shortest round-trip ``repr`` (``float(cell)`` gives back the same float64).
@@ -26,6 +27,8 @@ import math
 import os
 from numbers import Integral, Real
 from typing import Any, Iterable, Mapping, Optional
+
+from ._validation import warn_user as _warn_user
 
 __all__ = ["CSVWriter", "to_tensorboard", "tensorboard_writer", "scalars"]
 
@@ -109,13 +112,41 @@ class CSVWriter:
         folder = os.path.dirname(self.path)
         if folder:
             os.makedirs(folder, exist_ok=True)
+        cut = self._cut_last_line()
         with open(self.path, "a", newline="") as fh:
+            if cut:
+                fh.write("\r\n")   # end the cut row where it stops; ours starts on a line of its own
             w = csv.writer(fh)
             if not self._header_written:
                 w.writerow(columns)
             w.writerow(row)
         self.columns = columns
         self._header_written = True
+
+
+    def _cut_last_line(self) -> bool:
+        """Whether the file's last line has no line end (a run stopped in the middle of
+        writing a row): that row is kept as it stands (it may be incomplete; a warning says
+        so), and the next row must start on a new line instead of being glued onto it.
+        Checked before the first row this writer appends (one byte read)."""
+        if getattr(self, "_checked_end", False):
+            return False
+        self._checked_end = True
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                if fh.tell() == 0:
+                    return False
+                fh.seek(-1, os.SEEK_END)
+                last = fh.read(1)
+        except FileNotFoundError:
+            return False
+        if last in (b"\n", b"\r"):
+            return False
+        _warn_user(f"CSVWriter: the last line of {self.path} has no line end (a run stopped while "
+                   "writing it?): it is kept as it stands and may be incomplete; the new rows "
+                   "start on the next line")
+        return True
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "gns/", keep_step: bool = False) -> dict:
