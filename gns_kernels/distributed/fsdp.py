@@ -475,7 +475,9 @@ class GNSReduceScatter:
 
 # --------------------------------------------------------------------------- attach
 class FSDPGNSHandle:
-    """Returned by ``attach_fsdp_gns``: the installed ReduceScatter objects; ``remove()``.
+    """Returned by ``attach_fsdp_gns``: the installed ReduceScatter objects; ``remove()``;
+    ``dp_size`` / ``dp_rank``: the size of the FSDP2 mesh's shard group (R, the samples of the
+    GNS; not the world size when the world holds other dimensions) and this rank in it.
 
     ``packed_in_place`` (int) counts the measured reduce-scatters whose l1/l2 pack was built
     in FSDP's own (enlarged) input buffer without a copy: the float32-reduce fast path. It
@@ -492,6 +494,10 @@ class FSDPGNSHandle:
         self._task = -1  # autograd graph task id of that backward
         self._ctx: Optional[Measurement] = None
         self._group = None
+        # the data-parallel group the reduce-scatters run over (the FSDP2 mesh's shard
+        # group): its size is R, the samples of the GNS, whatever the world size
+        self.dp_size: Optional[int] = None
+        self.dp_rank: Optional[int] = None
 
     def _will_measure(self) -> bool:
         """Whether the reduce-scatter about to be allocated belongs to a measurement."""
@@ -575,9 +581,15 @@ def _has_grad(pg, fp) -> bool:
     return bool(getattr(pg, "reduce_scatter_unused_params", False)) and fp.unsharded_param.requires_grad
 
 
-def _param_groups(module):
+def _param_groups(module) -> list:
+    """The FSDPParamGroups of one FSDP2 module: torch 2.13's ``_fsdp_param_groups`` (one
+    per mesh), or torch 2.8 - 2.12's single ``_fsdp_param_group`` (None: no parameters)."""
     state = module._get_fsdp_state()
-    return list(state._fsdp_param_groups)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
 
 
 def _check_attach(model, state: GNSHookState) -> list:
