@@ -43,7 +43,6 @@ of the step. Non-measurement steps only count micro-steps.
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Iterable, Optional
 
@@ -51,6 +50,7 @@ import torch
 
 from .. import ops
 from .. import spectral
+from .._validation import warn_user as _warn_user
 from ._measurement import Measurement, Sums
 from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
 from .state import GNSHookState, _unique
@@ -127,6 +127,8 @@ class MicroBatchGNS(GNSHookState):
         self._count = 0
         self._synced = False
         self._failed = False  # a micro_step of the current step raised: it is not measured
+        self._poisoned = False  # a micro-batch of the current step had no backward: invalid
+        self._marks = None  # (id, version) of the measured .grad after the last micro_step
         self.prev: dict[int, Tensor] = {}
         self.sq: dict[int, Tensor] = {}
         self.gsum: dict[int, Tensor] = {}
@@ -180,6 +182,20 @@ class MicroBatchGNS(GNSHookState):
 
     def _accumulate(self) -> None:
         live = [(p, g) for p in self._params if (g := self._grad(p)) is not None]
+        # a backward changes some measured gradient (a new tensor, or its version counter):
+        # no measured gradient at all, or none changed since the previous micro_step(), means
+        # this micro-batch had no backward, and its difference d_a = 0 would count as a
+        # sample (host reads only)
+        marks = [(id(p.grad), p.grad._version) for p, _ in live]
+        if not self._poisoned and (not live or (self._count > 1 and marks == self._marks)):
+            self._poisoned = True
+            _warn_user(
+                f"MicroBatchGNS: micro-batch {self._count} of step {self._step} had no backward "
+                "through the measured parameters since the previous micro_step() (a micro-batch "
+                "skipped, or micro_step() called twice): its gradient would count as a zero "
+                "sample, so this step's measurement is marked invalid (the controller skips it). "
+                "Run the backward of every micro-batch before micro_step()")
+        self._marks = marks
         for p, _ in live:
             self._buffers(p)
         if self.geometry == "nuclear":
@@ -201,6 +217,8 @@ class MicroBatchGNS(GNSHookState):
         self._count = 0
         self._synced = False
         self._failed = False
+        self._poisoned = False
+        self._marks = None
         self._drop_buffers()
 
     def micro_step(self) -> None:
@@ -260,6 +278,9 @@ class MicroBatchGNS(GNSHookState):
         keys = [m.plan.of(p).key for p in live]
         if self.pool is not None and live:
             self.pool.to(live[0].device)
+        if self._poisoned:  # a micro-batch without backward: the measurement is invalid
+            for t in list(self.sq.values()) + [g for g in self.gsum.values() if g is not None]:
+                t.fill_(float("nan"))
         if self.geometry == "nuclear":
             grams = [self.gsum[id(p)].mul_(A) for p in live]
             grads = [self._grad(p).float() for p in live]
@@ -309,10 +330,10 @@ class MicroBatchGNS(GNSHookState):
         self._backwards += 1
         if self._backwards >= 2 and not self._warned_no_micro_step:
             self._warned_no_micro_step = True
-            warnings.warn(
+            _warn_user(
                 "MicroBatchGNS: a second backward pass without micro_step() in between; call "
                 "mb.micro_step() after every micro-batch's backward (without it no micro-batch "
-                "is counted and nothing is measured)", RuntimeWarning, stacklevel=2)
+                "is counted and nothing is measured)")
 
     # -------------------------------------------------------------- DDP hook side
     def micro_batches_for_sync(self):
@@ -329,14 +350,14 @@ class MicroBatchGNS(GNSHookState):
                 "the first micro_batches-1 of them under ddp.no_sync())")
         if self._count == 0 or not self.is_measurement_step():
             return None
-        return _SyncMicro(self, self._count + 1, invalid=self._failed)
+        return _SyncMicro(self, self._count + 1, invalid=self._failed or self._poisoned)
 
     def accepts_samples(self, num_samples: int) -> bool:
         """False (with a RuntimeWarning) for 1 rank x 1 micro-batch: that step is not
         measured (the batch may grow later), the estimate is unchanged."""
         if num_samples < 2:
-            warnings.warn("MicroBatchGNS: 1 rank x 1 micro-batch = 1 sample, this step is not "
-                          "measured (needs >= 2 samples)", RuntimeWarning, stacklevel=3)
+            _warn_user("MicroBatchGNS: 1 rank x 1 micro-batch = 1 sample, this step is not "
+                       "measured (needs >= 2 samples)")
             return False
         return True
 
