@@ -39,6 +39,16 @@ accumulated gradient is the mean over the global batch, as DDP's averaging expec
    steps the schedulers given to it and sets every param group's
    lr = scheduled_lr x omega_{k+1} (``LRMultiplier``).
 
+Loop checks (what a mistake in the loop would change in the measurement; the table of
+docs/coordinator.md, "Mis-uses", with what each costs): the constructor checks every
+argument before the model or the optimizers change; each step's micro-batches begin with
+no parameter frozen or unfrozen since construction, a micro-batch of b examples, and on a
+measuring step a device flag of gradients that are not None or zero (read with the
+estimate, the measurement's one host synchronization); a step without any backward, the
+DDP forward through the wrapped module or under the user's own no_sync(), and a
+measurement of exactly zero noise (the samples read the same examples) are named.
+Warnings point at the user's line.
+
 LR schedulers: pass them as ``schedulers=[...]`` and do not step them yourself; the
 coordinator steps them once per optimizer step on the un-multiplied (scheduled) rates and
 multiplies the result by omega, so chainable schedulers (CosineAnnealingLR) never see
@@ -54,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from dataclasses import replace
 from numbers import Real
 from typing import Any, Iterable, Iterator, Optional
@@ -63,6 +74,7 @@ import torch
 from ._dcp_guard import refuse_unwrapped_dcp
 from ._validation import check_int as _check_int
 from ._validation import check_signal as _check_signal
+from ._validation import warn_user as _warn_user
 from .controller import AdaptiveBatchSize
 from .estimators import GNSEstimate
 from .distributed.microbatch import MicroBatchGNS
@@ -82,6 +94,92 @@ def _as_list(x) -> list:
     if isinstance(x, (list, tuple)):
         return list(x)
     return [x]
+
+
+def _batch_len(batch) -> Optional[int]:
+    """The number of examples of a micro-batch: the leading dimension of its first tensor
+    (depth first through tuples, lists and dict values: ``(x, y)``, ``{"input_ids": ...}``);
+    None when it holds no tensor (nothing to check)."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() > 0 else None
+        if isinstance(item, dict):
+            stack[:0] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+    return None
+
+
+def _any_nonzero(grads: list):
+    """A device bool tensor: some gradient in ``grads`` holds a value other than 0 (NaN
+    counts), with no host synchronization (one foreach max-abs pass)."""
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    flags = []
+    for gs in by_device.values():
+        norms = torch._foreach_norm(gs, float("inf"))
+        flags.append(torch.stack([n.float() for n in norms]).ne(0).any())
+    if len(flags) == 1:
+        return flags[0]
+    return torch.stack([f.cpu() for f in flags]).any()
+
+
+def _param_names(model) -> dict:
+    """{id(parameter): name} of ``model`` (empty without a model)."""
+    return {id(p): n for n, p in model.named_parameters()} if hasattr(model, "named_parameters") else {}
+
+
+def _refuse_layout(model, kind: str) -> None:
+    """ValueError for a DDP model or a plain module whose parameters are DTensors (tensor,
+    sequence or expert parallelism): the GNS samples are the data-parallel replicas, and
+    under those layouts the ranks of the world are not all replicas (R would be taken as
+    the world size; the measured values differ between the ranks of one replica). FSDP2's
+    own checks are ``attach_fsdp_gns``'s."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            raise ValueError(
+                f"model: parameter {name!r} is a DTensor on a mesh of shape "
+                f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}) with placements "
+                f"{tuple(p.placements)} under {kind}: a layout the GNS measurement does not "
+                "handle (tensor / sequence / expert parallelism). Supported: DDP, FSDP2 "
+                "(fully_shard) over a 1-D data-parallel mesh, or one rank; the GNS samples are "
+                "the data-parallel replicas")
+
+
+def _discard_measurement(gns) -> None:
+    """Undo what building a measurement did outside it (a refused constructor): the
+    gradient hook a MicroBatchGNS put on one parameter."""
+    handle = getattr(gns, "_grad_hook", None)
+    if handle is not None:
+        handle.remove()
+        gns._grad_hook = None
+
+
+def _check_budget(name: str, value) -> Optional[int]:
+    """max_samples / max_steps: None, or a whole number >= 0 (an int, or an integral float
+    such as 1e6); anything else raises naming the argument (nan, inf, a string: a loop that
+    ran no step, or a bare TypeError in a comparison, before)."""
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        if not isinstance(value, (int, float, str)) and hasattr(value, "__index__"):
+            value = value.__index__()  # numpy integers
+        else:
+            raise TypeError(f"{name}: expected an int >= 0 or None (no limit), got {value!r} "
+                            f"({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0 or None (no limit), got {value}")
+    return value
 
 
 def _calling_grad_scaler():
@@ -106,6 +204,8 @@ def _calling_grad_scaler():
 def _lr_moved(group: dict, multiplier: float) -> bool:
     """A param group's lr is not its scheduled lr x the multiplier: set outside the
     coordinator."""
+    if "scheduled_lr" not in group:  # a group added after the coordinator (add_param_group)
+        return False
     return not math.isclose(float(group["lr"]), group["scheduled_lr"] * multiplier,
                             rel_tol=1e-12, abs_tol=0.0)
 
@@ -186,17 +286,109 @@ class AdaptiveBatching:
                  signal: Optional[str] = None, lr_schedule=None, geometry: Optional[str] = None):
         from .distributed.fsdp import FSDPGNSHandle
 
-        model = None
-        if isinstance(gns, torch.nn.Module):  # the model: build and attach the measurement
-            model, gns = gns, self._measurement_for(gns, _as_list(optimizers), geometry,
-                                                    100 if every is None else every,
-                                                    initial_batch_size, micro_batch_size,
-                                                    world_size, signal,
-                                                    0.9 if beta_noise is None else beta_noise)
+        # Every argument is checked before anything is attached to the model or written into
+        # the optimizers' param groups: a refused constructor leaves both as they were, so a
+        # corrected retry works (issue 39).
+        opts = _as_list(optimizers)
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
+                            f"param group gets the LR multiplier), got {optimizers!r:.200}")
+        b = _check_int("micro_batch_size", micro_batch_size, 1)
+        B0 = _check_int("initial_batch_size", initial_batch_size, 1)
+        if world_size is not None:
+            world_size = _check_int("world_size", world_size, 1)
+        if rank is not None:
+            rank = _check_int("rank", rank, 0)
+        if every is not None:
+            every = _check_int("every", every, 1)
+        if beta_noise is not None:
+            from .pooling import check_pool_beta
+            beta_noise = check_pool_beta(beta_noise, name="beta_noise", allow_none=False)
+        model, attach = None, None
+        if isinstance(gns, torch.nn.Module):  # the model: build the measurement, attach it last
+            model = gns
+            gns, attach = self._measurement_for(model, opts, geometry, 100 if every is None else every,
+                                                B0, b, world_size, signal,
+                                                0.9 if beta_noise is None else beta_noise)
+            self._form = "model"
         elif geometry is not None:
             raise ValueError("geometry: given with a measurement object (GNSHookState, "
                              "MicroBatchGNS, FSDP handle), whose own geometry applies; pass "
                              "geometry= only with the model")
+        else:
+            self._form = "state"
+        try:
+            self._configure(gns, opts, b, B0, max_batch_size, theta, every, warmup_steps,
+                            beta_noise, beta_signal, lr_scaling, schedulers, grad_scaler,
+                            max_growth, world_size, rank, signal, lr_schedule)
+            if attach is not None:
+                attach()      # the one change to the model, after every check passed
+        except BaseException:
+            if model is not None:
+                _discard_measurement(gns)
+            raise
+        # from here on nothing can refuse: the optimizers' param groups and step hooks
+        self.optimizers = opts
+        if lr_schedule is not None:
+            f0 = self._schedule_factor(0)
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group.setdefault("base_lr", float(group["lr"]))
+                    group["lr"] = group["base_lr"] * f0
+                    group.pop("scheduled_lr", None)
+        self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
+        # mistakes the loop can make, seen from here: optimizer.step() after coord.step(), a
+        # GradScaler that steps the optimizers but was not passed, a passed scheduler also
+        # stepped by hand (see _check_loop)
+        self._opt_steps = [0] * len(self.optimizers)
+        self._scaler_seen = None
+        self._hooks = [opt.register_step_post_hook(self._on_optimizer_step) for opt in self.optimizers]
+        self._sched_epochs = self._scheduler_epochs()
+        self._model = model         # the model (given here or to micro_batches)
+        self._model_checked = None  # the model whose layout _check_model accepted
+        self._loaded = False        # load_state_dict was called
+        self._auto_end = False      # batches(): the step ends when every optimizer has stepped
+        self._in_batches = False    # a batches() loop is running
+        self._micro_batches_used = False  # the loop draws its micro-batches from micro_batches()
+        self.sampler = None
+        self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
+        self._step = 0
+        self._samples = 0
+        self._batch = B0
+        self._loader = None
+        self._iter = None
+        self._consumed = 0          # micro-batches handed out in the current step
+        self._served = False        # micro_batches() was used in the current step
+        self._scale = self._read_scale()
+        self._last: dict[str, Any] = {}
+        self._warned: set = set()
+        # what the loop checks compare against (_check_start, _check_state): the parameters
+        # that required a gradient when the coordinator was built, and the gradients at the
+        # start of a step (None / zero) and after it (changed by a backward)
+        self._trainable = [p for opt in self.optimizers for g in opt.param_groups
+                           for p in g["params"] if p.requires_grad]
+        self._known = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        self._stale_grad = None     # device flag: a gradient was not zero at the step's start
+        self._grad_marks = None     # (grad identity, version) of every parameter at the step's start
+        self._no_backward = None    # at the first opt.step(): no gradient changed since then
+        self._forwards = None       # DDP: forwards through the model in the step, and under no_sync
+        self._forward_hook = None   # the forward pre-hook that counts them
+        self._apply_batch()
+        self.state.step = 0
+        self.state.grad_scale = self._scale
+        if getattr(self.state, "pool", None) is not None and not self.state.has_param_order:
+            # the noise pool is saved keyed by the optimizers' parameter order
+            self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
+                                   for p in g["params"])
+        if model is not None:
+            self._check_model(model)
+
+    def _configure(self, gns, opts, b, B0, max_batch_size, theta, every, warmup_steps,
+                   beta_noise, beta_signal, lr_scaling, schedulers, grad_scaler, max_growth,
+                   world_size, rank, signal, lr_schedule) -> None:
+        """The constructor's checks and pure settings (nothing outside self is changed)."""
+        from .distributed.fsdp import FSDPGNSHandle
+
         if isinstance(gns, FSDPGNSHandle):
             self.kind, self.state, self.fsdp_handle = "fsdp", gns.state, gns
         elif isinstance(gns, MicroBatchGNS):
@@ -207,22 +399,27 @@ class AdaptiveBatching:
             raise TypeError("gns: expected a GNSHookState (DDP comm hook state), a MicroBatchGNS "
                             "or the FSDPGNSHandle returned by attach_fsdp_gns, got "
                             f"{type(gns).__name__}")
-        import torch.distributed as dist
-        ready = dist.is_available() and dist.is_initialized()
-        group = self.state.process_group
+        R_dp, rank_dp = self._data_parallel(world_size)
+        if world_size is not None and R_dp is not None and world_size != R_dp:
+            raise ValueError(
+                f"world_size: given {world_size}, but the data-parallel group the GNS is "
+                f"measured over has {R_dp} ranks (the samples of the GNS, and the R of B = R x A x b); "
+                "leave world_size=None to take it from there")
         if world_size is None:
-            world_size = dist.get_world_size(group) if ready else 1
+            world_size = 1 if R_dp is None else R_dp
         if rank is None:
-            rank = dist.get_rank(group) if ready else 0
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.rank = _check_int("rank", rank, 0)
-        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
-        R, b = self.world_size, self.micro_batch_size
+            rank = 0 if rank_dp is None else rank_dp
+        self.world_size, self.rank = world_size, rank
+        self.micro_batch_size = b
+        R = self.world_size
         if R == 1 and self.kind != "micro":
+            if self._form == "model":
+                raise ValueError(
+                    "gns: a DDP / FSDP2 model on one data-parallel rank has no ranks to sample; "
+                    "on one rank pass the plain module (the micro-batches are the samples)")
             raise ValueError(
                 "gns: one rank has no ranks to sample; measure with gk.MicroBatchGNS "
                 "(gradient-accumulation micro-batches as the samples)")
-        B0 = _check_int("initial_batch_size", initial_batch_size, 1)
         if B0 % (R * b):
             raise ValueError(f"initial_batch_size: expected a multiple of world_size x micro_batch_size "
                              f"= {R} x {b} = {R * b}, got {B0}")
@@ -236,7 +433,6 @@ class AdaptiveBatching:
                                  f"= {R * b}, got {max_batch_size}")
         if every is None:
             every = self.state.every
-        every = _check_int("every", every, 1)
         if every != self.state.every:
             raise ValueError(
                 f"every: AdaptiveBatching(every={every}) but the hook state measures every "
@@ -268,11 +464,11 @@ class AdaptiveBatching:
             initial_batch_size=B0, theta=theta, beta_noise=beta_noise, beta_signal=beta_signal,
             every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
             multiple_of=R * b, lr_scaling=lr_scaling, signal=signal, max_growth=max_growth)
-        self.optimizers = _as_list(optimizers)
-        if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
-            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them (every "
-                            f"param group gets the LR multiplier), got {optimizers!r:.200}")
         self.schedulers = _as_list(schedulers)
+        for i, s in enumerate(self.schedulers):
+            if not (callable(getattr(s, "step", None)) and callable(getattr(s, "state_dict", None))):
+                raise TypeError(f"schedulers[{i}]: expected an LR scheduler (step(), state_dict()), "
+                                f"got {type(s).__name__}")
         if lr_schedule is not None:
             if not callable(lr_schedule):
                 raise TypeError(f"lr_schedule: expected a function of the samples seen, got "
@@ -282,79 +478,82 @@ class AdaptiveBatching:
                                  "the scheduled learning rate)")
         self.lr_schedule = lr_schedule
         if lr_schedule is not None:
-            for opt in self.optimizers:
-                for group in opt.param_groups:
-                    group.setdefault("base_lr", float(group["lr"]))
-                    group["lr"] = group["base_lr"] * self._schedule_factor(0)
-                    group.pop("scheduled_lr", None)
-        self._lrm = LRMultiplier(self.optimizers, self.schedulers)  # captures the base LRs
-        # mistakes the loop can make, seen from here: optimizer.step() after coord.step(), a
-        # GradScaler that steps the optimizers but was not passed, a passed scheduler also
-        # stepped by hand (see _check_loop)
-        self._opt_steps = [0] * len(self.optimizers)
-        self._scaler_seen = None
-        self._hooks = [opt.register_step_post_hook(self._on_optimizer_step) for opt in self.optimizers]
-        self._sched_epochs = self._scheduler_epochs()
-        self._model = model         # the model (given here or to micro_batches)
-        self._loaded = False        # load_state_dict was called
-        self._auto_end = False      # batches(): the step ends when every optimizer has stepped
-        self.sampler = None
-        self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
-        self._step = 0
-        self._samples = 0
-        self._batch = B0
-        self._loader = None
-        self._iter = None
-        self._consumed = 0          # micro-batches handed out in the current step
-        self._served = False        # micro_batches() was used in the current step
-        self._scale = self._read_scale()
-        self._last: dict[str, Any] = {}
-        self._warned: set = set()
-        self._apply_batch()
-        self.state.step = 0
-        self.state.grad_scale = self._scale
-        if getattr(self.state, "pool", None) is not None and not self.state.has_param_order:
-            # the noise pool is saved keyed by the optimizers' parameter order
-            self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
-                                   for p in g["params"])
+            self._schedule_factor(0)   # a schedule that refuses 0 refuses here, before any lr changes
+
+    def _data_parallel(self, world_size):
+        """(R, rank) of the data-parallel group the measurement runs over: the FSDP2 mesh's
+        shard group, or the hook state's process group (the default group when None);
+        (None, None) without torch.distributed (one process)."""
+        import torch.distributed as dist
+
+        if self.kind == "fsdp" and self.fsdp_handle.dp_size is not None:
+            return self.fsdp_handle.dp_size, self.fsdp_handle.dp_rank
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, None
+        group = self.state.process_group
+        return dist.get_world_size(group), dist.get_rank(group)
 
     @staticmethod
     def _measurement_for(model, optimizers, geometry, every, B0, b, world_size, signal, beta_noise):
-        """The GNS measurement for ``model``: a DDP model gets a GNSHookState registered as
-        its comm hook, an FSDP2 model one attached to its reduce-scatters, a plain module on
-        one rank a MicroBatchGNS. Measured parameters: the first optimizer's (Muon's
-        matrices in Muon + AdamW, as the paper measures); geometry: ``geometry`` or
-        ``gk.geometry_for(optimizers)``; the noise pool's EMA factor is ``beta_noise``
-        (one setting: the pooled noise is the controller's noise EMA)."""
+        """The GNS measurement for ``model``, and a function that attaches it (called only
+        once every argument passed its checks): a DDP model gets a GNSHookState registered
+        as its comm hook (over DDP's own process group), an FSDP2 model one attached to its
+        reduce-scatters, a plain module on one rank a MicroBatchGNS. Measured parameters: the
+        first optimizer's (Muon's matrices in Muon + AdamW, as the paper measures); geometry:
+        ``geometry`` or ``gk.geometry_for(optimizers)``; the noise pool's EMA factor is
+        ``beta_noise`` (one setting: the pooled noise is the controller's noise EMA).
+        Refuses here, before anything is attached, a layout the measurement does not handle
+        (``_refuse_layout``) and a model that already carries a comm hook."""
         import torch.distributed as dist
 
         from .distributed import GNSHookState, ddp_gns_hook
-        from .distributed.fsdp import attach_fsdp_gns
+        from .distributed.fsdp import _prepare_fsdp_gns
         from .optim import geometry_for
 
-        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-            raise TypeError("optimizers: expected a torch.optim.Optimizer or a list of them, got "
-                            f"{optimizers!r:.200}")
         geometry = geometry_for(optimizers) if geometry is None else geometry
         params = [p for g in optimizers[0].param_groups for p in g["params"]]
+        mine = {id(p) for p in model.parameters()}
+        fsdp = callable(getattr(model, "set_requires_gradient_sync", None))
+        if not any(id(p) in mine for p in params):
+            raise ValueError(
+                "optimizers: the first optimizer's parameters (the measured ones) are not this "
+                "model's parameters"
+                + (": fully_shard replaces a module's parameters with sharded ones, so build the "
+                   "optimizers AFTER fully_shard(model), from model.parameters()" if fsdp else
+                   "; build the optimizers from model.parameters() of the model passed here"))
         kw = dict(geometry=geometry, every=every, pool_beta=beta_noise)
         if signal is not None:
             kw["signal"] = signal
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if not fsdp:
+            _refuse_layout(model, "DDP" if ddp else "module")
+        if ddp:
+            if getattr(model, "_comm_hooks", None):
+                hook, hstate = model._comm_hooks[0]
+                name = getattr(hook, "__name__", type(hook).__name__)
+                if isinstance(hstate, GNSHookState):
+                    raise ValueError(
+                        f"gns: this DDP model already has the comm hook {name} with a "
+                        f"{type(hstate).__name__} (DDP takes one comm hook): pass that state "
+                        "instead of the model, AdaptiveBatching(state, ...), or build DDP afresh")
+                raise ValueError(
+                    f"gns: this DDP model already has a comm hook ({name}); DDP takes one, and the "
+                    "GNS hook does the gradient all-reduce itself: build DDP without "
+                    "register_comm_hook and pass it here")
+            state = GNSHookState(batch_size=B0, params=params, process_group=model.process_group, **kw)
+            return state, lambda: model.register_comm_hook(state, ddp_gns_hook)
+        if fsdp:  # FSDP2 (fully_shard)
             state = GNSHookState(batch_size=B0, params=params, **kw)
-            model.register_comm_hook(state, ddp_gns_hook)
-            return state
-        if callable(getattr(model, "set_requires_gradient_sync", None)):  # FSDP2 (fully_shard)
-            state = GNSHookState(batch_size=B0, params=params, **kw)
-            return attach_fsdp_gns(model, state)
+            handle, install = _prepare_fsdp_gns(model, state)
+            return handle, install
         ready = dist.is_available() and dist.is_initialized()
         R = world_size if world_size is not None else (dist.get_world_size() if ready else 1)
         if R != 1:
             raise ValueError(
                 f"gns: a plain module on {R} ranks; wrap it first (DistributedDataParallel, or "
                 "fully_shard for FSDP2) and pass the wrapped model")
-        A = B0 // b if isinstance(B0, int) and isinstance(b, int) and b > 0 else None
-        return MicroBatchGNS(params, batch_size=B0, micro_batches=A, **kw)
+        A = B0 // b
+        return MicroBatchGNS(params, batch_size=B0, micro_batches=A, **kw), None
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -402,11 +601,19 @@ class AdaptiveBatching:
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"AdaptiveBatching: {msg}", RuntimeWarning, stacklevel=3)
+            _warn_user(f"AdaptiveBatching: {msg}")
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Post-hook of every optimizer's step(): counts the steps of the step in progress
         and notes a GradScaler that runs them (its step() calls optimizer.step())."""
+        if self._grad_marks is not None and self._no_backward is None:
+            # before any zero_grad: did a backward change a gradient since the step began?
+            marks = self._grad_marks
+            params = self._params()
+            self._no_backward = len(marks) == len(params) and all(
+                (p.grad is None and m is None)
+                or (p.grad is not None and m == (id(p.grad), p.grad._version))
+                for p, m in zip(params, marks))
         for i, opt in enumerate(self.optimizers):
             if opt is optimizer:
                 self._opt_steps[i] += 1
@@ -507,24 +714,45 @@ class AdaptiveBatching:
         ``accum_steps``. After each backward this calls ``MicroBatchGNS.micro_step()``.
         """
         if self._served:
-            raise RuntimeError("micro_batches: already called in this optimizer step; call "
-                               "coord.step() after optimizer.step() to end the step")
+            raise RuntimeError(
+                f"micro_batches: step {self._step}'s micro-batches were already handed out; end "
+                "the step first: opt.step(), then coord.step() (in a coord.batches(...) loop the "
+                "step ends by itself at opt.step(); iterate each batch once)")
         A = self.accum_steps
         skip_sync, last = self._sync_contexts(model, A)
         if model is not None:
             self._model = model
+        if self._model is not None and self._model is not self._model_checked:
+            self._check_model(self._model)
         self._check_loader(loader)
         if self._step == 0 and not self._loaded and any(len(o.state) for o in self.optimizers):
             self._warn_once("resume", "the optimizers hold state (a checkpoint was loaded?) but "
                             "the coordinator starts at step 0 with B_0 and the data stream at "
                             "its start; to resume, call coord.load_state_dict(ckpt['coord']) "
-                            "after loading the model and the optimizers")
-        self._served = True
+                            "after loading the model and the optimizers. Going on without it, "
+                            "the coordinator starts afresh: B_0, LR multiplier 1 on the loaded "
+                            "scheduled rates")
+            self._restart_lrs()
+        self._check_start()
+        self._served = self._micro_batches_used = True
         self._scale = self._read_scale()
         self.state.grad_scale = self._scale  # the pool stores statistics / scale^2
         feeds_sampler = self.sampler is not None and getattr(loader, "batch_sampler", None) is self.sampler
         for a in range(A):
             batch = self._next_item(loader)
+            n = _batch_len(batch)
+            if n is not None and n != self.micro_batch_size:
+                if a == 0:
+                    self._served = False   # nothing of the step was handed out
+                    self._grad_marks = self._stale_grad = self._no_backward = None
+                raise ValueError(
+                    f"micro-batch {a} of step {self._step} holds {n} examples (its first tensor's "
+                    f"leading dimension), but micro_batch_size is {self.micro_batch_size}: the "
+                    f"coordinator counts B = R x A x b = {self.world_size} x {A} x "
+                    f"{self.micro_batch_size} examples per step, and the samples seen, the LR "
+                    "multiplier and the GNS's batch would all be off. Build the loader with "
+                    "DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds))), or one that "
+                    f"yields exactly {self.micro_batch_size} examples per item (drop_last=True)")
             if feeds_sampler:
                 self.sampler.advance(1)
             self._consumed += 1
@@ -534,11 +762,122 @@ class AdaptiveBatching:
         if "coverage" not in self._warned:
             self._check_coverage()
 
+    def _restart_lrs(self) -> None:
+        """The optimizers were loaded from a checkpoint without the coordinator: their param
+        groups carry the checkpoint's lr (scheduled x the saved multiplier). Going on, the
+        coordinator starts afresh, so lr = the loaded scheduled rate x this coordinator's
+        multiplier (with lr_schedule: base lr x lr_schedule(samples seen)); taking the loaded
+        lr as a new scheduled rate multiplied it a second time at every step."""
+        f = None if self.lr_schedule is None else self._schedule_factor(self._samples)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                if f is not None and "base_lr" in group:
+                    group["scheduled_lr"] = group["base_lr"] * f
+                else:
+                    group.setdefault("scheduled_lr", float(group["lr"]))
+        self._lrm.set_multiplier(self._lrm.multiplier)
+
+    def _check_model(self, model) -> None:
+        """Once per model: a layout the measurement handles (``_refuse_layout``); under DDP,
+        the hook state reduces over DDP's own process group, and a forward pre-hook notes the
+        forwards of each step through the DDP model and whether they ran under no_sync()
+        (what ``_check_state`` names when no synchronized backward came)."""
+        import torch.distributed as dist
+
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if self.kind != "fsdp":
+            _refuse_layout(model, "DDP" if ddp else "module")
+        if ddp and self.kind in ("ddp", "micro") and dist.is_available() and dist.is_initialized():
+            mine = dist.get_process_group_ranks(self.state.process_group or dist.group.WORLD)
+            theirs = dist.get_process_group_ranks(model.process_group)
+            if mine != theirs:
+                raise ValueError(
+                    f"model: DDP reduces over ranks {theirs}, the hook state over {mine}: build the "
+                    "state with process_group=ddp.process_group (or pass the DDP model to "
+                    "AdaptiveBatching, which does)")
+        if ddp:
+            self._forwards = [0, 0]
+            ref = weakref.ref(self)
+
+            def note_forward(module, args, _ref=ref):
+                coord = _ref()
+                if coord is not None and coord._forwards is not None:
+                    coord._forwards[0] += 1
+                    coord._forwards[1] += not module.require_backward_grad_sync
+            if self._forward_hook is not None:
+                self._forward_hook.remove()
+            self._forward_hook = model.register_forward_pre_hook(note_forward)
+        self._model_checked = model
+
+    def _params(self):
+        return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+
+    def _check_start(self) -> None:
+        """At the start of a step's micro-batches (before its first forward): no parameter
+        was frozen or unfrozen since the coordinator was built (raises: the GNS would cover
+        other parameters than before); on a measuring step, whether every gradient is None
+        or zero (a device flag, read with the estimate at the end of the step: no host
+        synchronization here; it costs nothing when the gradients are None, else one
+        max-abs pass over them per measuring step); the gradients' identity and version,
+        which a backward changes (``_check_state`` tells a step without any backward)."""
+        params = self._params()
+        known = self._known   # a param group added later (add_param_group) is not compared
+        now = {id(p) for p in params if p.requires_grad and id(p) in known}
+        was = {id(p) for p in self._trainable}
+        if now != was:
+            names = _param_names(self._model)
+            frozen = [names.get(id(p), f"#{i}") for i, p in enumerate(params)
+                      if id(p) in was and id(p) not in now]
+            thawed = [names.get(id(p), f"#{i}") for i, p in enumerate(params)
+                      if id(p) in now and id(p) not in was]
+            what = (f"frozen (requires_grad False): {', '.join(frozen[:5])}" if frozen else
+                    f"unfrozen (requires_grad True): {', '.join(thawed[:5])}")
+            raise RuntimeError(
+                f"step {self._step}: parameters were {what} after the coordinator was built. The GNS "
+                "is measured over the parameters that get gradients, so from this step on it would "
+                "measure other parameters than its EMAs were formed on (docs/coordinator.md, "
+                "'Mis-uses'), and DDP would stop its hook. Set requires_grad before building the "
+                "optimizers and the coordinator; to change the trained set mid-run, build new "
+                "ones over it (the GNS then starts afresh)")
+        self._stale_grad = None
+        if self.state.is_measurement_step(self._step):
+            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
+            if grads:
+                self._stale_grad = _any_nonzero(grads)
+        self._grad_marks = [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
+        self._no_backward = None
+        if self._forwards is not None:
+            self._forwards[0] = self._forwards[1] = 0
+
     def _check_loader(self, loader) -> None:
         """An IterableDataset read by several DataLoader workers is copied into each worker:
-        unless the dataset shards itself by worker, every sample comes num_workers times."""
+        unless the dataset shards itself by worker, every sample comes num_workers times. A
+        DistributedSampler kept from the loop before the coordinator (warned once)."""
         dataset = getattr(loader, "dataset", None)
         workers = getattr(loader, "num_workers", 0) or 0
+        from .data import MicroBatchSampler
+
+        own = getattr(loader, "batch_sampler", None)
+        if isinstance(own, MicroBatchSampler) and own is not self.sampler:
+            mine = (self.micro_batch_size, self.world_size, self.rank)
+            theirs = (own.micro_batch_size, own.num_replicas, own.rank)
+            if theirs != mine:
+                raise ValueError(
+                    f"loader: its MicroBatchSampler has micro_batch_size, num_replicas, rank = "
+                    f"{theirs}, the coordinator {mine}; make it with coord.batch_sampler(len(ds))")
+            self._warn_once("own-sampler", (
+                "the loader's MicroBatchSampler was not made by coord.batch_sampler(...): the "
+                "coordinator does not advance it, so coord.state_dict() does not save the "
+                "stream's position and a resumed run restarts it; use coord.batch_sampler"))
+        samplers = (getattr(loader, "sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+        if any(isinstance(s, torch.utils.data.DistributedSampler) for s in samplers):
+            self._warn_once("distributed-sampler", (
+                "the loader draws from a DistributedSampler: its passes neither follow the "
+                "coordinator's steps nor resume from coord.state_dict(), every pass repeats the "
+                "same order unless set_epoch is called, and its last micro-batch of a pass is short "
+                "(refused) unless drop_last=True. Use DataLoader(ds, "
+                "batch_sampler=coord.batch_sampler(len(ds))): it shards by rank itself"))
         if isinstance(dataset, torch.utils.data.IterableDataset) and workers > 1:
             self._warn_once("iterable", (
                 f"the loader reads an IterableDataset with num_workers={workers}: each worker "
@@ -559,12 +898,12 @@ class AdaptiveBatching:
         mine = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
         missing = [n for n, p in named if p.grad is not None and id(p) not in mine]
         if missing:
-            warnings.warn(
+            first = "model" if self._form == "model" else "..."
+            _warn_user(
                 f"AdaptiveBatching: {len(missing)} parameters received gradients but are in none "
                 f"of the optimizers passed to the coordinator (e.g. {', '.join(missing[:3])}): "
                 "their learning rate is never multiplied as the batch grows. Pass every "
-                "optimizer, e.g. AdaptiveBatching(state, [muon, adamw], ...)",
-                RuntimeWarning, stacklevel=3)
+                f"optimizer as a list, e.g. AdaptiveBatching({first}, [muon, adamw], ...)")
 
     def _check_loop(self, k: int) -> None:
         """At coord.step(): the optimizers stepped since the last coord.step(), a GradScaler
@@ -624,18 +963,37 @@ class AdaptiveBatching:
         The step ends by itself when every optimizer passed has stepped (no
         ``coord.step()``); a step that a GradScaler skipped (inf gradient) ends when the
         next batch is drawn. The model for ``no_sync`` is the one given to the
-        constructor (or to ``micro_batches``)."""
-        while self._within_budget(max_samples, max_steps):
-            k = self._step
-            batch = Batch(self, loader, k)
-            self._auto_end = True
-            try:
-                yield batch
-            finally:
-                pending = self._auto_end and self._step == k
-                self._auto_end = False
-            if pending:
-                self._finish_unended(k)
+        constructor (or to ``micro_batches``). ``max_samples`` and ``max_steps`` are
+        checked here (an int >= 0, or None)."""
+        max_samples = _check_budget("max_samples", max_samples)
+        max_steps = _check_budget("max_steps", max_steps)
+        self._refuse_nested("batches")
+        return self._batches(loader, max_samples, max_steps)
+
+    def _refuse_nested(self, what: str) -> None:
+        if self._in_batches:
+            raise RuntimeError(
+                f"coord.{what}(...): a coord.batches(...) loop of this coordinator is still running "
+                "(a nested loop, or an earlier loop left with break whose iterator is still "
+                "referenced: close() it); one loop draws the steps, each Batch once")
+
+    def _batches(self, loader, max_samples, max_steps) -> Iterator["Batch"]:
+        self._refuse_nested("batches")
+        self._in_batches = True
+        try:
+            while self._within_budget(max_samples, max_steps):
+                k = self._step
+                batch = Batch(self, loader, k)
+                self._auto_end = True
+                try:
+                    yield batch
+                finally:
+                    pending = self._auto_end and self._step == k
+                    self._auto_end = False
+                if pending:
+                    self._finish_unended(k)
+        finally:
+            self._in_batches = False
 
     def _within_budget(self, max_samples: Optional[int], max_steps: Optional[int]) -> bool:
         """The next step's batch fits in ``max_samples`` (global examples) and k < ``max_steps``."""
@@ -658,7 +1016,14 @@ class AdaptiveBatching:
 
     def steps(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> Iterator[int]:
         """Yield k = current_step while the next step's batch fits in ``max_samples``
-        (global examples) and k < ``max_steps``; raises if a step ended without ``step()``."""
+        (global examples) and k < ``max_steps``; raises if a step ended without ``step()``.
+        ``max_samples`` and ``max_steps`` are checked here (an int >= 0, or None)."""
+        max_samples = _check_budget("max_samples", max_samples)
+        max_steps = _check_budget("max_steps", max_steps)
+        self._refuse_nested("steps")
+        return self._steps(max_samples, max_steps)
+
+    def _steps(self, max_samples, max_steps) -> Iterator[int]:
         while self._within_budget(max_samples, max_steps):
             k = self._step
             yield k
@@ -682,16 +1047,47 @@ class AdaptiveBatching:
             raise RuntimeError(
                 f"step {k}: {self._consumed} of its {self.accum_steps} micro-batches were consumed; "
                 "iterate coord.micro_batches(...) to the end before coord.step()")
+        if self._no_backward and self._served and (self.kind == "micro" or st.step == k):
+            raise RuntimeError(
+                f"step {k}: no backward ran in this step (no parameter's gradient changed "
+                f"from its first micro-batch to opt.step()), so there was nothing to measure or "
+                "to step: run loss.backward() on every micro-batch, inside the loop over the batch")
         if st.step == k + 1:
             return
+        fw = self._forwards
+        if st.step == k and fw is not None and self._served and self.kind in ("ddp", "micro"):
+            if fw[0] == 0:
+                raise RuntimeError(
+                    f"step {k}: no forward went through the DDP model in this step, so DDP "
+                    "prepared no gradient synchronization and the GNS hook never ran: call the "
+                    "DDP model (ddp(x)), not the module it wraps (ddp.module(x) or the model "
+                    "DDP was built from)")
+            if fw[1] == fw[0]:
+                raise RuntimeError(
+                    f"step {k}: every forward of this step ran under DDP's no_sync() ({fw[0]} of "
+                    f"{fw[0]}), so no backward synchronized the gradients and the GNS hook never "
+                    "ran: the coordinator's batch already runs the first A - 1 micro-batches "
+                    "under no_sync() and the last one synchronized; remove your own "
+                    "no_sync() around the micro-batches")
+        if st.step == k and not self._served and self._micro_batches_used:
+            raise RuntimeError(
+                f"step {k}: coord.step() without this step's micro-batches: no micro-batch was "
+                "drawn since the last coord.step() (coord.step() called twice for one optimizer "
+                "step?)")
         if st.step == k:
+            model_form = self._form == "model"
             if self.kind == "micro":
                 fix = ("MicroBatchGNS.micro_step() must follow every micro-batch's backward "
                        f"({self.accum_steps} per step; coord.micro_batches calls it)")
             elif self.kind == "fsdp":
-                fix = "is attach_fsdp_gns(model, state) attached to the model that ran backward?"
+                fix = ("did the backward run through the FSDP2 model given to AdaptiveBatching, "
+                       "with set_requires_gradient_sync(True) for the last micro-batch?"
+                       if model_form else
+                       "is attach_fsdp_gns(model, state) attached to the model that ran backward?")
             else:
-                fix = "register the hook: ddp.register_comm_hook(state, gk.ddp_gns_hook)"
+                fix = ("did the backward run through the DDP model given to AdaptiveBatching?"
+                       if model_form else
+                       "register the hook: ddp.register_comm_hook(state, gk.ddp_gns_hook)")
                 frozen = [n for n, p in getattr(self._model, "named_parameters", lambda: [])()
                           if not p.requires_grad]
                 fix = ("DDP runs the comm hook only once every gradient bucket is ready: a "
@@ -729,6 +1125,14 @@ class AdaptiveBatching:
             self._warn_once("stale", f"the estimate of step {k} says it was measured at step "
                             f"{est.step}; it is not used")
             return None
+        if est.valid and est.noise == 0 and est.signal > 0:
+            self._warn_once("zero-noise", (
+                f"the noise measured at step {k} is exactly 0: every "
+                f"{'micro-batch' if self.kind == 'micro' and self.world_size == 1 else 'rank'} "
+                "computed the same gradient, so the GNS is 0 and the batch cannot grow. Do the "
+                f"{'micro-batches' if self.world_size == 1 else 'ranks'} read the same examples "
+                "(a loader that repeats one batch, or is not sharded by rank)? Use "
+                "DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)))"))
         s2 = self._scale * self._scale
         if s2 == 1.0:
             return replace(est, step=k)
@@ -741,6 +1145,11 @@ class AdaptiveBatching:
         m = self._lrm.multiplier
         for opt in self.optimizers:
             for group in opt.param_groups:
+                if "scheduled_lr" not in group:  # added by add_param_group: its lr is scheduled
+                    group["scheduled_lr"] = float(group["lr"])
+                    if self.lr_schedule is not None:
+                        group.setdefault("base_lr", float(group["lr"]))
+                    continue
                 if _lr_moved(group, m):
                     self._warn_once(
                         "lr", "a param group's lr was changed outside the coordinator (a scheduler "
@@ -761,7 +1170,7 @@ class AdaptiveBatching:
                     f"step(k={k}): this is optimizer step {self._step}; the coordinator counts "
                     "optimizer steps from 0 itself, so call coord.step() without k (or pass "
                     "coord.current_step)")
-        if self._auto_end:
+        if self._auto_end or self._in_batches:
             raise RuntimeError("coord.step(): in a coord.batches(...) loop the step ends by itself "
                                "when the optimizers step; remove the coord.step() call")
         return self._end_step()
@@ -770,9 +1179,18 @@ class AdaptiveBatching:
         k = self._step
         self._check_state(k)
         self._check_loop(k)
+        measure = k % self.every == 0
+        if measure and self._stale_grad is not None and bool(self._stale_grad):
+            # read here, with the estimate: the measurement's one host synchronization
+            raise RuntimeError(
+                f"step {k}: the gradients were not zero when this step's first micro-batch "
+                "began, so its backward passes added to the previous step's gradients "
+                "(opt.zero_grad() missing after opt.step()?): the step and its GNS measurement "
+                "mix two steps (one rank: the GNS came out 2-3x too large and B reached its cap). "
+                "Call opt.zero_grad() after every opt.step(); the measurement of this step is "
+                "not used")
         f_next = (None if self.lr_schedule is None
                   else self._schedule_factor(self._samples + self._batch))
-        measure = k % self.every == 0
         est = self._measurement(k) if measure else None
         ctrl = self.controller
         ctrl.update(k, est)
@@ -783,6 +1201,7 @@ class AdaptiveBatching:
         self._batch = new
         self._served = False
         self._consumed = 0
+        self._stale_grad = self._grad_marks = self._no_backward = None
         self._apply_batch()
         self._sync_lrs()
         if f_next is not None:
@@ -915,11 +1334,10 @@ class AdaptiveBatching:
             if ctrl.max_batch_size is not None:
                 new = min(new, ctrl.max_batch_size)
             new = max(new, ctrl.initial_batch_size)
-            warnings.warn(
+            _warn_user(
                 f"AdaptiveBatching: resumed with world_size x micro_batch_size = {self.world_size} x "
                 f"{self.micro_batch_size} = {m} (saved: {sd['world_size']} x {sd['micro_batch_size']}); "
-                f"the saved batch {batch} is not a multiple of {m}, continuing with {new}",
-                RuntimeWarning, stacklevel=2)
+                f"the saved batch {batch} is not a multiple of {m}, continuing with {new}")
             csd["batch_size"] = new
         ctrl.load_state_dict(csd, strict=False)
         self._step = _check_int("state_dict['step']", sd["step"], 0)
@@ -955,6 +1373,7 @@ class Batch:
 
     def __init__(self, coord: AdaptiveBatching, loader, step: int):
         self._coord, self._loader, self.step = coord, loader, step
+        self._iterated = False
 
     def __len__(self) -> int:
         return self._coord.accum_steps
@@ -962,7 +1381,18 @@ class Batch:
     def __iter__(self) -> Iterator[Any]:
         coord = self._coord
         if coord.current_step != self.step:
-            raise RuntimeError(f"batch of step {self.step} iterated at step {coord.current_step}")
+            raise RuntimeError(f"the batch of step {self.step} iterated at step {coord.current_step}: "
+                               "iterate each batch inside its own step of the coord.batches(...) loop")
+        if self._iterated:
+            raise RuntimeError(
+                f"the batch of step {self.step} was already iterated: a Batch is iterated once (it "
+                "draws its micro-batches from the loader as it goes); keep what you need from "
+                "the first pass instead of iterating it again")
+        self._iterated = True
+        return self._micro_batches()
+
+    def _micro_batches(self) -> Iterator[Any]:
+        coord = self._coord
         for batch, ctx in coord.micro_batches(self._loader, coord._model):
             with ctx:
                 yield batch

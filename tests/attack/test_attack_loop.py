@@ -430,10 +430,14 @@ def test_iterable_dataset_with_several_workers_warns():
     loader = DataLoader(_Stream(64), batch_size=4, num_workers=2)
     with pytest.warns(RuntimeWarning, match="num_workers=2.*get_worker_info"):
         _backward_all(coord, loader, model)
+    # the two workers' copies gave the step's two micro-batches the same examples: the
+    # measured noise is exactly 0, which the coordinator names too (issue 39)
+    opt.step(); opt.zero_grad()
+    with pytest.warns(RuntimeWarning, match="noise measured at step 0 is exactly 0"):
+        coord.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _backward_all_one = DataLoader(_Stream(64), batch_size=4, num_workers=0)
-        opt.step(); opt.zero_grad(); coord.step()
         _backward_all(coord, _backward_all_one, model)
 
 
@@ -459,8 +463,10 @@ def test_forgotten_coordinator_load_on_resume_warns():
 
 def test_frozen_ddp_parameter_is_named_not_hidden():
     """A DDP parameter frozen halfway stops DDP's buckets, so the hook never runs; the
-    coordinator said only 'register the hook'. It now names DDP's unused-parameter rule
-    and the parameters that no longer require a gradient."""
+    coordinator said only 'register the hook'. A parameter frozen after the coordinator was
+    built is now named when the next step's micro-batches begin (issue 39: on one rank and
+    under FSDP2 it was measured over fewer parameters without a word); a parameter unused
+    in a forward still gets DDP's unused-parameter rule named at coord.step()."""
     from gns_kernels.distributed import GNSHookState
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
@@ -469,9 +475,12 @@ def test_frozen_ddp_parameter_is_named_not_hidden():
     coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2, rank=0)
     loader = [(torch.randn(4, 3), torch.randn(4, 1))] * 4
     model[0].weight.requires_grad_(False)                   # frozen halfway
+    with pytest.raises(RuntimeError, match="parameters were frozen.*0.weight"):
+        next(coord.micro_batches(loader, model))
+    model[0].weight.requires_grad_(True)
     for (x, y), ctx in coord.micro_batches(loader, model):  # no hook ran: state.step stays 0
         with ctx:
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.functional.mse_loss(model[1](x.new_ones(4, 4)), y).backward()  # model[0] unused
     opt.step()
-    with pytest.raises(RuntimeError, match="find_unused_parameters.*0.weight.*rebuild DDP"):
+    with pytest.raises(RuntimeError, match="find_unused_parameters.*A parameter unused in this forward"):
         coord.step()
