@@ -26,7 +26,7 @@ from _harness import collective_seq as _seq, gather_per_rank as _gather, run_sce
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, ddp_gns_hook
-from gns_kernels.distributed.fsdp import attach_fsdp_gns, fsdp_gns_shard_placement
+from gns_kernels.distributed.fsdp import _param_groups, attach_fsdp_gns, fsdp_gns_shard_placement
 
 LOCAL_BATCH = 4
 IN, HID, MID, OUT = 13, 24, 17, 5
@@ -80,11 +80,15 @@ def _shard(model, *, mp, reshard, placement, world):
 
 
 class _Counter:
-    """Wraps dist.reduce_scatter_single and dist.all_reduce: (kind, numel, dtype) per call."""
+    """Wraps dist.reduce_scatter_single and dist.all_reduce: (kind, numel, dtype) per call.
+    (torch < 2.13 has no reduce_scatter_single, and FSDP2 calls reduce_scatter_tensor: the
+    wrapper is installed under both names there, around the original reduce_scatter_tensor,
+    and the new name removed after.)"""
 
     def __init__(self):
         self.calls = []
-        self._rs = dist.reduce_scatter_single
+        self._had_rs = hasattr(dist, "reduce_scatter_single")
+        self._rs = dist.reduce_scatter_single if self._had_rs else dist.reduce_scatter_tensor
         self._ar = dist.all_reduce
 
     def __enter__(self):
@@ -99,11 +103,17 @@ class _Counter:
             return rec._ar(tensor, *args, **kwargs)
 
         dist.reduce_scatter_single = rs
+        if not self._had_rs:
+            dist.reduce_scatter_tensor = rs
         dist.all_reduce = ar
         return self
 
     def __exit__(self, *exc):
-        dist.reduce_scatter_single = self._rs
+        if self._had_rs:
+            dist.reduce_scatter_single = self._rs
+        else:
+            del dist.reduce_scatter_single
+            dist.reduce_scatter_tensor = self._rs
         dist.all_reduce = self._ar
 
 
@@ -257,9 +267,9 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
         with _Counter() as calls:
             _loss(hooked, x, y).backward()
         comms = [type(pg._reduce_scatter_comm).__name__ for m in hooked.modules()
-                 if hasattr(m, "_get_fsdp_state") for pg in m._get_fsdp_state()._fsdp_param_groups]
+                 if hasattr(m, "_get_fsdp_state") for pg in _param_groups(m)]
         wrapped = [m.__class__.__name__ for m in hooked.modules() if hasattr(m, "_get_fsdp_state")
-                   for pg in m._get_fsdp_state()._fsdp_param_groups if "post_backward" in vars(pg)]
+                   for pg in _param_groups(m) if "post_backward" in vars(pg)]
         attach_fsdp_gns(hooked, state).remove()  # attachable again after remove()
         after = {"calls": calls.calls, "step_unchanged": state.step == step_before, "comms": comms,
                  "twice": twice, "wrapped_after_remove": wrapped}
