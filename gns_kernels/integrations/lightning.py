@@ -11,7 +11,8 @@ registered on Lightning's DDP model), ``ModelParallelStrategy`` with
 ``tensor_parallel_size=1`` (FSDP2: ``fully_shard`` the children and then the
 LightningModule itself in ``configure_model``; the hook is attached with
 ``attach_fsdp_gns`` to the LightningModule, the FSDP2 root) and one device (the
-micro-batches are the samples). Refused with a RuntimeError naming the alternative:
+micro-batches are the samples: ``MicroBatchGNS.micro_step()`` after each backward, in
+``on_after_backward``). Refused with a RuntimeError naming the alternative:
 Lightning's ``FSDPStrategy`` (FSDP1; its flat parameters hide the per-parameter gradients
 the hook reads), tensor parallelism, a LightningModule that is not an FSDP2 module.
 
@@ -44,20 +45,33 @@ on the strategy's model and the Trainer's optimizer, and takes over the accumula
   ``pl_module.log_dict`` (finite numbers under ``gns/``, on step).
 
 What it does not change: the data. Keep your DataLoader with ``batch_size=b`` (the
-micro-batch); Lightning's sampler decides the order and its resume position (the
-coordinator's ``batch_sampler`` is not used). It refuses Lightning LR schedulers (the
-coordinator scales the lr; pass ``lr_schedule=`` instead), manual optimization and more
-than one optimizer.
+micro-batch); Lightning's sampler decides the order (the coordinator's ``batch_sampler``
+is not used). It refuses Lightning LR schedulers (the coordinator scales the lr; pass
+``lr_schedule=`` instead), manual optimization and more than one optimizer.
 
 Checkpoint: the callback's ``state_dict`` holds every rank's coordinator state (gathered
 to rank 0, which Lightning writes) and each rank takes its own on resume (another world
-size: as ``AdaptiveBatching.load_state_dict``, the pool restarts with a warning).
+size: as ``AdaptiveBatching.load_state_dict``, the pool restarts with a warning); also the
+data position (Lightning's epoch and its micro-batches done) and the param groups'
+scheduled lr (an optimizer restored through torch.distributed.checkpoint, FSDP2, gets
+back only the keys a fresh optimizer has). Resume (``ckpt_path=``) from a checkpoint
+written during fit (``ModelCheckpoint``) continues the uninterrupted run exactly when the
+loader's order depends on the epoch alone (a ``DistributedSampler``, which
+``strategy="ddp"`` puts in; tested bit-exact on DDP, FSDP2 and one device): Lightning
+restarts a plain DataLoader's epoch at its first batch while counting the micro-batches
+done as consumed, so the callback rebuilds the epoch's iterator and draws and drops them
+(a stateful loader, with ``state_dict``, is left to Lightning's own restore). Where that
+cannot be exact the resume warns, naming why: a ``RandomSampler`` (its order comes from
+the global RNG, not restored by Lightning), another sampler or an ``IterableDataset``
+(unchecked), a checkpoint written after ``fit()`` stopped mid-epoch (Lightning resumes it
+at the next epoch's start: the rest of that epoch is never seen), a checkpoint written
+inside an optimizer step, a loader without length.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._common import missing, rank_world, scalars
+from ._common import missing, rank_world, scalars, warn_user
 
 try:
     from lightning.pytorch.callbacks import Callback as _Callback
@@ -100,6 +114,8 @@ class GNSCallback(_Callback):
         self.log_metrics, self.prefix = log, prefix
         self.coord = None
         self._count = 0          # micro-batches of the current step seen so far
+        self._epoch = 0          # Lightning's epoch and its micro-batches done (the data
+        self._epoch_batches = 0  # position a checkpoint resumes from)
         self._pending: Optional[dict] = None
 
     # ------------------------------------------------------------------ setup
@@ -145,16 +161,21 @@ class GNSCallback(_Callback):
                 "fight it. Return the optimizer only and pass "
                 "GNSCallback(..., lr_schedule=lambda samples: ...)")
         model = self._measured_model(trainer, pl_module)
+        resumed = self._pending
+        if resumed is not None:
+            _restore_lr_keys(trainer.optimizers, resumed.get("lr_keys"))
         self.coord = AdaptiveBatching(model, trainer.optimizers, world_size=trainer.world_size,
                                       rank=trainer.global_rank, **self.kw)
-        if self._pending is not None:
-            self._load(self._pending)
-            self._pending = None
+        self._pending = None
+        if resumed is not None:
+            self._load(resumed)
         self._count = 0
         self._take_over(trainer)
         if self.coord.kind == "fsdp":
             self._route_through_root(trainer)
         trainer.accumulate_grad_batches = self.coord.accum_steps
+        if resumed is not None:
+            self._resume_data(trainer, resumed)
 
     def _route_through_root(self, trainer) -> None:
         """ModelParallelStrategy calls ``training_step`` on the LightningModule directly, so
@@ -181,7 +202,11 @@ class GNSCallback(_Callback):
         make_zero_grad = type(auto)._make_zero_grad_fn
 
         def should_accumulate() -> bool:
-            return cb._count < cb.coord.accum_steps
+            # inside a step (after on_train_batch_start counted its micro-batch): not its
+            # last one; between steps (count 0: Lightning asks after on_train_batch_end, and
+            # at a restart) the last micro-batch stepped, so loggers' step counter
+            # (_batches_that_stepped) advances once per optimizer step
+            return 0 < cb._count < cb.coord.accum_steps
 
         def zero_grad_fn(batch_idx, optimizer):
             # Lightning's rule is batch_idx % accumulate_grad_batches == 0; index 0 asks it
@@ -202,8 +227,19 @@ class GNSCallback(_Callback):
         if self.coord.kind == "fsdp":   # Lightning's block_backward_sync is DDP's no_sync only
             pl_module.set_requires_gradient_sync(self._count >= A)
 
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # one device: the micro-batches are the samples, read after each one's backward (the
+        # optimizer step and any gradient clipping come after this hook); under DDP and
+        # FSDP2 the hooks read the synchronized backward themselves
+        if self.coord is not None and self.coord.kind == "micro":
+            self.coord.state.micro_step()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.coord is None or self._count < self.coord.accum_steps:
+        if self.coord is None:
+            return
+        # the data position a checkpoint written now resumes from: micro-batches of the epoch
+        self._epoch, self._epoch_batches = trainer.current_epoch, batch_idx + 1
+        if self._count < self.coord.accum_steps:
             return
         self._count = 0
         self.coord.step()
@@ -225,7 +261,10 @@ class GNSCallback(_Callback):
             dist.all_gather_object(shares, mine)   # Lightning writes rank 0's dict
         else:
             shares = [mine]
-        return {"version": 1, "ranks": shares, "count": self._count}
+        return {"version": 1, "ranks": shares, "count": self._count, "epoch": self._epoch,
+                "epoch_batches": self._epoch_batches,
+                "lr_keys": [{k: float(g[k]) for k in _LR_KEYS if k in g}
+                            for opt in self.coord.optimizers for g in opt.param_groups]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
@@ -243,3 +282,108 @@ class GNSCallback(_Callback):
         shares = state["ranks"]
         r = self.coord.rank
         self.coord.load_state_dict(shares[r] if len(shares) == self.coord.world_size else shares[0])
+        self._epoch, self._epoch_batches = state.get("epoch", 0), state.get("epoch_batches", 0)
+
+    # ------------------------------------------------------------------ resume
+    def _resume_data(self, trainer, state: dict) -> None:
+        """Put the data where the checkpoint left it, or warn why that is impossible.
+
+        Lightning restores the position of a stateful loader (``state_dict`` /
+        ``load_state_dict``) only. A plain DataLoader restarted mid-epoch starts the
+        epoch's iterator from its first batch while Lightning counts the epoch's
+        micro-batches done as consumed: the run would see the epoch's first micro-batches
+        again and stop the epoch before its last ones. Here the iterator is rebuilt for
+        the resumed epoch (sampler epoch set first: a loader with workers has already
+        drawn its indices) and the n micro-batches done are drawn and dropped, so
+        Lightning's count and the data agree. That repeats the interrupted run only if
+        the epoch's order depends on the epoch alone (a DistributedSampler, as
+        ``strategy="ddp"`` puts in, or no shuffling); other cases are warned about."""
+        fit = trainer.fit_loop
+        combined, fetcher = getattr(fit, "_combined_loader", None), getattr(fit, "_data_fetcher", None)
+        if combined is None or fetcher is None:
+            return
+        loaders = list(combined.flattened)
+        epoch, n = state.get("epoch"), state.get("epoch_batches")
+        now = fit.epoch_progress.current.processed      # the epoch Lightning runs next
+        total = trainer.num_training_batches
+        why = []
+        if state.get("count"):
+            why.append(f"it was written inside an optimizer step ({state['count']} of its "
+                       "micro-batches done; their gradients are not in a checkpoint)")
+        if epoch is None or n is None:
+            why.append("its GNSCallback state has no data position (written by an older "
+                       "gns_kernels)")
+        elif now == epoch and 0 < n < total:      # Lightning restarts this epoch mid-way
+            stateful = all(callable(getattr(dl, "state_dict", None))
+                           and callable(getattr(dl, "load_state_dict", None)) for dl in loaders)
+            if not stateful:                      # (a stateful loader was restored by Lightning)
+                if total == float("inf"):
+                    why.append("the training DataLoader has no length, so its position in the "
+                               "epoch cannot be restored")
+                else:
+                    self._skip_micro_batches(fetcher, loaders, now, n)
+        elif now > epoch and n < total:
+            why.append(f"it was written at micro-batch {n} of {total} of epoch {epoch} after "
+                       f"fit() had stopped there (max_steps), and Lightning resumes such a "
+                       f"checkpoint at the start of epoch {now}: the {total - n} micro-batches "
+                       f"left of epoch {epoch} are never trained on (a checkpoint written during "
+                       "fit, ModelCheckpoint(every_n_train_steps=...), resumes mid-epoch)")
+        why += [w for w in map(_order_not_repeated, loaders) if w]
+        if why:
+            warn_user("GNSCallback: this resume cannot repeat the interrupted run (the "
+                      "coordinator's batch, EMAs and lr are restored, but the data differs): "
+                      + "; ".join(why) + ". See docs/integrations.md, Lightning, 'Resume'")
+
+    @staticmethod
+    def _skip_micro_batches(fetcher, loaders, epoch: int, n: int) -> None:
+        for dl in loaders:
+            for obj in {id(o): o for o in (getattr(dl, "sampler", None),
+                                            getattr(getattr(dl, "batch_sampler", None), "sampler", None))
+                        if o is not None}.values():
+                if callable(getattr(obj, "set_epoch", None)):
+                    obj.set_epoch(epoch)
+        iter(fetcher)                 # this epoch's iterator (Lightning's counters are kept)
+        for _ in range(n):
+            next(fetcher.iterator)    # drawn and dropped: the micro-batches done before the checkpoint
+
+
+# the coordinator's rates kept in each param group (gk.LRMultiplier's scheduled rate, the
+# lr_schedule's base): an optimizer restored through torch.distributed.checkpoint (FSDP2,
+# ModelParallelStrategy) gets back only the keys a fresh optimizer has, so the callback's
+# state carries them too (without them the coordinator took the restored lr, already x
+# omega, as the scheduled rate: lr x omega twice, 0.009 where 0.0052 was right)
+_LR_KEYS = ("scheduled_lr", "base_lr")
+
+
+def _restore_lr_keys(optimizers, saved) -> None:
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        return    # an older state, or other param groups: the optimizer's own keys stay
+    for g, keys in zip(groups, saved):
+        if isinstance(keys, dict):
+            g.update({k: float(v) for k, v in keys.items() if k in _LR_KEYS})
+
+
+def _order_not_repeated(loader) -> Optional[str]:
+    """Why a resumed epoch of ``loader`` may not repeat the interrupted run's order (None:
+    it does: its sampler is a DistributedSampler, seeded by its seed and the epoch, or a
+    SequentialSampler)."""
+    from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset, SequentialSampler
+
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return "the training data is an IterableDataset, whose order after a resume is its own"
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return (f"the training DataLoader's batch_sampler is a {type(batch_sampler).__name__}, "
+                "whose order after a resume cannot be checked")
+    sampler = getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
+    if type(sampler) in (DistributedSampler, SequentialSampler):
+        return None
+    name = type(sampler).__name__
+    if name == "RandomSampler" and getattr(sampler, "generator", None) is None:
+        return ("the training DataLoader shuffles with a RandomSampler, which draws each "
+                "epoch's order from the global RNG, not restored by Lightning (pass "
+                "sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=s) "
+                "on one device; strategy='ddp' puts one in)")
+    return (f"the training DataLoader's sampler is a {name}, whose order after a resume cannot "
+            "be checked (a DistributedSampler's depends on its seed and the epoch alone)")

@@ -30,7 +30,7 @@ def _module(fsdp=False, sched=False):
             super().__init__()
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-            self.losses, self.sizes = [], []
+            self.losses, self.sizes, self.seen = [], [], []
 
         def configure_model(self):
             if fsdp:
@@ -40,6 +40,7 @@ def _module(fsdp=False, sched=False):
         def training_step(self, batch, batch_idx):
             x, y = batch
             self.sizes.append(x.shape[0])
+            self.seen.append(float(x.double().sum()))   # which micro-batch this was
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
@@ -51,28 +52,48 @@ def _module(fsdp=False, sched=False):
     return Net()
 
 
-def _trainer(strategy, callbacks, folder, max_steps, world):
+def _trainer(strategy, callbacks, folder, max_steps, world, checkpointing=False):
     import lightning as L
 
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                      callbacks=callbacks, max_steps=max_steps, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_checkpointing=checkpointing, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=folder, log_every_n_steps=1,
                      use_distributed_sampler=True)
 
 
-def fit(rank, world, folder, strategy="ddp", steps=8, resume=False):
+def _params(model):
+    """This rank's weights (its shards under FSDP2)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for n, p in model.state_dict().items()}
+
+
+def _ours(caught):
+    return [str(w.message) for w in caught if "GNSCallback" in str(w.message)]
+
+
+def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
+    """`steps` optimizer steps (with resume: a ModelCheckpoint at step `stop`, then a new
+    Trainer resumed from it through ckpt_path to `steps`): what the module saw, the
+    logged metrics, the coordinator's state and weights of both runs."""
     from gns_kernels.integrations.lightning import GNSCallback
 
     _env(rank, world)
-    if strategy == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-        strat = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    else:
-        strat = strategy
-    logged = []
+
+    def strat():
+        if strategy == "fsdp":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+            return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        return strategy
+
+    def callback():
+        return GNSCallback(micro_batch_size=4, initial_batch_size=8 * world,
+                           max_batch_size=64 * world, every=2, geometry="l1")
+
+    logged, before = [], []
 
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     class Spy(L.Callback):  # what the callback logged this step
         def on_train_batch_end(self, trainer, pl_module, *a):
@@ -80,33 +101,35 @@ def fit(rank, world, folder, strategy="ddp", steps=8, resume=False):
             if k is not None and (not logged or logged[-1]["gns/step"] != float(k)):
                 logged.append({k: float(v) for k, v in trainer.callback_metrics.items()
                                if k.startswith("gns/")})
+            if trainer.global_step == stop and not before:
+                before.append(len(pl_module.seen))   # micro-batches before the checkpoint
 
-    gns = GNSCallback(micro_batch_size=4, initial_batch_size=8 * world, max_batch_size=64 * world,
-                      every=2, geometry="l1")
+    gns = callback()
     model = _module(fsdp=(strategy == "fsdp"))
     loader = DataLoader(_data(), batch_size=4, shuffle=True)
-    trainer = _trainer(strat, [gns, Spy()], folder, steps, world)
+    extra = [ModelCheckpoint(dirpath=folder, every_n_train_steps=stop, save_top_k=-1,
+                             filename="gns-{step}")] if resume else []
+    trainer = _trainer(strat(), [gns, Spy()] + extra, folder, steps, world, checkpointing=resume)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader)
-    rows = []
     coord = gns.coord
-    ckpt = os.path.join(folder, "gns.ckpt")
-    trainer.save_checkpoint(ckpt)
     out = {"sizes": model.sizes, "logged": logged, "global_step": trainer.global_step,
            "coord_step": coord.current_step, "batch": coord.batch_size,
-           "accum": coord.accum_steps, "state": coord.state_dict()}
-    if resume:  # a new Trainer from the checkpoint: the callback restores every rank's state
+           "accum": coord.accum_steps, "state": coord.state_dict(), "seen": model.seen,
+           "params": _params(model),
+           "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped}
+    if resume:  # a new Trainer from the step-`stop` checkpoint: the callback restores every rank's state
         _env(rank, world)   # Lightning's teardown removed them
-        gns2 = GNSCallback(micro_batch_size=4, initial_batch_size=8 * world, max_batch_size=64 * world,
-                           every=2, geometry="l1")
-        trainer2 = _trainer(strat if strategy != "fsdp" else ModelParallelStrategy(
-            data_parallel_size=world, tensor_parallel_size=1), [gns2], folder, steps + 2, world)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer2.fit(_module(fsdp=(strategy == "fsdp")), loader, ckpt_path=ckpt)
-        out["resumed_step"] = gns2.coord.current_step
-        out["resumed_pool_keys"] = sorted(map(str, gns2.coord.state.pool.keys()))
+        gns2 = callback()
+        model2 = _module(fsdp=(strategy == "fsdp"))
+        trainer2 = _trainer(strat(), [gns2], folder, steps, world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer2.fit(model2, loader, ckpt_path=os.path.join(folder, f"gns-step={stop}.ckpt"))
+        out.update(before=before[0], resumed_seen=model2.seen, resumed_params=_params(model2),
+                   resumed_state=gns2.coord.state_dict(), resumed_warnings=_ours(caught),
+                   resumed_pool_keys=sorted(map(str, gns2.coord.state.pool.keys())))
     return out
 
 

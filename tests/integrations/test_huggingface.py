@@ -23,6 +23,7 @@ from gns_kernels.integrations.huggingface import GNSTrainerCallback  # noqa: E40
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _hf_workers as W  # noqa: E402  (the tiny local GPT-2 and its data, shared with the AdaptiveTrainer tests)
+from _oracle import l1_gns  # noqa: E402
 
 
 def _DS():
@@ -107,17 +108,6 @@ class _MicroGrads(transformers.TrainerCallback):
         self._cur, self._prev = [], None
 
 
-def _l1_gns(micro, b):
-    """The bias-corrected l1 GNS of R = len(micro) equal micro-batches of b examples, in
-    float64 from docs/estimators.md's formula (a constant gradient scale cancels)."""
-    R = len(micro)
-    x = torch.stack([torch.cat([t.flatten() for t in m]) for m in micro])
-    g = x.mean(0)
-    s2 = (b * R / (R - 1) * ((x * x).mean(0) - g * g)).clamp_min(0)
-    c4 = math.sqrt(2 / (R - 1)) * math.exp(math.lgamma(R / 2) - math.lgamma((R - 1) / 2))
-    return float(s2.sqrt().sum() ** 2 / c4 ** 2 / g.abs().sum() ** 2)
-
-
 def _short_run(tmp_path, n, accum, epochs):
     spy, cb = _MicroGrads(), GNSTrainerCallback(every=1)
     args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=accum,
@@ -130,7 +120,7 @@ def _short_run(tmp_path, n, accum, epochs):
     for r in cb.history:    # every measured step from its own micro-batches
         micro = spy.steps[r["step"]]
         assert r["accum_steps"] == len(micro) and r["batch_size"] == 2 * len(micro)
-        assert r["gns"] == pytest.approx(_l1_gns(micro, 2), rel=1e-5), r["step"]
+        assert r["gns"] == pytest.approx(l1_gns(micro, 2), rel=1e-5), r["step"]
     return cb, spy, trainer, _ours(caught)
 
 

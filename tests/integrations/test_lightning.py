@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning; in the test extra)")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -19,10 +20,26 @@ pytestmark = pytest.mark.distributed
 W = "_lightning_workers"
 
 
+def _same(a, b, where):
+    """Equal nested states (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lightning_callback_adapts_and_logs(strategy):
     with tempfile.TemporaryDirectory(prefix="gns_pl_") as folder:
-        res = run_world(W, "fit", 2, folder=folder, strategy=strategy, steps=8,
+        res = run_world(W, "fit", 2, folder=folder, strategy=strategy, steps=8, stop=5,
                         resume=True, timeout=200)
     for rank, r in enumerate(res):
         assert r["global_step"] == 8 and r["coord_step"] == 8
@@ -36,8 +53,21 @@ def test_lightning_callback_adapts_and_logs(strategy):
         assert any("gns/gns" in d for d in r["logged"])
         assert [d["gns/batch_size"] for d in r["logged"]] == [2 * 4 * a for a in accum]
     assert res[0]["logged"] == res[1]["logged"]
-    for r in res:  # resumed through trainer.save_checkpoint / ckpt_path
-        assert r["resumed_step"] == 10
+    for rank, r in enumerate(res):
+        # loggers' step (_batches_that_stepped) counts optimizer steps (it stayed 0)
+        assert r["batches_that_stepped"] == 8
+        # issue 39 item 12: resumed from the step-5 checkpoint (ModelCheckpoint, mid-epoch)
+        # through ckpt_path, the run continues the uninterrupted one exactly: the same
+        # micro-batches from the first on (Lightning restarted the epoch's plain
+        # DataLoader at its first batch), the same coordinator state (batch, EMAs,
+        # sampler position, pool) and bit-identical weights (they differed by 0.02)
+        n = r["before"]
+        assert 0 < n < len(r["seen"])
+        assert r["resumed_seen"] == r["seen"][n:], f"rank {rank}"
+        _same(r["resumed_state"], r["state"], f"rank {rank}")
+        for k, v in r["params"].items():
+            assert torch.equal(v, r["resumed_params"][k]), (rank, k)
+        assert not r["resumed_warnings"], r["resumed_warnings"]
         assert r["resumed_pool_keys"]
 
 
