@@ -41,12 +41,11 @@ untrusted source can run code through DCP's own reading whatever this module doe
 from __future__ import annotations
 
 import io
-import warnings
 from typing import Any
 
 import torch
 
-from ._common import rank_world
+from ._common import rank_world, warn_user
 
 
 __all__ = ["DCPState", "PREFIX"]
@@ -138,10 +137,10 @@ class DCPState:
             if rec.get("world_size") != saved_world:
                 raise KeyError("DCPState.load_state_dict: the 'shared' state was not loaded from "
                                "the checkpoint")
-            warnings.warn(
+            warn_user(   # at the user's dcp.load(...) line, past torch's checkpoint frames
                 f"DCPState: the checkpoint was saved on {saved_world} ranks and holds no share "
                 f"for rank {rank} of {world}; resuming from the shared state, this rank's noise "
-                "pool starts afresh", RuntimeWarning, stacklevel=2)
+                "pool starts afresh")
         if not isinstance(rec.get("state"), dict):
             raise ValueError("DCPState.load_state_dict: the saved share holds no state_dict")
         self.obj.load_state_dict(rec["state"])

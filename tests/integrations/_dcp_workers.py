@@ -142,5 +142,6 @@ def load_resized(rank, world, folder, kind="ddp", partial=False):
     samples, step = coord.samples_seen, coord.current_step
     rows = _train(wrapped, opt, coord, loader, 2)
     return {"warnings": [str(x.message) for x in w], "missing": missing, "samples": samples, "step": step,
+            "warned_at": {str(x.message): x.filename for x in w},
             "pool_entries_at_load": entries,
             "rows": [flat(r) for r in rows]}

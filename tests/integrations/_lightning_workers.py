@@ -68,8 +68,13 @@ def _params(model):
             for n, p in model.state_dict().items()}
 
 
+_PACKAGE = ("GNSCallback", "AdaptiveBatching", "MicroBatchGNS", "GNSHookState", "FSDPGNS",
+            "gns_kernels", "coord.")
+
+
 def _ours(caught):
-    return [str(w.message) for w in caught if "GNSCallback" in str(w.message)]
+    """The package's warnings among those caught (Lightning's own are left out)."""
+    return [str(w.message) for w in caught if any(k in str(w.message) for k in _PACKAGE)]
 
 
 def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
@@ -110,15 +115,16 @@ def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
     extra = [ModelCheckpoint(dirpath=folder, every_n_train_steps=stop, save_top_k=-1,
                              filename="gns-{step}")] if resume else []
     trainer = _trainer(strat(), [gns, Spy()] + extra, folder, steps, world, checkpointing=resume)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(model, loader)
     coord = gns.coord
     out = {"sizes": model.sizes, "logged": logged, "global_step": trainer.global_step,
            "coord_step": coord.current_step, "batch": coord.batch_size,
            "accum": coord.accum_steps, "state": coord.state_dict(), "seen": model.seen,
            "params": _params(model),
-           "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped}
+           "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+           "warnings": _ours(caught)}
     if resume:  # a new Trainer from the step-`stop` checkpoint: the callback restores every rank's state
         _env(rank, world)   # Lightning's teardown removed them
         gns2 = callback()

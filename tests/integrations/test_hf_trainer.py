@@ -67,6 +67,7 @@ def _check_run(out, world):
         assert m["train_samples_per_second"] == pytest.approx(world * n / m["train_runtime"], rel=2e-3)
     assert out["metrics"]["epoch"] == pytest.approx(world * out["examples"] / 96)
     assert out["resumed_metrics"]["epoch"] == out["metrics"]["epoch"]
+    assert not out["warnings"], out["warnings"]
 
 
 def test_adaptive_trainer_one_process(tmp_path):

@@ -67,7 +67,7 @@ def test_lightning_callback_adapts_and_logs(strategy):
         _same(r["resumed_state"], r["state"], f"rank {rank}")
         for k, v in r["params"].items():
             assert torch.equal(v, r["resumed_params"][k]), (rank, k)
-        assert not r["resumed_warnings"], r["resumed_warnings"]
+        assert not r["warnings"] and not r["resumed_warnings"], (r["warnings"], r["resumed_warnings"])
         assert r["resumed_pool_keys"]
 
 

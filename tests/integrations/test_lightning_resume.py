@@ -44,7 +44,7 @@ def _fit(folder, callbacks, steps, kind, ckpt_path=None, checkpointing=False):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, _loader(kind), ckpt_path=ckpt_path)   # the user's line warnings point at
-    ours = [w for w in caught if "GNSCallback" in str(w.message)]
+    ours = [w for w in caught if any(k in str(w.message) for k in W._PACKAGE)]
     return model, trainer, ours
 
 
