@@ -297,7 +297,8 @@ class AdaptiveTrainer(_Trainer):
     ``train(resume_from_checkpoint=...)``: the data position, batch, EMAs and noise pool
     continue (the Trainer restores model, optimizer, scheduler and RNG). The file is read
     with torch's safe loader (``weights_only=True``: nothing in it runs) before the Trainer
-    starts; a file that is not a coordinator state is refused with a ValueError naming it.
+    starts; a file that is not a coordinator state is refused with a ValueError naming it
+    (one whose settings do not fit the run, at the first step).
 
     What it changes or replaces: the data (``train_dataset`` must be map-style; it is read
     through the coordinator's ``batch_sampler``, so a custom ``get_train_dataloader``,
@@ -496,9 +497,15 @@ class AdaptiveTrainer(_Trainer):
             raise ValueError(f"{foreign}: torch's safe loader refused it ({type(exc).__name__}; "
                              "nothing in it was run). Resume from a checkpoint folder written by "
                              "AdaptiveTrainer, or put that run's file back") from None
-        if not isinstance(sd, dict) or "version" not in sd:
-            raise ValueError(f"{foreign}: it holds a {type(sd).__name__}"
-                             f"{' without a version' if isinstance(sd, dict) else ''}")
+        from ..adaptive import _STATE_KEYS, _STATE_VERSION
+
+        if not isinstance(sd, dict):
+            raise ValueError(f"{foreign}: it holds a {type(sd).__name__}")
+        missing = [k for k in ("version",) + tuple(_STATE_KEYS) if k not in sd]
+        if missing or sd["version"] != _STATE_VERSION:
+            # checked here, before the Trainer loads anything (the coordinator checks the rest)
+            raise ValueError(f"{foreign}: " + (f"a dict without {missing}" if missing else
+                             f"version {sd['version']!r}, expected {_STATE_VERSION}"))
         self._gns_state_path = path
         return sd
 

@@ -184,9 +184,17 @@ def test_adaptive_trainer_resume_needs_its_state(tmp_path):
         with pytest.raises(FileNotFoundError, match="gns_kernels_rank0.pt"):
             t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
         bad = tmp_path / "checkpoint-3" / "gns_kernels_rank0.pt"
-        torch.save({"version": 1, "step": 3}, bad)
-        with pytest.raises(ValueError, match=f"{bad}.*not a usable gns_kernels coordinator state.*missing"):
-            t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+        good = {"version": 1, "step": 3, "samples_seen": 24, "world_size": 1, "micro_batch_size": 4,
+                "controller": {"config": {}}, "lr_multiplier": {}, "schedulers": [], "sampler": None,
+                "hook": {}}
+        for sd, match in (({"version": 1, "step": 3}, "without.*samples_seen"),
+                          ({**good, "version": 7}, "version 7"),
+                          (good, "not a usable gns_kernels coordinator state for this run")):
+            torch.save(sd, bad)
+            with pytest.raises(ValueError, match=f"{bad}.*{match}"):
+                t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+            # refused before the Trainer loaded anything, except the last (the coordinator's check)
+            assert t.state.global_step == (3 if sd is good else 0)
 
 
 class _RunsCode:
