@@ -1,8 +1,9 @@
 """The Python phases of the GPU window (bench/gpu_window.sh runs them, one process each).
 
-    python bench/gpu_window.py smoke [--device cuda]          # import, one op of each kind
-    python bench/gpu_window.py s1 [--device cuda] [--tiny]    # S1 per rank: accuracy, DDP hook, share
-    python bench/gpu_window.py fused [--device cuda] [--tiny] # fused kernels against the floor
+    python bench/gpu_window.py smoke [--device cuda]             # import, one op of each kind
+    python bench/gpu_window.py s1 [--device cuda] [--tiny]       # S1 per rank through the DDP hook
+    python bench/gpu_window.py fused [--device cuda] [--tiny]    # fused kernels against the floor
+    python bench/gpu_window.py accuracy [--device cuda] [--tiny] # S1 against float64, steep spectra
 
 Each phase prints its full log and, as soon as a figure is known, one summary row per
 figure: a line ``@@ | phase | measurement | value | target / paper |`` that the shell
@@ -13,34 +14,36 @@ deadline leaves no time for, prints ``skipped: <what>: <why>`` (and a row saying
 Deadline: GPU_WINDOW_END (epoch seconds, the whole window) and GPU_WINDOW_PHASE_END (this
 phase's share) bound the loops; a part that would not fit is skipped, not cut.
 
-The S1 phase (one GPU plays each of R = 8 ranks in turn; everything at the paper's 160M
-Llama shapes, 84 matrices: 12 x q, k, v, o 768x768, gate, up 2048x768, down 768x2048):
+The S1 phase (one GPU plays each of R = 8 ranks in turn; the paper's 160M Llama shapes,
+84 matrices: 12 x q, k, v, o 768x768, gate, up 2048x768, down 768x2048), the key figure
+first:
 
-- accuracy: the hooks' solver (``SolveShare``, 'gauss-sums' dof, bias correction, the
-  device's default method: Newton on CUDA), every rank's share with a summing all-reduce,
-  against ``gk.estimate(..., dtype=float64)`` on the same float32 rank gradients whose
-  mean and deviations have steep singular spectra (6 decades); and through the real DDP
-  hook on a 1-rank group (gloo / NCCL) with MicroBatchGNS over 8 micro-batches whose
-  gradients are injected exactly, against gk.estimate(float64, 'columns' dof);
-- the real DDP hook per rank: ``torch.distributed``'s 'fake' process group (world size R,
-  this process as rank r; DDP's own collectives do nothing) and ``dist.all_reduce``
-  replaced by a completed future, so ``gk.ddp_gns_hook`` packs the Grams, solves rank r's
-  share and reads the estimate exactly as it would on rank r, with no network. A model
-  holding the 84 matrices (a cheap forward through all of them) with ``bucket_cap_mb``
-  set to one layer's matrices (about 12 buckets; the count is reported). Per rank: the
-  measuring step's backward + estimate read minus a non-measuring hooked step's
-  (``every`` = 1 vs never), median over the reps: one rank's measurement cost;
-- the share alone (what bench/bench_share_gpu.py timed on the first H100 run), the
-  matrices added bucket by bucket (one layer per bucket).
-Pool on and off; float32, and TF32 where the package offers it (an option of
-GNSHookState; otherwise the global ``allow_tf32`` flag, labelled so).
+1. the real DDP hook per rank, noise pool on, the device's default solver (Newton on
+   CUDA): ``torch.distributed``'s 'fake' process group (world size R, this process as rank
+   r; DDP's own collectives do nothing) and ``dist.all_reduce`` replaced by a completed
+   future, so ``gk.ddp_gns_hook`` packs the Grams, solves rank r's share and reads the
+   estimate exactly as it would on rank r, with no network. A model holding the 84
+   matrices (a cheap forward through all of them) with ``bucket_cap_mb`` set to one
+   layer's matrices (12 buckets; the count is reported). Per rank: the measuring step's
+   backward + estimate read minus a non-measuring hooked step's (``every`` = 1 vs never),
+   medians: GPU time by CUDA events, host time (synchronized wall clock) and peak memory;
+   the busiest rank's host figure goes to Table 9's 8-rank prediction (``@@S1RANK``);
+2. the same for every other solver the hook states accept (eigh on CUDA), then pool off;
+3. the kernels' own time and count on the busiest rank (torch.profiler, one step);
+4. the share alone (what bench/bench_share_gpu.py timed on the first H100 run).
+
+The accuracy phase (last: the least urgent): the hooks' shared solve of 8 simulated ranks
+and the real DDP hook on a 1-rank group with MicroBatchGNS over 8 micro-batches of
+injected gradients, against ``gk.estimate(..., dtype=float64)`` on the same device, on
+gradients whose singular values span 6 decades; ``gk.sqrt_trace`` with each method
+('newton-tf32' included: the hooks refuse it) against float64 eigvalsh, timed; and
+``gk.nuclear_stats`` with 'newton-tf32' against 'newton'.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
-import inspect
 import math
 import os
 import statistics
@@ -99,46 +102,6 @@ def sync(dev: str) -> None:
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
-
-
-def tf32_option():
-    """(kwargs for GNSHookState, label) of the package's TF32 option, or None when
-    GNSHookState has none (then only the global allow_tf32 flag exists)."""
-    import gns_kernels as gk
-
-    params = inspect.signature(gk.GNSHookState).parameters
-    for name in ("precision", "matmul_precision", "solve_precision", "newton_precision"):
-        if name in params:
-            return {name: "tf32"}, f"{name}='tf32'"
-    if "tf32" in params:
-        return {"tf32": True}, "tf32=True"
-    return None
-
-
-@contextlib.contextmanager
-def allow_tf32(on: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = on
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def precisions(dev: str, phase: str):
-    """[(label, GNSHookState kwargs, global allow_tf32)] for this device."""
-    out = [("fp32", {}, False)]
-    if dev != "cuda":
-        skip(phase, "TF32 configurations", "TF32 needs a CUDA device")
-        return out
-    opt = tf32_option()
-    if opt is None:
-        print("note: GNSHookState has no TF32 option at this commit: the TF32 rows set the "
-              "global torch.backends.cuda.matmul.allow_tf32 flag only", flush=True)
-        out.append(("TF32 (global flag; no package option)", {}, True))
-    else:
-        out.append((f"TF32 ({opt[1]})", opt[0], True))
-    return out
 
 
 # ----------------------------------------------------------------------------- smoke
@@ -351,7 +314,7 @@ def s1_accuracy(dev, R, shapes, decades=6.0):
     signal = [_steep(m, n, gen, dev, decades) for m, n in shapes]
     ranks = [[(S + 0.3 * _steep(m, n, gen, dev, decades)).float() for S, (m, n) in zip(signal, shapes)]
              for _ in range(R)]
-    ref = gk.estimate([[x.cpu() for x in g] for g in ranks], batch_size=B, geometry="nuclear",
+    ref = gk.estimate(ranks, batch_size=B, geometry="nuclear",  # float64 on the same device
                       bias_correction=True, dtype=torch.float64, nuclear_dof="gauss-sums")
     mean = [sum(g[l] for g in ranks) / R for l in range(len(shapes))]
     mgram = [sum(_gram(g[l]) for g in ranks) / R for l in range(len(shapes))]
@@ -398,7 +361,7 @@ def hook_accuracy(dev, shapes, A=8, decades=6.0):
     grads = [[(S + 0.3 * _steep(m, n, gen, dev, decades)).float() for S, (m, n) in zip(signal, shapes)]
              for _ in range(A)]
     B = 8 * A
-    ref = gk.estimate([[x.cpu() for x in g] for g in grads], batch_size=B, geometry="nuclear",
+    ref = gk.estimate(grads, batch_size=B, geometry="nuclear",  # float64 on the same device
                       bias_correction=True, dtype=torch.float64, nuclear_dof="columns")
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method=f"file://{folder}/store",
@@ -438,9 +401,27 @@ class Matrices(torch.nn.Module):
         return x.square().mean()
 
 
-def hook_rank_times(dev, R, reps, shapes, tokens, pooled, state_kw, rank):
-    """(measuring ms, non-measuring ms, buckets) of rank ``rank`` through the real DDP hook
-    (fake process group of world size R, all-reduce replaced by a completed future)."""
+def _kernel_time(dev, fn):
+    """(kernel ms, kernel count) of one call of ``fn`` by torch.profiler: the sum of the
+    CUDA kernels' own durations (GPU busy time, not the span); on the CPU the same
+    profiler run finds no CUDA kernel: (0.0, 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(dev)
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kern) / 1e3, len(kern)
+
+
+def hook_rank_times(dev, R, reps, shapes, tokens, pooled, state_kw, rank, profile_it=False):
+    """Rank ``rank``'s cost through the real DDP hook (fake process group of world size R,
+    all-reduce replaced by a completed future): a dict of medians over ``reps`` steps,
+    measuring and not (``every`` = 1, then never): host ms (synchronized wall clock of
+    backward + estimate read), GPU ms (CUDA events around the same; None on CPU), peak
+    memory above the step's start (bytes; None on CPU), the bucket count, and with
+    ``profile_it`` the kernels' own ms and count of one step of each kind."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -452,12 +433,12 @@ def hook_rank_times(dev, R, reps, shapes, tokens, pooled, state_kw, rank):
     dist.init_process_group("fake", rank=rank, world_size=R, store=FakeStore())
     real_all_reduce = dist.all_reduce
     dist.all_reduce = _all_reduce
+    cuda = dev == "cuda"
     try:
         torch.manual_seed(0)
         model = Matrices(shapes, dev)
         ddp = DDP(model, bucket_cap_mb=layer_mb * 0.99, device_ids=None)
-        if "pool_beta" in inspect.signature(gk.GNSHookState).parameters:
-            state_kw = {**state_kw, "pool_beta": 0.9 if pooled else None}
+        state_kw = {**state_kw, "pool_beta": 0.9 if pooled else None}
         state = gk.GNSHookState("nuclear", every=1, batch_size=B, params=list(model.parameters()), **state_kw)
         seen = set()
 
@@ -468,151 +449,237 @@ def hook_rank_times(dev, R, reps, shapes, tokens, pooled, state_kw, rank):
         ddp.register_comm_hook(state, hook)
         x = torch.randn(tokens, shapes[0][1], device=dev, generator=torch.Generator(device=dev).manual_seed(rank))
 
+        def run():
+            ddp(x).backward()
+            state.estimate  # the one read (the controller's)
+
         def step():
             ddp.zero_grad(set_to_none=True)
             sync(dev)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
             t0 = time.perf_counter()
-            ddp(x).backward()
-            state.estimate  # the one read (the controller's)
+            run()
+            if cuda:
+                e1.record()
             sync(dev)
-            return time.perf_counter() - t0
+            host = (time.perf_counter() - t0) * 1e3
+            if not cuda:
+                return host, None, None
+            return host, e0.elapsed_time(e1), torch.cuda.max_memory_allocated() - base
 
         for _ in range(2):  # warm-up; the first backward also rebuilds the buckets
             step()
         seen.clear()
         meas = [step() for _ in range(reps)]
         nb = len(seen)
+        prof_meas = _kernel_time(dev, run) if profile_it else (None, None)
         state.every = 10**9
         state.step = 1
         step()
         plain = [step() for _ in range(reps)]
-        return statistics.median(meas) * 1e3, statistics.median(plain) * 1e3, nb
+        prof_plain = _kernel_time(dev, run) if profile_it else (None, None)
+
+        def med(xs, i):
+            v = [x[i] for x in xs]
+            return None if v[0] is None else statistics.median(v)
+
+        return {"host": med(meas, 0), "host_plain": med(plain, 0), "gpu": med(meas, 1),
+                "gpu_plain": med(plain, 1), "mem": med(meas, 2), "mem_plain": med(plain, 2),
+                "buckets": nb, "kernel_ms": prof_meas[0], "kernels": prof_meas[1],
+                "kernel_ms_plain": prof_plain[0], "kernels_plain": prof_plain[1]}
     finally:
         dist.all_reduce = real_all_reduce
         dist.destroy_process_group()
         gc.collect()  # DDP holds reference cycles: free this rank's model and buckets now
-        if dev == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
 
 
+def _fmt(v, unit="ms", scale=1.0):
+    return "n/a (CPU)" if v is None else f"{v * scale:.1f} {unit}"
+
+
+def hook_routes(dev):
+    """[(label, GNSHookState kwargs)]: the device's default route first ("auto"), then
+    every other solver the hook states accept that is not the default's."""
+    from gns_kernels.distributed.state import HOOK_METHODS
+
+    default = "newton" if dev == "cuda" else "eigh"
+    out = [(f"method auto (= {default})", {})]
+    out += [(f"method {m}", {"method": m}) for m in HOOK_METHODS if m not in ("auto", default)]
+    return out
+
+
 def s1(dev: str, tiny: bool, R: int, reps: int) -> int:
+    """S1 per rank through the real DDP hook, the key figure first (module docstring)."""
     shapes = [(m // 32, n // 32) for m, n in LLAMA] if tiny else LLAMA
     size = "1/32 of the 160M sides (toy)" if tiny else "160M shapes"
-    print(f"# S1 phase on {dev}: {len(shapes)} matrices ({size}), R = {R}, method: the device default "
-          f"({'Newton' if dev == 'cuda' else 'eigh'})", flush=True)
-    precs = precisions(dev, "S1")
-    import gns_kernels as gk
-
-    hook_params = inspect.signature(gk.GNSHookState).parameters
-    pools = (True, False) if "pool_beta" in hook_params else (False,)
-    if len(pools) == 1:
-        skip("S1", "pool on", "GNSHookState has no pool_beta at this commit")
+    routes = hook_routes(dev)
+    print(f"# S1 phase on {dev}: {len(shapes)} matrices ({size}), R = {R}; routes: "
+          + ", ".join(r for r, _ in routes), flush=True)
+    tokens = 16 if tiny else 512
+    hook_reps = min(reps, 3)
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (present?)
+    except ImportError as exc:
+        skip("S1", "DDP hook per rank", f"torch has no 'fake' process group ({exc})")
+        return 1
+    target = "goal 20 ms GPU time per rank; model (H100): 96.1 ms"
+    order = list(range(R))
+    busiest = None
+    configs = [(True, routes[0])] + [(True, r) for r in routes[1:]] + [(False, routes[0])]
+    for i, (pooled, (label, kw)) in enumerate(configs):
+        what = f"DDP hook per rank, R = {R}, {size}, pool {'on' if pooled else 'off'}, {label}"
+        if not fits("S1", what, 12 if dev == "cuda" else 3):
+            continue
+        res = {}
+        try:
+            for r in order:  # the busiest rank first once known (a deadline keeps it)
+                if res and left() < 6:
+                    break
+                res[r] = hook_rank_times(dev, R, hook_reps, shapes, tokens, pooled, kw, r)
+        except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
+            failed("S1", what, exc)
+            continue
+        extra = {r: v["host"] - v["host_plain"] for r, v in res.items()}
+        gpu = {r: v["gpu"] - v["gpu_plain"] for r, v in res.items() if v["gpu"] is not None}
+        mem = {r: v["mem"] - v["mem_plain"] for r, v in res.items() if v["mem"] is not None}
+        nb = max(v["buckets"] for v in res.values())
+        key = max(gpu, key=gpu.get) if gpu else max(extra, key=extra.get)
+        print(f"{what}: buckets {nb}; per rank host extra / GPU extra / peak-memory extra: "
+              + "; ".join(f"r{r} {extra[r]:.1f} / {_fmt(gpu.get(r))} / {_fmt(mem.get(r), 'MB', 2**-20)}"
+                          for r in res), flush=True)
+        ranks_note = "" if len(res) == R else f"; {len(res)} of {R} ranks (deadline)"
+        row("S1", what + f" ({nb} buckets)",
+            f"busiest rank r{key}: GPU {_fmt(gpu.get(key))} (CUDA events), host {extra[key]:.1f} ms, "
+            f"peak memory +{_fmt(mem.get(key), 'MB', 2**-20)}; mean over ranks: GPU "
+            f"{_fmt(statistics.mean(gpu.values()) if gpu else None)}, host {statistics.mean(extra.values()):.1f} ms"
+            + ranks_note, target)
+        if i == 0:
+            busiest = key
+            order = [key] + [r for r in range(R) if r != key]
+            print(f"@@S1RANK {extra[key]:.3f}", flush=True)
+    # the kernels' own time and count on the busiest rank (profiler): GPU busy time, which
+    # the events' span exceeds where the host is slower than the kernels
+    if busiest is not None and fits("S1", "kernel time of the busiest rank (profiler)", 15 if dev == "cuda" else 3):
+        label, kw = routes[0]
+        try:
+            v = hook_rank_times(dev, R, 1, shapes, tokens, True, kw, busiest, profile_it=True)
+            row("S1", f"kernels of the busiest rank r{busiest}, pool on, {label} (profiler, one step each)",
+                f"measuring {v['kernel_ms']:.1f} ms in {v['kernels']} kernels; not measuring "
+                f"{v['kernel_ms_plain']:.1f} ms in {v['kernels_plain']}; extra "
+                f"{v['kernel_ms'] - v['kernel_ms_plain']:.1f} ms, {v['kernels'] - v['kernels_plain']} kernels"
+                + ("" if dev == "cuda" else " (CPU: no CUDA kernels)"),
+                "model (H100): 96.1 ms; 939 launches")
+        except Exception as exc:  # noqa: BLE001
+            failed("S1", "kernel time of the busiest rank (profiler)", exc)
+    # the share alone (bench_share_gpu's measurement: all matrices in one part, as on the
+    # first H100 run, so the figures compare), pool on
+    what = "share alone per rank (one part, as the first H100 run), pool on"
     try:
         from gns_kernels.distributed._share import SolveShare  # noqa: F401
         from gns_kernels.pooling import NoisePool  # noqa: F401
-        have_share = True
     except ImportError as exc:
-        have_share = False
-        skip("S1", "accuracy and share alone", f"the hooks' SolveShare is not importable ({exc})")
-
-    # 1. accuracy against float64, steep spectra (one layer's 7 matrices)
-    for label, kw, flag in (precs if have_share else ()):
-        if not fits("S1", f"accuracy vs float64 ({label})", 10):
-            break
-        if kw:
-            skip("S1", f"accuracy vs float64 ({label})", "the SolveShare path takes no precision option")
-            continue
+        skip("S1", what, f"the hooks' SolveShare is not importable ({exc})")
+        return 0
+    if fits("S1", what, 10 if dev == "cuda" else 3):
         try:
-            with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                en, es, eg = s1_accuracy(dev, R, shapes[:PER_LAYER])
+            times = share_times(dev, R, reps, shapes, True, buckets=1)
+            med = [statistics.median(times[r]) * 1e3 for r in range(R)]
+            print(f"{what}: per rank ms " + " ".join(f"{x:.1f}" for x in med), flush=True)
+            row("S1", what, f"busiest {max(med):.1f} ms, mean {statistics.mean(med):.1f} ms (host, synchronized)",
+                "first H100 run: 126.5 ms (fp32, pool on)")
         except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
-            failed("S1", f"accuracy vs float64 ({label})", exc)
-            continue
-        print(f"accuracy ({label}): noise {en:.2e}, signal {es:.2e}, gns {eg:.2e}", flush=True)
-        row("S1", f"accuracy vs float64, steep spectra (6 decades), shared solve of 8 ranks, one layer, {label}",
-            f"noise {en:.1e}, signal {es:.1e}, gns {eg:.1e}", "fp32 < 1e-3; TF32 near 3e-4")
+            failed("S1", what, exc)
+    return 0
 
-    # 1b. accuracy through the real DDP hook (one rank x 8 micro-batches)
-    for label, kw, flag in precs:
-        what = f"accuracy vs float64 through the DDP hook, 1 rank x 8 micro-batches, one layer, {label}"
-        if not fits("S1", what, 10):
+
+def _steep_psd(m, count, gen, dev, decades):
+    """count PSD m x m float64 matrices with eigenvalues over ``decades`` decades."""
+    out = []
+    for _ in range(count):
+        U, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, device=dev, dtype=torch.float64))
+        lam = 10.0 ** (-decades * torch.arange(m, device=dev, dtype=torch.float64) / max(m - 1, 1))
+        out.append((U * lam) @ U.T)
+    return torch.stack(out)
+
+
+def _timed(dev, fn, reps=3):
+    """(result, median ms) of fn: CUDA events on the GPU, a wall clock on the CPU."""
+    out = fn()
+    ts = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(dev)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return out, statistics.median(ts)
+
+
+def accuracy(dev: str, tiny: bool, R: int) -> int:
+    """S1 against float64 on steep spectra (run last: the window's least urgent figures).
+
+    1. the hooks' shared solve (SolveShare, 8 ranks summed) and the real DDP hook (1 rank x
+       8 micro-batches) against gk.estimate in float64 on the same device;
+    2. gk.sqrt_trace with each method, 'newton-tf32' included, on steep PSD matrices of the
+       768 side (11 of them: the busiest rank's share at 160M shapes), against float64
+       eigvalsh, with its time; and gk.nuclear_stats with 'newton-tf32' against 'newton'."""
+    import gns_kernels as gk
+
+    shapes = [(m // 32, n // 32) for m, n in LLAMA] if tiny else LLAMA
+    one_layer = shapes[:PER_LAYER]
+    for what, fn in (
+            ("accuracy vs float64, steep spectra (6 decades), shared solve of 8 ranks, one layer",
+             lambda: s1_accuracy(dev, R, one_layer)),
+            ("accuracy vs float64 through the DDP hook, 1 rank x 8 micro-batches, one layer",
+             lambda: hook_accuracy(dev, one_layer))):
+        if not fits("S1", what, 8 if dev == "cuda" else 2):
             break
-        if kw:
-            skip("S1", what, "MicroBatchGNS takes no precision option here")
-            continue
         try:
-            with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                en, es, eg = hook_accuracy(dev, shapes[:PER_LAYER])
+            en, es, eg = fn()
         except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
             failed("S1", what, exc)
             continue
         print(f"{what}: noise {en:.2e}, signal {es:.2e}, gns {eg:.2e}", flush=True)
-        row("S1", what, f"noise {en:.1e}, signal {es:.1e}, gns {eg:.1e}", "fp32 < 1e-3; TF32 near 3e-4")
-
-    # 2. the real DDP hook, per rank
-    tokens = 16 if tiny else 512
-    hook_reps = min(reps, 3)  # 8 ranks x 4 configurations x (2 warm-up + 2 x reps + 1) steps
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
-        have_fake = True
-    except ImportError as exc:
-        have_fake = False
-        skip("S1", "DDP hook per rank", f"torch has no 'fake' process group ({exc})")
-    first = None
-    for pooled in (pools if have_fake else ()):
-        for label, kw, flag in precs:
-            what = f"DDP hook per rank, pool {'on' if pooled else 'off'}, {label}"
-            if not fits("S1", what, 12 if dev == "cuda" else 3):
-                continue
-            res = {}
-            try:
-                with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                    for r in range(R):
-                        if left() < 5:
-                            break
-                        res[r] = hook_rank_times(dev, R, hook_reps, shapes, tokens, pooled, kw, r)
-            except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
-                failed("S1", what, exc)
-                continue
-            if not res:
-                skip("S1", what, "deadline")
-                continue
-            extra = {r: m - p for r, (m, p, _) in res.items()}
-            nb = max(b for _, _, b in res.values())
-            print(f"{what}: buckets {nb}; per rank measuring / non-measuring / extra ms: "
-                  + "; ".join(f"r{r} {m:.1f}/{p:.1f}/{extra[r]:.1f}" for r, (m, p, _) in res.items()), flush=True)
-            busiest = max(extra.values())
-            ranks_note = "" if len(res) == R else f" ({len(res)} of {R} ranks: deadline)"
-            row("S1", what + f" ({nb} buckets)",
-                f"extra per measuring step: busiest rank {busiest:.1f} ms, "
-                f"mean {statistics.mean(extra.values()):.1f} ms"
-                + ranks_note, "first H100 run, share alone: 91.9 ms (pool off), 126.5 (on)")
-            if pooled and not kw and not flag and first is None:
-                first = busiest
-                print(f"@@S1RANK {busiest:.3f}", flush=True)
-
-    # 3. the share alone (bench_share_gpu's measurement: all matrices in one part, as on
-    # the first H100 run, so the figures compare)
-    sets = None
-    for pooled in (sorted(pools) if have_share else ()):
-        for label, kw, flag in precs:
-            what = f"share alone per rank (one part, as the first H100 run), pool {'on' if pooled else 'off'}, {label}"
-            if kw:
-                skip("S1", what, "the SolveShare path takes no precision option")
-                continue
-            if not fits("S1", what, 10 if dev == "cuda" else 3):
-                continue
-            sets = sets or [share_inputs(shapes, s, dev) for s in range(3)]
-            try:
-                with allow_tf32(flag) if dev == "cuda" else contextlib.nullcontext():
-                    times = share_times(dev, R, reps, shapes, pooled, buckets=1, sets=sets)
-            except Exception as exc:  # noqa: BLE001  (the window reports and goes on)
-                failed("S1", what, exc)
-                continue
-            med = [statistics.median(times[r]) * 1e3 for r in range(R)]
-            print(f"{what}: per rank ms " + " ".join(f"{x:.1f}" for x in med), flush=True)
-            row("S1", what, f"busiest {max(med):.1f} ms, mean {statistics.mean(med):.1f} ms",
-                "first H100 run: 91.9 / 126.5 ms (fp32, pool off / on)")
+        row("S1", what, f"noise {en:.1e}, signal {es:.1e}, gns {eg:.1e}", "< 1e-3")
+    m = 768 // 32 if tiny else 768
+    gen = torch.Generator(device=dev).manual_seed(5)
+    A64 = _steep_psd(m, 11, gen, dev, 6.0)
+    ref = torch.linalg.eigvalsh(A64).clamp_min(0).sqrt().sum(-1)
+    A32 = A64.float()
+    for method in ("eigh", "newton", "newton-tf32"):
+        what = f"gk.sqrt_trace(method={method!r}), 11 PSD {m}x{m}, eigenvalues over 6 decades"
+        if not fits("S1", what, 4 if dev == "cuda" else 1):
+            break
+        try:
+            got, ms = _timed(dev, lambda: gk.sqrt_trace(A32, method=method))
+            err = ((got.double() - ref).abs() / ref).max().item()
+        except Exception as exc:  # noqa: BLE001
+            failed("S1", what, exc)
+            continue
+        print(f"{what}: worst relative error {err:.2e}, {ms:.2f} ms", flush=True)
+        row("S1", what, f"worst relative error {err:.1e}; {ms:.2f} ms for the batch",
+            "< 1e-3 ('newton-tf32': budget 5e-4)")
+    what = "gk.nuclear_stats(method='newton-tf32') vs 'newton', one layer, steep spectra"
+    if fits("S1", what, 5 if dev == "cuda" else 1):
+        try:
+            g2 = torch.Generator(device=dev).manual_seed(9)
+            means = [_steep(a, b, g2, dev, 6.0).float() for a, b in one_layer]
+            grams = [_gram(x) + 0.1 * _gram(_steep(*x.shape, g2, dev, 6.0).float()) for x in means]
+            (n1, s1_), t1 = _timed(dev, lambda: gk.nuclear_stats(grams, means, 16 / 7, method="newton"))
+            (n2, s2), t2 = _timed(dev, lambda: gk.nuclear_stats(grams, means, 16 / 7, method="newton-tf32"))
+            en = rel(float(n2.double().sum()), float(n1.double().sum()))
+            es = rel(float(s2.double().sum()), float(s1_.double().sum()))
+            print(f"{what}: noise {en:.2e}, signal {es:.2e}; {t1:.2f} / {t2:.2f} ms", flush=True)
+            row("S1", what, f"relative difference: noise {en:.1e}, signal {es:.1e}; time newton {t1:.2f} ms, "
+                f"newton-tf32 {t2:.2f} ms", "hooks refuse newton-tf32 (signal 18% low in CPU emulation)")
+        except Exception as exc:  # noqa: BLE001
+            failed("S1", what, exc)
     return 0
 
 
@@ -684,8 +751,27 @@ def fused(dev: str, tiny: bool, n: int, rep_ms: int) -> int:
                 "square_pack_multi": lambda: ops.square_pack_multi(ds, outs, backend=b),
                 "accumulate_sq_multi": lambda: ops.accumulate_sq_multi(ds, prevs, sqs, backend=b),
             }
+            # the first call of each op apart (Triton: the JIT compile on a cold cache, as on
+            # a bare machine; CUDA C++: module load), so the timings below exclude it
+            first = {}
+            for op, fn in kern.items():
+                sync(dev)
+                t0 = time.perf_counter()
+                try:
+                    fn()
+                    sync(dev)
+                except Exception:  # noqa: BLE001  (the timing below reports it)
+                    pass
+                first[op] = time.perf_counter() - t0
+            print(f"{bname} {dname}: first calls (compile / load) " + ", ".join(
+                f"{op} {v:.2f} s" for op, v in first.items()), flush=True)
+            row("fused", f"{bname}, {dname}: first call of the 6 ops (compile / load), not in the ratios",
+                f"{sum(first.values()):.1f} s in all, slowest {max(first.values()):.2f} s", "")
             ratios = {}
             for op, fn in kern.items():
+                if not fits("fused", f"{bname} {op} {dname}", 1):
+                    ratios[op] = float("nan")
+                    continue
                 try:
                     t = statistics.median(bench(fn))
                 except Exception as exc:  # noqa: BLE001  (report and go on)
@@ -708,11 +794,11 @@ def fused(dev: str, tiny: bool, n: int, rep_ms: int) -> int:
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=("smoke", "s1", "fused"))
+    p.add_argument("phase", choices=("smoke", "s1", "fused", "accuracy"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes (the CPU dry run)")
-    p.add_argument("--ranks", type=int, default=8, help="R (S1)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (S1; default 5, --tiny 2)")
+    p.add_argument("--ranks", type=int, default=8, help="R (s1, accuracy)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (s1; default 3, --tiny 2)")
     p.add_argument("--n", type=int, default=None, help="elements per single tensor (fused; default 2^26, --tiny 4099)")
     p.add_argument("--rep-ms", type=int, default=100, help="CUDA timing budget per candidate, ms (fused)")
     a = p.parse_args(argv)
@@ -721,7 +807,9 @@ def main(argv=None) -> int:
     if a.phase == "smoke":
         return smoke(a.device)
     if a.phase == "s1":
-        return s1(a.device, a.tiny, a.ranks, a.reps or (2 if a.tiny else 5))
+        return s1(a.device, a.tiny, a.ranks, a.reps or (2 if a.tiny else 3))
+    if a.phase == "accuracy":
+        return accuracy(a.device, a.tiny, a.ranks)
     return fused(a.device, a.tiny, a.n or (4099 if a.tiny else 2**26), a.rep_ms)
 
 

@@ -21,8 +21,14 @@ MicroBatchGNS are its 8 micro-batches, as 8 ranks x 1 would give (R = 8). Config
     S1 F=1   MicroBatchGNS("nuclear", every=1), noise pool on (the default)
     S1 hook  the same, never measuring
 
-timed in interleaved blocks (--block steps of one configuration, the configurations in a
-rotating order per round) after --warmup untimed steps each; per-step means with 95%
+The hooks' own time is also measured directly: CUDA events around each
+``micro_step()`` and the estimate read (their span on the stream: the hooks' kernels and
+any gap their host work leaves; a wall clock on the CPU), so the amortized overhead
+(own time of a measuring step + (F - 1) x that of a hooked one) / F / base step resolves
+far below the +-0.5% that differences of whole steps give over a few dozen steps.
+
+Configurations are timed in interleaved blocks (--block steps of one configuration, the
+configurations in a rotating order per round) after --warmup untimed steps each; per-step means with 95%
 intervals (t distribution). The amortized overhead at F is
 (t_F1 + (F - 1) t_hook) / F / t_base - 1, its 95% interval from 2000 bootstrap
 resamples of the steps. Peak memory: torch.cuda.max_memory_allocated over the
@@ -37,6 +43,7 @@ rank, whose step is taken as 1/8 of this step (no communication counted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -142,6 +149,48 @@ def amortized_ci(base, f1, hook, F_, draws=2000, seed=0):
     return est, vals[int(0.025 * draws)], vals[int(0.975 * draws) - 1]
 
 
+def direct(base, own_f1, own_hook, F_):
+    """The amortized overhead from the hooks' own time: (mean own time of a measuring step
+    + (F - 1) x that of a hooked step that does not measure) / F / the mean base step."""
+    return (statistics.fmean(own_f1) + (F_ - 1) * statistics.fmean(own_hook)) / F_ / statistics.fmean(base)
+
+
+def direct_ci(base, own_f1, own_hook, F_, draws=2000, seed=0):
+    """(estimate, lo, hi) of ``direct``, percentile bootstrap over the steps."""
+    rng = random.Random(seed)
+    est = direct(base, own_f1, own_hook, F_)
+    vals = sorted(direct(rng.choices(base, k=len(base)), rng.choices(own_f1, k=len(own_f1)),
+                         rng.choices(own_hook, k=len(own_hook)), F_) for _ in range(draws))
+    return est, vals[int(0.025 * draws)], vals[int(0.975 * draws) - 1]
+
+
+class HookTimer:
+    """The hooks' own time within one step: CUDA events around each call on the GPU
+    (their span on the stream: the hook's kernels, and any gap its host work leaves), a
+    wall clock on the CPU. ``total_ms()`` after the step's synchronize."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.spans = cuda, []
+
+    @contextlib.contextmanager
+    def time(self):
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            yield
+            e1.record()
+            self.spans.append((e0, e1))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.spans.append((t0, time.perf_counter()))
+
+    def total_ms(self) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.spans)
+        return sum(b - a for a, b in self.spans) * 1e3
+
+
 # ----------------------------------------------------------------------------- run
 def _left() -> float:
     ends = [float(os.environ[k]) for k in ("GPU_WINDOW_END", "GPU_WINDOW_PHASE_END") if os.environ.get(k)]
@@ -164,7 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=8, help="A (R = 8 as 8 ranks give)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (at least)")
+    p.add_argument("--steps", type=int, default=40,
+                   help="timed steps per configuration (fewer where the window's deadline comes first)")
     p.add_argument("--block", type=int, default=2, help="steps per interleaved block")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--rank-share-ms", type=float, default=None,
@@ -172,6 +222,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.tiny:
         a.layers, a.dim, a.heads, a.mlp, a.vocab, a.seq, a.micro_batch = 2, 64, 4, 128, 256, 32, 2
+        a.steps = min(a.steps, 6)
     dev = a.device
     if dev == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
@@ -211,20 +262,23 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        own = HookTimer(cuda)
         t0 = time.perf_counter()
         for i in range(A):
             with torch.autocast(**ac):
                 loss = model(xs[i], ys[i]) / A
             loss.backward()
             if mb is not None:
-                mb.micro_step()
+                with own.time():
+                    mb.micro_step()
         if mb is not None and mb.estimate_step is not None and name.endswith("F=1"):
-            estimates[name] = mb.estimate  # the one read per measurement (the controller's)
+            with own.time():
+                estimates[name] = mb.estimate  # the one read per measurement (the controller's)
         opt.step()
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        return dt, (torch.cuda.max_memory_allocated() if cuda else None)
+        return dt, (torch.cuda.max_memory_allocated() if cuda else None), own.total_ms()
 
     print(f"# Table 9 on one {torch.cuda.get_device_name() if cuda else 'CPU'}: Llama {a.layers} layers, "
           f"dim {a.dim}, {a.heads} heads, MLP {a.mlp}, vocab {a.vocab}: {n_all / 1e6:.1f}M parameters "
@@ -260,6 +314,7 @@ def main(argv=None) -> int:
     warm = time.time() - t0
     print(f"warm-up: {warm:.1f} s for {a.warmup} steps of each configuration", flush=True)
     times = {n: [] for n in names}
+    owns = {n: [] for n in names}  # the hooks' own ms per step (HookTimer)
     mem = {n: 0 for n in names}
     per_round = warm / max(a.warmup, 1) * a.block
     rounds = -(-a.steps // a.block)
@@ -273,8 +328,9 @@ def main(argv=None) -> int:
                 res = run(name) if name in names else None
                 if res is None:
                     break
-                dt, m = res
+                dt, m, own_ms = res
                 times[name].append(dt)
+                owns[name].append(own_ms / 1e3)  # seconds, as the step times
                 if m is not None:
                     mem[name] = max(mem[name], m)
     for name, why in broken.items():
@@ -312,7 +368,21 @@ def main(argv=None) -> int:
             print(f"{geo} amortized at F = {F_}: {100 * est:+.3f}% (95% bootstrap interval "
                   f"[{100 * lo:+.3f}, {100 * hi:+.3f}])", flush=True)
         one_rank = " (one rank solves all 84 matrices: 8x a rank's share)" if geo == "S1" else ""
-        row(f"+{geo} amortized{one_rank}", "; ".join(cells),
+        row(f"+{geo} amortized, whole steps{one_rank}", "; ".join(cells),
+            f"paper {PAPER[geo]} (8xH100, F=100); target {TARGET[geo]}")
+        o1, oh = owns[f"{geo} F=1"], owns[f"{geo} hook"]
+        m1, h1 = mean_ci(o1)
+        mh, hh = mean_ci(oh)
+        cells = []
+        for F_ in (100, 10):
+            est, lo, hi = direct_ci(times["base"], o1, oh, F_)
+            cells.append(f"F={F_}: {100 * est:+.3f}% [{100 * lo:+.3f}, {100 * hi:+.3f}]")
+            print(f"{geo} amortized at F = {F_} from the hooks' own time: {100 * est:+.4f}% "
+                  f"(95% bootstrap interval [{100 * lo:+.4f}, {100 * hi:+.4f}])", flush=True)
+        timer = "CUDA events" if cuda else "wall clock"
+        row(f"+{geo} amortized, the hooks' own time ({timer}){one_rank}",
+            f"{'; '.join(cells)} (own ms per step: measuring {m1 * 1e3:.2f} +/- {h1 * 1e3:.2f}, "
+            f"not measuring {mh * 1e3:.3f} +/- {hh * 1e3:.3f})",
             f"paper {PAPER[geo]} (8xH100, F=100); target {TARGET[geo]}")
     if a.rank_share_ms is not None and times["S1 F=1"]:
         pred = a.rank_share_ms * 1e-3 / 100 / (mb_ / 8)
