@@ -300,9 +300,7 @@ class GNSCallback(_Callback):
         ``strategy="ddp"`` puts in, or no shuffling); other cases are warned about."""
         fit = trainer.fit_loop
         combined, fetcher = getattr(fit, "_combined_loader", None), getattr(fit, "_data_fetcher", None)
-        if combined is None or fetcher is None:
-            return
-        loaders = list(combined.flattened)
+        loaders = list(getattr(combined, "flattened", None) or [])
         epoch, n = state.get("epoch"), state.get("epoch_batches")
         now = fit.epoch_progress.current.processed      # the epoch Lightning runs next
         total = trainer.num_training_batches
@@ -320,6 +318,10 @@ class GNSCallback(_Callback):
                 if total == float("inf"):
                     why.append("the training DataLoader has no length, so its position in the "
                                "epoch cannot be restored")
+                elif not loaders or getattr(fetcher, "iterator", None) is None:
+                    why.append("this Lightning version's fit loop has no _combined_loader / "
+                               "_data_fetcher (Lightning 2.6's), so the epoch's position cannot "
+                               "be restored")
                 else:
                     self._skip_micro_batches(fetcher, loaders, now, n)
         elif now > epoch and n < total:
