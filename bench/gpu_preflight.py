@@ -79,7 +79,13 @@ def build_env() -> tuple[dict, list]:
     env["NINJA"] = _run([ninja, "--version"]) if ninja else "absent"
     if ninja is None:
         missing.append("ninja not found (the sources would compile one at a time)")
-    env["CXX"] = os.environ.get("CXX") or ("/usr/bin/g++" if os.path.exists("/usr/bin/g++") else "c++")
+    # GPU_WINDOW_CXX, else /usr/bin/g++, else $CXX: the GPU image sets CXX=/opt/gcc/bin/g++,
+    # a wrapper that links libstdc++ statically, and the extension built with it crashed
+    # (SIGSEGV) at the first C++ exception (an H200 run, 2026-11-28: a bad argument test)
+    env["CXX"] = (os.environ.get("GPU_WINDOW_CXX")
+                  or ("/usr/bin/g++" if os.path.exists("/usr/bin/g++") else os.environ.get("CXX") or "c++"))
+    if os.environ.get("CXX") and os.environ["CXX"] != env["CXX"]:
+        print(f"note: CXX={os.environ['CXX']} in the environment is not used (GPU_WINDOW_CXX overrides)")
     env["CXX_VERSION"] = (_run([env["CXX"], "--version"]).splitlines() or ["?"])[0]
     env["JOBS"] = _run(["nproc", "--all"]) if shutil.which("nproc") else str(os.cpu_count() or 1)
     try:

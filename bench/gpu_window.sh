@@ -14,7 +14,7 @@
 #                              this torch (bench/gpu_preflight.py)
 #   build     120  build.log   the extension for this GPU's sm only, in a copy of the sources
 #                              (setup.py build_ext; any setuptools), ninja with `nproc --all`
-#                              jobs, CXX=/usr/bin/g++ unless CXX is set; skipped with one line
+#                              jobs, CXX=/usr/bin/g++ (GPU_WINDOW_CXX overrides); skipped with one line
 #                              when a piece is missing (S1, Table 9 and Triton need none).
 #                              --dry-run: a CPU-only build (GNS_KERNELS_CUDA=0) in a copy
 #   smoke      15  build.log   import, one op of each kind against reference.py
@@ -46,8 +46,11 @@
 # get its minimum is skipped with a line. The script always ends with the summary and exit
 # status 0 (a failed phase is a row of the summary, not an error of the window); 2 for a
 # bad option. Other variables: OUT (default: a new temporary folder, printed), PYTHON
-# (default: the python3 or python that imports torch), CXX (default /usr/bin/g++ where it
-# exists), MAX_JOBS (default `nproc --all`).
+# (default: the python3 or python that imports torch), GPU_WINDOW_CXX (default /usr/bin/g++
+# where it exists; the environment's CXX is not used: the GPU image's, a wrapper that links
+# libstdc++ statically, gave an extension that crashed at the first C++ exception), MAX_JOBS
+# (default `nproc --all`); for a rerun of a few phases after a fix, GPU_WINDOW_PHASES (names,
+# space-separated; the others are skipped with a line) and GPU_WINDOW_TESTS (test files).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -95,6 +98,11 @@ run_phase() {
   local name=$1 log=$2 budget=$3 need=$4
   shift 4
   local now left t t0 rc dt
+  if [ -n "${GPU_WINDOW_PHASES:-}" ] && ! [[ " $GPU_WINDOW_PHASES " == *" $name "* ]]; then
+    say "phase $name: skipped: not in GPU_WINDOW_PHASES"
+    row window "phase $name" "skipped: not in GPU_WINDOW_PHASES" ""
+    return 0
+  fi
   now=$(date +%s)
   left=$((END - now - RESERVE))
   if [ "$left" -lt "$need" ]; then
@@ -175,8 +183,10 @@ fi
 run_phase preflight build.log 20 5 "$PY" bench/gpu_preflight.py --build-env
 benv() { grep -h "^env $1=" "$OUT/build.log" 2>/dev/null | tail -n 1 | cut -d= -f2-; }
 # what the preflight found (defaults of its own where the preflight did not finish)
-B_CXX=${CXX:-$(benv CXX)}
-[ -n "$B_CXX" ] || { [ -x /usr/bin/g++ ] && B_CXX=/usr/bin/g++ || B_CXX=c++; }
+B_CXX=${GPU_WINDOW_CXX:-$(benv CXX)}
+[ -n "$B_CXX" ] || { [ -x /usr/bin/g++ ] && B_CXX=/usr/bin/g++ || B_CXX=${CXX:-c++}; }
+B_CC=gcc
+[ -x /usr/bin/gcc ] && [ "$B_CXX" = /usr/bin/g++ ] && B_CC=/usr/bin/gcc
 B_JOBS=${MAX_JOBS:-$(benv JOBS)}
 [ -n "$B_JOBS" ] || B_JOBS=$NCPU
 B_ARCH=$(benv ARCH)
@@ -195,25 +205,28 @@ echo "CXX=$CXX MAX_JOBS=$MAX_JOBS TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}
 (cd "$src" && "$PY" setup.py -q build_ext --inplace)
 so=$(ls "$src"/gns_kernels/_C*.so | head -n 1)
 echo "built: $(basename "$so") ($(du -k "$so" | cut -f1) KiB)"
-if command -v readelf >/dev/null 2>&1; then
-  readelf -d "$so" | grep -i "libstdc++" || echo "warning: no libstdc++ among the NEEDED entries (build with CXX=/usr/bin/g++)"
+if command -v readelf >/dev/null 2>&1 && ! readelf -d "$so" | grep -i "libstdc++"; then
+  echo "not installed: no libstdc++ among the NEEDED entries (linked statically, the extension"
+  echo "crashes at the first C++ exception); build with GPU_WINDOW_CXX=/usr/bin/g++"
+  rm -rf "$src"
+  exit 1
 fi
 if [ "$INSTALL" = 1 ]; then cp "$so" gns_kernels/ && echo "installed into gns_kernels/"; fi
 rm -rf "$src"'
 if [ "$DRY" -eq 1 ]; then
-  run_phase build build.log 120 30 env PY="$PY" INSTALL=0 GNS_KERNELS_CUDA=0 CXX="$B_CXX" CC=gcc \
+  run_phase build build.log 120 30 env PY="$PY" INSTALL=0 GNS_KERNELS_CUDA=0 CXX="$B_CXX" CC="$B_CC" \
     MAX_JOBS="$B_JOBS" PATH="${B_NINJA_DIR:+$B_NINJA_DIR:}$PATH" bash -c "$BUILD"
 elif [ -n "$B_SKIP" ]; then
   skip_phase build build.log "$B_SKIP"
 else
-  run_phase build build.log 120 30 env PY="$PY" INSTALL=1 CXX="$B_CXX" CC=gcc MAX_JOBS="$B_JOBS" \
+  run_phase build build.log 120 30 env PY="$PY" INSTALL=1 CXX="$B_CXX" CC="$B_CC" MAX_JOBS="$B_JOBS" \
     ${B_ARCH:+TORCH_CUDA_ARCH_LIST="$B_ARCH"} PATH="${B_NINJA_DIR:+$B_NINJA_DIR:}$PATH" bash -c "$BUILD"
 fi
 run_phase smoke build.log 15 5 "$PY" bench/gpu_window.py smoke --device "$DEV"
 
 # ------------------------------------------------------------------ correctness
 # the test files that hold tests marked cuda, one pytest process each
-TESTS=$(grep -rlE "mark\.cuda\b" tests --include='test_*.py' | sort | tr '\n' ' ')
+TESTS=${GPU_WINDOW_TESTS:-$(grep -rlE "mark\.cuda\b" tests --include='test_*.py' | sort | tr '\n' ' ')}
 PT_TIMEOUT=
 "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && PT_TIMEOUT="--timeout=40"
 run_phase tests tests.log 45 10 env PY="$PY" PT_TIMEOUT="$PT_TIMEOUT" TESTS="$TESTS" bash -c '

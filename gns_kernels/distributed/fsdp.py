@@ -400,9 +400,12 @@ class GNSReduceScatter:
                 # g = a d, s2 = a^2 s2(d): the sum scales with a (applied below)
                 deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, ctx.batch_size)
                 terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
-            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2
-                f = [a, a, a * a, a * a] + ([a] if terms.numel() > 4 else [])
-                terms = terms * torch.tensor(f, dtype=torch.float64, device=terms.device)
+            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2 (the debiased sum with a)
+                # scalar multiplies in place: a factor tensor built from a host list would be
+                # a pageable copy to the GPU, a host synchronization inside the collective
+                terms[:2].mul_(a)
+                terms[2:4].mul_(a * a)
+                terms[4:].mul_(a)
             ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
         return work
 

@@ -98,7 +98,10 @@ def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64", eye: Tensor |
         if k < K:
             F = bmm_add(F, F, F, prec, beta=2.0, alpha=-1.0)
     g = mu1.unsqueeze(-1) - torch.stack(sf, -1)  # (B, K + 1): g(t_k)
-    w = torch.tensor([h * t0 * 2.0**k for k in range(K + 1)], dtype=g.dtype, device=g.device)
+    # the node weights h t_k = h t0 2^k, formed on the device: a tensor built from a host
+    # list is a pageable copy, a host synchronization inside the measurement (seen on an
+    # H200: set_sync_debug_mode("error") raised here); exp2 of integers is exact
+    w = torch.exp2(torch.arange(K + 1, dtype=g.dtype, device=g.device)).mul_(h * t0)
     return total + (g * g * w).sum(-1)
 
 
