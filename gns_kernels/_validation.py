@@ -9,7 +9,6 @@ gns_kernels may use it.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import warnings
 from numbers import Integral, Real
@@ -24,27 +23,25 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------------------
 # Warnings that point at the user's line
 # --------------------------------------------------------------------------------------
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_CONTEXTLIB = os.path.abspath(__import__("contextlib").__file__)
-
-
-def _internal(filename: str) -> bool:
-    """A frame of gns_kernels (its integrations excepted: their caller is a trainer stack),
-    of torch (an optimizer's step hooks, autograd's backward) or of contextlib."""
-    if filename.startswith(_PACKAGE_DIR):
-        return not filename.startswith(_PACKAGE_DIR + "integrations" + os.sep)
-    return filename.startswith(_TORCH_DIR) or filename == _CONTEXTLIB
+# the packages between the user's line and the line that warns: the package itself, torch
+# (an optimizer's step hooks, autograd's backward, DDP's comm hooks), the trainer stacks
+# whose callbacks call ours (Lightning, transformers, accelerate) and the standard library's
+# decorators and context managers
+_STACK_PACKAGES = frozenset({"gns_kernels", "torch", "lightning", "pytorch_lightning",
+                             "lightning_fabric", "transformers", "accelerate", "contextlib",
+                             "functools"})
 
 
 def warn_user(message: str, category: type = RuntimeWarning) -> None:
-    """``warnings.warn(message, category)`` attributed to the first frame outside
-    gns_kernels and torch: the user's line (the loop's ``for``, ``opt.step()``,
-    ``loss.backward()``, the constructor call), however deep in the package or in torch's
-    hooks the warning is raised."""
+    """``warnings.warn(message, category)`` attributed to the user's line: the first frame
+    whose module is not the package's, torch's or a trainer stack's (the loop's ``for``,
+    ``opt.step()``, ``loss.backward()``, the constructor call, ``trainer.fit(...)``,
+    ``trainer.train()``), however deep in the package, torch's hooks or a trainer's
+    callbacks the warning is raised."""
     frame = sys._getframe(1)
     level = 2
-    while frame is not None and _internal(os.path.abspath(frame.f_code.co_filename)):
+    while frame is not None and \
+            str(frame.f_globals.get("__name__", "")).split(".")[0] in _STACK_PACKAGES:
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import gns_kernels as gk
+from gns_kernels.distributed.fsdp import _param_groups
 from _harness import run_scenarios
 
 
@@ -98,7 +99,7 @@ def refused_then_retry(rank, world, kind):
     from gns_kernels.distributed.fsdp import GNSReduceScatter
     installed = sum(isinstance(pg._reduce_scatter_comm, GNSReduceScatter)
                     for m in model.modules() if hasattr(m, "_get_fsdp_state")
-                    for pg in m._get_fsdp_state()._fsdp_param_groups)
+                    for pg in _param_groups(m))
     untouched = (not opt._optimizer_step_post_hooks
                  and all(set(g) == set(opt.defaults) | {"params"} for g in opt.param_groups))
     coord = gk.AdaptiveBatching(wrapped, opt, initial_batch_size=16, **kw)
@@ -241,7 +242,7 @@ def meshes(rank, world):
     out["tp_attach"] = _error(lambda: gk.attach_fsdp_gns(
         model, gk.GNSHookState(geometry="l1", every=1, batch_size=16)))["error"]
     out["tp_installed"] = sum(isinstance(pg._reduce_scatter_comm, GNSReduceScatter)
-                              for pg in model._get_fsdp_state()._fsdp_param_groups)
+                              for pg in _param_groups(model))
     # the dp sub-mesh alone: R = 2 on a world of 4 (the tp ranks are independent replicas here)
     for kind in ("fsdp", "ddp"):
         model = _model()
