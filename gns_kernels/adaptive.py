@@ -66,6 +66,7 @@ import math
 import warnings
 import weakref
 from dataclasses import replace
+from collections.abc import Mapping
 from numbers import Real
 from typing import Any, Iterable, Iterator, Optional
 
@@ -96,20 +97,35 @@ def _as_list(x) -> list:
     return [x]
 
 
-def _batch_len(batch) -> Optional[int]:
-    """The number of examples of a micro-batch: the leading dimension of its first tensor
-    (depth first through tuples, lists and dict values: ``(x, y)``, ``{"input_ids": ...}``);
-    None when it holds no tensor (nothing to check)."""
-    stack = [batch]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, torch.Tensor):
-            return int(item.shape[0]) if item.dim() > 0 else None
-        if isinstance(item, dict):
-            stack[:0] = list(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack[:0] = list(item)
+def _item_size(item) -> Optional[int]:
+    """The examples one part of a micro-batch holds, when it says so plainly: a tensor's
+    leading dimension (0-d: None), or the length of a list / tuple of tensors or dicts
+    (a detection collate's tuple of images); None for anything else."""
+    if isinstance(item, torch.Tensor):
+        return int(item.shape[0]) if item.dim() > 0 else None
+    if isinstance(item, (list, tuple)) and not hasattr(item, "_fields") and item and all(
+            isinstance(x, (torch.Tensor, Mapping)) for x in item):
+        return len(item)
     return None
+
+
+def _batch_len(batch) -> Optional[int]:
+    """The number of examples of a micro-batch, when it is certain: a batch-first tensor;
+    or a mapping (dict, ``BatchEncoding``) / a plain tuple or list (``(x, y)``, a detection
+    collate's ``(images, targets)``) whose parts all report the same size (their leading
+    dimensions or lengths). None -- nothing to check -- when the parts disagree (a
+    sequence-first ``[T, b]`` input beside ``[b]`` labels), when no part reports one, or
+    for any other object (a named tuple such as ``PackedSequence``, a dataclass)."""
+    if isinstance(batch, torch.Tensor):
+        return _item_size(batch)
+    if isinstance(batch, Mapping):
+        parts = list(batch.values())
+    elif isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        parts = list(batch)
+    else:
+        return None
+    sizes = {n for n in map(_item_size, parts) if n is not None}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _any_nonzero(grads: list):
@@ -284,8 +300,6 @@ class AdaptiveBatching:
                  grad_scaler=None, max_growth: Optional[float] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
                  signal: Optional[str] = None, lr_schedule=None, geometry: Optional[str] = None):
-        from .distributed.fsdp import FSDPGNSHandle
-
         # Every argument is checked before anything is attached to the model or written into
         # the optimizers' param groups: a refused constructor leaves both as they were, so a
         # corrected retry works (issue 39).
@@ -368,14 +382,22 @@ class AdaptiveBatching:
         self._trainable = [p for opt in self.optimizers for g in opt.param_groups
                            for p in g["params"] if p.requires_grad]
         self._known = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
-        self._stale_grad = None     # device flag: a gradient was not zero at the step's start
+        self._stale_grad = None     # device flag: a gradient was not zero at the step's first backward
         self._grad_marks = None     # (grad identity, version) of every parameter at the step's start
         self._no_backward = None    # at the first opt.step(): no gradient changed since then
+        self._grads_none_at_step = False  # every gradient None at the first opt.step()
+        self._early_step = None     # (micro-batches consumed, A) at an opt.step() inside the step
+        self._zeroed_inside = None  # parameter names whose gradient was reset between micro-batches
+        self._arm = None            # the one-shot hook that reads the gradients at the next backward
+        self._held = None           # measuring step: the gradient objects after the last micro-batch
+        self._zeroed_flag = None    # device flag: those gradients were all zero at the next backward
         self._forwards = None       # DDP: forwards through the model in the step, and under no_sync
         self._forward_hook = None   # the forward pre-hook that counts them
         self._apply_batch()
         self.state.step = 0
         self.state.grad_scale = self._scale
+        if self.kind == "micro":
+            self.state.warn_missing_micro_step = False   # micro_batches() calls micro_step()
         if getattr(self.state, "pool", None) is not None and not self.state.has_param_order:
             # the noise pool is saved keyed by the optimizers' parameter order
             self.state.bind_params(p for opt in self.optimizers for g in opt.param_groups
@@ -614,6 +636,9 @@ class AdaptiveBatching:
                 (p.grad is None and m is None)
                 or (p.grad is not None and m == (id(p.grad), p.grad._version))
                 for p, m in zip(params, marks))
+            self._grads_none_at_step = all(p.grad is None for p in params)
+        if self._served and self._consumed < self.accum_steps and self._early_step is None:
+            self._early_step = (self._consumed, self.accum_steps)
         for i, opt in enumerate(self.optimizers):
             if opt is optimizer:
                 self._opt_steps[i] += 1
@@ -684,6 +709,12 @@ class AdaptiveBatching:
             try:
                 return next(self._iter)
             except StopIteration:
+                if iter(loader) is loader:
+                    raise RuntimeError(
+                        "AdaptiveBatching.micro_batches: the loader is an iterator (a generator?) "
+                        "and it is exhausted; the coordinator draws micro-batches across passes, "
+                        "so pass a re-iterable loader (a DataLoader, or an object whose __iter__ "
+                        "starts a new pass)") from None
                 raise RuntimeError("AdaptiveBatching.micro_batches: the loader yielded no batch "
                                    "(empty dataset?)") from None
 
@@ -697,9 +728,11 @@ class AdaptiveBatching:
             return (lambda: _FSDPSync(model, False)), (lambda: _FSDPSync(model, True))
         if self.world_size > 1:
             raise ValueError(
-                "micro_batches: this step accumulates {A} micro-batches on {R} ranks, so the first "
-                "{A1} must skip the gradient synchronization: pass the DDP or FSDP2 model, "
-                "coord.micro_batches(loader, model)".format(A=A, R=self.world_size, A1=A - 1))
+                "this step accumulates {A} micro-batches on {R} ranks, so the first {A1} must "
+                "skip the gradient synchronization, and the coordinator does not know the model: "
+                "pass the DDP or FSDP2 model, coord.batches(loader, ..., model=ddp) or "
+                "coord.micro_batches(loader, ddp) (or build the coordinator from the model, "
+                "AdaptiveBatching(ddp, ...))".format(A=A, R=self.world_size, A1=A - 1))
         return contextlib.nullcontext, contextlib.nullcontext
 
     def micro_batches(self, loader: Iterable, model=None) -> Iterator[tuple[Any, Any]]:
@@ -737,30 +770,63 @@ class AdaptiveBatching:
         self._served = self._micro_batches_used = True
         self._scale = self._read_scale()
         self.state.grad_scale = self._scale  # the pool stores statistics / scale^2
-        feeds_sampler = self.sampler is not None and getattr(loader, "batch_sampler", None) is self.sampler
+        # the coordinator's sampler feeds the loader unless the loader names another one (a
+        # wrapper or generator around the DataLoader has no batch_sampler attribute)
+        feeds_sampler = (self.sampler is not None
+                         and getattr(loader, "batch_sampler", self.sampler) is self.sampler)
+        measuring = self.state.is_measurement_step(self._step)
         for a in range(A):
             batch = self._next_item(loader)
-            n = _batch_len(batch)
-            if n is not None and n != self.micro_batch_size:
+            try:
+                self.check_micro_batch(batch, a)
+            except ValueError:
                 if a == 0:
                     self._served = False   # nothing of the step was handed out
                     self._grad_marks = self._stale_grad = self._no_backward = None
-                raise ValueError(
-                    f"micro-batch {a} of step {self._step} holds {n} examples (its first tensor's "
-                    f"leading dimension), but micro_batch_size is {self.micro_batch_size}: the "
-                    f"coordinator counts B = R x A x b = {self.world_size} x {A} x "
-                    f"{self.micro_batch_size} examples per step, and the samples seen, the LR "
-                    "multiplier and the GNS's batch would all be off. Build the loader with "
-                    "DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds))), or one that "
-                    f"yields exactly {self.micro_batch_size} examples per item (drop_last=True)")
+                    self._disarm()
+                raise
             if feeds_sampler:
                 self.sampler.advance(1)
             self._consumed += 1
             yield batch, (skip_sync() if a < A - 1 else last())
             if self.kind == "micro":
                 self.state.micro_step()
+            if measuring and a < A - 1:
+                self._hold_grads()
         if "coverage" not in self._warned:
             self._check_coverage()
+
+    # ------------------------------------------------------------------ for trainer stacks
+    def begin_step(self) -> None:
+        """The checks of a step's start, for a trainer integration that draws the
+        micro-batches itself instead of through ``micro_batches()`` (the Lightning
+        callback): call before the step's first forward. Raises RuntimeError when a
+        parameter was frozen, unfrozen or removed since the coordinator was built; on a
+        measuring step it arms the check that the step's first backward starts from zero
+        gradients (read at ``step()``)."""
+        self._check_start()
+
+    def check_micro_batch(self, batch, index: int = 0) -> None:
+        """ValueError when ``batch`` (micro-batch ``index`` of the step in progress) holds
+        a number of examples other than ``micro_batch_size``, as far as it can be told
+        (``_batch_len``: batch-first tensors, dicts, tuples, lists; other objects are not
+        checked). ``micro_batches()`` calls it for every micro-batch; a trainer integration
+        that draws them itself calls it too."""
+        n = _batch_len(batch)
+        if n is None or n == self.micro_batch_size:
+            return
+        A = self.accum_steps
+        raise ValueError(
+            f"micro-batch {index} of step {self._step} holds {n} examples (the leading dimension "
+            f"its tensors agree on), but micro_batch_size is {self.micro_batch_size}: the "
+            f"coordinator counts B = R x A x b = {self.world_size} x {A} x "
+            f"{self.micro_batch_size} examples per step, and the samples seen, the LR "
+            "multiplier and the GNS's batch would all be off. Build the loader with "
+            "DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds))), or one that "
+            f"yields exactly {self.micro_batch_size} examples per item (batch_size="
+            f"{self.micro_batch_size}, drop_last=True). (Batch-first [b, ...] tensors are "
+            "expected; a sequence-first [T, b] batch whose every tensor leads with T cannot be "
+            "told apart)")
 
     def _restart_lrs(self) -> None:
         """The optimizers were loaded from a checkpoint without the coordinator: their param
@@ -826,11 +892,15 @@ class AdaptiveBatching:
         was = {id(p) for p in self._trainable}
         if now != was:
             names = _param_names(self._model)
+            current = {id(p) for p in params}
+            removed = [names.get(id(p), f"#{i}") for i, p in enumerate(self._trainable)
+                       if id(p) not in current]
             frozen = [names.get(id(p), f"#{i}") for i, p in enumerate(params)
                       if id(p) in was and id(p) not in now]
             thawed = [names.get(id(p), f"#{i}") for i, p in enumerate(params)
                       if id(p) in now and id(p) not in was]
-            what = (f"frozen (requires_grad False): {', '.join(frozen[:5])}" if frozen else
+            what = (f"removed from the optimizers' param groups: {', '.join(removed[:5])}" if removed else
+                    f"frozen (requires_grad False): {', '.join(frozen[:5])}" if frozen else
                     f"unfrozen (requires_grad True): {', '.join(thawed[:5])}")
             raise RuntimeError(
                 f"step {self._step}: parameters were {what} after the coordinator was built. The GNS "
@@ -840,14 +910,94 @@ class AdaptiveBatching:
                 "optimizers and the coordinator; to change the trained set mid-run, build new "
                 "ones over it (the GNS then starts afresh)")
         self._stale_grad = None
-        if self.state.is_measurement_step(self._step):
-            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
-            if grads:
-                self._stale_grad = _any_nonzero(grads)
+        self._disarm()
+        if self.state.is_measurement_step(self._step) and any(p.grad is not None for p in params):
+            # read when the step's first gradient arrives, not now: a loop may zero the
+            # gradients inside its first micro-batch (before or after its forward)
+            self._arm_read(params, self._read_stale)
         self._grad_marks = [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
         self._no_backward = None
+        self._grads_none_at_step = False
+        self._early_step = self._zeroed_inside = self._held = self._zeroed_flag = None
         if self._forwards is not None:
             self._forwards[0] = self._forwards[1] = 0
+
+    def _arm_read(self, params, read) -> None:
+        """Call ``read(params)`` once, when the next backward's first gradient is computed
+        and before it is added to any ``.grad`` (a one-shot autograd hook on the
+        parameters); under FSDP2, whose sharded parameters autograd never reaches, at the
+        model's next forward instead. Costs one Python call per parameter in that one
+        backward (measuring steps only)."""
+        ref = weakref.ref(self)
+
+        def fire(*_):
+            coord = ref()
+            if coord is not None and coord._arm is not None:
+                coord._disarm()
+                read(params)
+        if self.kind == "fsdp":
+            if self._model is None:
+                read(params)   # no model to watch: read now
+                return
+
+            def on_output(module, args, output):
+                # the backward's start: a hook on the model's output gradient fires before
+                # any parameter gradient is accumulated (a loop may zero the gradients
+                # between its forward and backward, as Lightning does)
+                out = next((t for t in torch.utils._pytree.tree_leaves(output)
+                            if isinstance(t, torch.Tensor) and t.requires_grad), None)
+                if out is None:
+                    fire()
+                    return
+                coord = ref()
+                if coord is not None:
+                    coord._disarm()
+                    coord._arm = out.register_hook(lambda grad: fire())
+            self._arm = self._model.register_forward_hook(on_output)
+            return
+        leaves = [p for p in params if p.requires_grad]
+        if not leaves:
+            return
+        self._arm = torch.autograd.graph.register_multi_grad_hook(leaves, fire, mode="any")
+
+    def _disarm(self) -> None:
+        if self._arm is not None:
+            self._arm.remove()
+            self._arm = None
+
+    def _read_stale(self, params) -> None:
+        """A device flag: some gradient was not zero when the step's first backward began."""
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
+        self._stale_grad = _any_nonzero(grads) if grads else None
+
+    def _hold_grads(self) -> None:
+        """Measuring steps, after each micro-batch but the last: note the gradient objects,
+        and at the next backward check that none was reset (set to None or replaced)."""
+        params = self._params()
+        self._held = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
+        self._disarm()
+        self._arm_read(params, self._read_reset)
+
+    def _read_reset(self, params) -> None:
+        """At a micro-batch's first backward (measuring steps): gradients the previous
+        micro-batches left that are gone (None, or another tensor: ``zero_grad()``, which
+        sets them to None), named at once; and a device flag, read at the step's end, for
+        gradients that are all exactly zero again (``zero_grad(set_to_none=False)``)."""
+        held, self._held = self._held, None
+        if held is None or len(held) != len(params):
+            return
+        names = _param_names(self._model)
+        reset = [names.get(id(p), f"#{i}") for i, (p, (g, _)) in enumerate(zip(params, held))
+                 if g is not None and p.grad is not g]
+        if reset and self._zeroed_inside is None:
+            self._zeroed_inside = reset
+        kept = [(g, v) for g, v in held if g is not None]
+        # written in place since the last micro-batch's backward (every one of them: what
+        # zero_grad(set_to_none=False) does) and all zero now; gradients that are exactly
+        # zero by themselves (a saturated softmax) were not written, and are not flagged
+        if kept and not reset and all(g._version != v for g, v in kept):
+            zero = _any_nonzero([getattr(g, "_local_tensor", g) for g, _ in kept]).logical_not()
+            self._zeroed_flag = zero if self._zeroed_flag is None else self._zeroed_flag | zero
 
     def _check_loader(self, loader) -> None:
         """An IterableDataset read by several DataLoader workers is copied into each worker:
@@ -871,7 +1021,17 @@ class AdaptiveBatching:
                 "stream's position and a resumed run restarts it; use coord.batch_sampler"))
         samplers = (getattr(loader, "sampler", None),
                     getattr(getattr(loader, "batch_sampler", None), "sampler", None))
-        if any(isinstance(s, torch.utils.data.DistributedSampler) for s in samplers):
+        distributed = any(isinstance(s, torch.utils.data.DistributedSampler) for s in samplers)
+        if (isinstance(loader, torch.utils.data.DataLoader) and not distributed
+                and not isinstance(dataset, torch.utils.data.IterableDataset)
+                and not isinstance(own, MicroBatchSampler)):
+            self._warn_once("plain-loader", (
+                "the loader does not draw from coord.batch_sampler(...): the coordinator cannot "
+                "save where the data stream is, so coord.state_dict() holds no data position and "
+                "a resumed run restarts the data from its start. Use DataLoader(ds, "
+                "batch_sampler=coord.batch_sampler(len(ds))) (it also shards by rank and keeps "
+                "every micro-batch at b examples)"))
+        if distributed:
             self._warn_once("distributed-sampler", (
                 "the loader draws from a DistributedSampler: its passes neither follow the "
                 "coordinator's steps nor resume from coord.state_dict(), every pass repeats the "
@@ -914,6 +1074,12 @@ class AdaptiveBatching:
                 "was built without it: the hooks see gradients x the loss scale, so noise and "
                 "signal read scale^2 too large and the EMAs mix scales. Pass "
                 "AdaptiveBatching(..., grad_scaler=scaler)")
+        twice = [i for i, n in enumerate(self._opt_steps) if n > 1]
+        if twice:
+            raise RuntimeError(
+                f"step {k}: optimizer {twice[0]} (position in the list given to the coordinator) "
+                f"stepped {self._opt_steps[twice[0]]} times in one step: every optimizer steps "
+                "once per step (one opt.step() after the step's micro-batches)")
         if not any(self._opt_steps):
             skipped = (self.grad_scaler is not None and self._read_scale() < self._scale)
             if not skipped:  # a GradScaler skips the step of an inf / NaN gradient, then lowers its scale
@@ -948,7 +1114,7 @@ class AdaptiveBatching:
                 "coord.step(): remove your scheduler.step() call")
 
     def batches(self, loader: Iterable, max_samples: Optional[int] = None,
-                max_steps: Optional[int] = None) -> Iterator["Batch"]:
+                max_steps: Optional[int] = None, model=None) -> Iterator["Batch"]:
         """The optimizer steps of the run, each as a ``Batch``: ``len(batch)`` is A_k, the
         micro-batches this rank accumulates, and iterating it yields them (the first A_k - 1
         under DDP's ``no_sync()`` / FSDP2's ``set_requires_gradient_sync(False)``, entered
@@ -963,11 +1129,14 @@ class AdaptiveBatching:
         The step ends by itself when every optimizer passed has stepped (no
         ``coord.step()``); a step that a GradScaler skipped (inf gradient) ends when the
         next batch is drawn. The model for ``no_sync`` is the one given to the
-        constructor (or to ``micro_batches``). ``max_samples`` and ``max_steps`` are
-        checked here (an int >= 0, or None)."""
+        constructor, or ``model`` here (the DDP / FSDP2 model, when the coordinator was
+        built from a hook state). ``max_samples`` and ``max_steps`` are checked here (an
+        int >= 0, or None)."""
         max_samples = _check_budget("max_samples", max_samples)
         max_steps = _check_budget("max_steps", max_steps)
         self._refuse_nested("batches")
+        if model is not None:
+            self._model = model
         return self._batches(loader, max_samples, max_steps)
 
     def _refuse_nested(self, what: str) -> None:
@@ -1047,11 +1216,28 @@ class AdaptiveBatching:
             raise RuntimeError(
                 f"step {k}: {self._consumed} of its {self.accum_steps} micro-batches were consumed; "
                 "iterate coord.micro_batches(...) to the end before coord.step()")
+        if self._early_step is not None:
+            c, A = self._early_step
+            raise RuntimeError(
+                f"step {k}: opt.step() ran after micro-batch {c} of the step's {A}, inside the "
+                "loop over the batch: the optimizer must step once per step, after the last "
+                "micro-batch's backward (for x, y in batch: ...backward(); then opt.step(); "
+                "opt.zero_grad())")
+        if self._no_backward and self._served and self._grads_none_at_step and \
+                self.kind != "micro" and st.step == k + 1:
+            # the synchronized backward ran (the hook counted it), yet opt.step() found no gradient
+            raise RuntimeError(
+                f"step {k}: every gradient was None when opt.step() ran, after this step's "
+                "backward passes: opt.zero_grad() was called between the backward and "
+                "opt.step() (it clears the gradients the step should apply). Call "
+                "opt.step() first, then opt.zero_grad()")
         if self._no_backward and self._served and (self.kind == "micro" or st.step == k):
             raise RuntimeError(
                 f"step {k}: no backward ran in this step (no parameter's gradient changed "
                 f"from its first micro-batch to opt.step()), so there was nothing to measure or "
-                "to step: run loss.backward() on every micro-batch, inside the loop over the batch")
+                "to step: run loss.backward() on every micro-batch, inside the loop over the batch"
+                + (" (the gradients were None at opt.step(): if the backward ran, "
+                   "opt.zero_grad() came before opt.step())" if self._grads_none_at_step else ""))
         if st.step == k + 1:
             return
         fw = self._forwards
@@ -1177,11 +1363,29 @@ class AdaptiveBatching:
 
     def _end_step(self) -> int:
         k = self._step
+        self._disarm()
         self._check_state(k)
         self._check_loop(k)
         measure = k % self.every == 0
+        if measure and self._zeroed_inside:
+            raise RuntimeError(
+                f"step {k}: gradients were reset between the step's micro-batches (e.g. "
+                f"{', '.join(self._zeroed_inside[:3])}): opt.zero_grad() inside the loop over "
+                "the batch keeps only the last micro-batch's gradient, so the step trains on 1/A "
+                "of its batch and its GNS measurement is wrong. Call opt.zero_grad() once per "
+                "step, after opt.step() (or before the first micro-batch); the measurement of "
+                "this step is not used")
+        est = self._measurement(k) if measure else None   # the estimate's read: its host sync
+        if measure and self._zeroed_flag is not None and bool(self._zeroed_flag):
+            raise RuntimeError(
+                f"step {k}: the gradients were zeroed between the step's micro-batches "
+                "(opt.zero_grad(set_to_none=False) inside the loop over the batch): only the "
+                "last micro-batch's gradient is left, so the step trains on 1/A of its batch and "
+                "its GNS measurement is wrong. Call opt.zero_grad() once per step, after "
+                "opt.step() (or before the first micro-batch); the measurement of this step is "
+                "not used")
         if measure and self._stale_grad is not None and bool(self._stale_grad):
-            # read here, with the estimate: the measurement's one host synchronization
+            # read after the estimate (the device has finished its work: no wait)
             raise RuntimeError(
                 f"step {k}: the gradients were not zero when this step's first micro-batch "
                 "began, so its backward passes added to the previous step's gradients "
@@ -1191,7 +1395,6 @@ class AdaptiveBatching:
                 "not used")
         f_next = (None if self.lr_schedule is None
                   else self._schedule_factor(self._samples + self._batch))
-        est = self._measurement(k) if measure else None
         ctrl = self.controller
         ctrl.update(k, est)
         new = ctrl.batch_size
@@ -1202,6 +1405,7 @@ class AdaptiveBatching:
         self._served = False
         self._consumed = 0
         self._stale_grad = self._grad_marks = self._no_backward = None
+        self._early_step = self._zeroed_inside = self._held = self._zeroed_flag = None
         self._apply_batch()
         self._sync_lrs()
         if f_next is not None:
@@ -1329,15 +1533,19 @@ class AdaptiveBatching:
                 raise ValueError(f"AdaptiveBatching.load_state_dict: the controller's settings differ "
                                  f"({details}); construct it with the saved settings or pass strict=False")
         batch = _check_int("state_dict: controller batch_size", csd.get("batch_size"), 1)
-        if batch % m:
-            new = -(-batch // m) * m
-            if ctrl.max_batch_size is not None:
-                new = min(new, ctrl.max_batch_size)
-            new = max(new, ctrl.initial_batch_size)
+        new = -(-batch // m) * m       # a multiple of this run's R x b,
+        if ctrl.max_batch_size is not None:
+            new = min(new, ctrl.max_batch_size)
+        new = max(new, ctrl.initial_batch_size)   # within [B_0, max_batch_size]
+        if new != batch:
+            why = (f"not a multiple of {m}" if batch % m else
+                   f"below this run's initial_batch_size {ctrl.initial_batch_size}"
+                   if batch < ctrl.initial_batch_size else
+                   f"above this run's max_batch_size {ctrl.max_batch_size}")
             _warn_user(
                 f"AdaptiveBatching: resumed with world_size x micro_batch_size = {self.world_size} x "
                 f"{self.micro_batch_size} = {m} (saved: {sd['world_size']} x {sd['micro_batch_size']}); "
-                f"the saved batch {batch} is not a multiple of {m}, continuing with {new}")
+                f"the saved batch {batch} is {why}, continuing with {new} (the LR multiplier follows)")
             csd["batch_size"] = new
         ctrl.load_state_dict(csd, strict=False)
         self._step = _check_int("state_dict['step']", sd["step"], 0)

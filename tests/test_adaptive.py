@@ -38,7 +38,11 @@ def _backward(state, estimate=None):
         state.estimate, state.estimate_step = estimate, k
     state._step = k + 1
     if id(state) in _OPTIMIZER_OF:
-        _OPTIMIZER_OF[id(state)].step()
+        opt = _OPTIMIZER_OF[id(state)]
+        for group in opt.param_groups:   # the gradients a real backward leaves
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        opt.step()
 
 
 def _ddp_coord(every=2, **kw):

@@ -136,6 +136,10 @@ class MicroBatchGNS(GNSHookState):
         # measured parameter); 2 means micro_step() was left out
         self._backwards = 0
         self._warned_no_micro_step = False
+        self._warned_no_backward = False
+        # warn at a second backward without micro_step() (a hand-wired loop that left it
+        # out); gk.AdaptiveBatching calls micro_step() itself and turns this off
+        self.warn_missing_micro_step = True
         self._grad_hook = None
         watched = next((p for p in self._params if p.requires_grad and p.is_leaf), None)
         if watched is not None:
@@ -189,12 +193,16 @@ class MicroBatchGNS(GNSHookState):
         marks = [(id(p.grad), p.grad._version) for p, _ in live]
         if not self._poisoned and (not live or (self._count > 1 and marks == self._marks)):
             self._poisoned = True
-            _warn_user(
-                f"MicroBatchGNS: micro-batch {self._count} of step {self._step} had no backward "
-                "through the measured parameters since the previous micro_step() (a micro-batch "
-                "skipped, or micro_step() called twice): its gradient would count as a zero "
-                "sample, so this step's measurement is marked invalid (the controller skips it). "
-                "Run the backward of every micro-batch before micro_step()")
+            if not self._warned_no_backward:   # the step is marked invalid every time; said once
+                self._warned_no_backward = True
+                _warn_user(
+                    f"MicroBatchGNS: micro-batch {self._count} of step {self._step} had no backward "
+                    "through the measured parameters before the next micro-batch (a micro-batch "
+                    "skipped, its backward run after the loop over the batch, or micro_step() "
+                    "called twice): its gradient would count as a zero sample, so the step's "
+                    "measurement is marked invalid (the controller skips it; said once). Run "
+                    "each micro-batch's backward inside the loop over the batch (hand-wired: "
+                    "before its micro_step())")
         self._marks = marks
         for p, _ in live:
             self._buffers(p)
@@ -328,12 +336,13 @@ class MicroBatchGNS(GNSHookState):
 
     def _backward_seen(self) -> None:
         self._backwards += 1
-        if self._backwards >= 2 and not self._warned_no_micro_step:
+        if self._backwards >= 2 and self.warn_missing_micro_step and not self._warned_no_micro_step:
             self._warned_no_micro_step = True
             _warn_user(
-                "MicroBatchGNS: a second backward pass without micro_step() in between; call "
-                "mb.micro_step() after every micro-batch's backward (without it no micro-batch "
-                "is counted and nothing is measured)")
+                "MicroBatchGNS: two backward passes without micro_step() in between: if each is "
+                "a micro-batch, call mb.micro_step() after each one's backward (without it no "
+                "micro-batch is counted and nothing is measured); two backward passes of one "
+                "micro-batch are fine (said once)")
 
     # -------------------------------------------------------------- DDP hook side
     def micro_batches_for_sync(self):

@@ -71,6 +71,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
 from ._common import missing, rank_world, scalars, warn_user
 
 try:
@@ -174,8 +176,33 @@ class GNSCallback(_Callback):
         if self.coord.kind == "fsdp":
             self._route_through_root(trainer)
         trainer.accumulate_grad_batches = self.coord.accum_steps
+        self._check_loader(trainer)
         if resumed is not None:
             self._resume_data(trainer, resumed)
+
+    def _check_loader(self, trainer) -> None:
+        """At fit's start, not at the epoch's end: a train DataLoader whose micro-batches are
+        not b examples (its batch_size), or whose pass ends in a shorter one (drop_last=False
+        and a per-rank length that b does not divide). The coordinator counts B = R x A x b,
+        and a short micro-batch would be measured as an equal GNS sample."""
+        loader = getattr(trainer, "train_dataloader", None)
+        if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+            return   # a batch_sampler, an iterable, a CombinedLoader: checked per micro-batch
+        b = self.coord.micro_batch_size
+        fix = (f"build the train DataLoader with batch_size={b} (GNSCallback's micro_batch_size) "
+               "and drop_last=True")
+        if loader.batch_size != b:
+            raise ValueError(f"GNSCallback: the train DataLoader's batch_size is {loader.batch_size}, "
+                             f"micro_batch_size is {b}: {fix}")
+        try:
+            n = len(loader.sampler)
+        except TypeError:   # a sampler without a length
+            return
+        if not loader.drop_last and n % b:
+            raise ValueError(
+                f"GNSCallback: the train DataLoader gives each rank {n} examples per epoch, not a "
+                f"multiple of micro_batch_size {b}, and drop_last=False: every epoch would end "
+                f"with a micro-batch of {n % b} examples, measured as an equal sample; {fix}")
 
     def _route_through_root(self, trainer) -> None:
         """ModelParallelStrategy calls ``training_step`` on the LightningModule directly, so
@@ -224,6 +251,8 @@ class GNSCallback(_Callback):
         A = self.coord.accum_steps
         if self._count == 1:
             trainer.accumulate_grad_batches = A
+            self.coord.begin_step()   # frozen / removed parameters; stale gradients at the backward
+        self.coord.check_micro_batch(batch, self._count - 1)
         if self.coord.kind == "fsdp":   # Lightning's block_backward_sync is DDP's no_sync only
             pl_module.set_requires_gradient_sync(self._count >= A)
 

@@ -355,7 +355,7 @@ def test_warnings_point_at_the_users_line():
     assert {w.filename for w in rec} == {HERE}
     # a second backward without micro_step (MicroBatchGNS in the user's own loop)
     mb = MicroBatchGNS(model.parameters(), geometry="l1", every=1, batch_size=8, micro_batches=2)
-    with pytest.warns(RuntimeWarning, match="second backward") as rec:
+    with pytest.warns(RuntimeWarning, match="two backward passes without micro_step") as rec:
         for _ in range(2):
             torch.nn.functional.mse_loss(model(X[:4]), Y[:4]).backward()
     assert rec[0].filename == HERE
@@ -490,3 +490,219 @@ def test_added_param_group_is_not_a_thawed_parameter():
         _loop(model, opt, coord, loader, 2)
     assert coord.current_step == 2
     assert opt.param_groups[1]["lr"] == pytest.approx(1e-3 * coord.lr_multiplier, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the review's round
+def _rows(body, steps=4, **kw):
+    model, opt, coord, loader = _readme(**kw)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a correct loop warns about nothing
+        for batch in coord.batches(loader, max_steps=steps):
+            body(model, opt, batch)
+            rows.append((coord.metrics()["gns"], coord.batch_size))
+    return rows
+
+
+def _mse(model, x, y, n):
+    return torch.nn.functional.mse_loss(model(x), y) / n
+
+
+def _readme_body(model, opt, batch):
+    for x, y in batch:
+        _mse(model, x, y, len(batch)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_zero_grad_inside_the_first_micro_batch_is_a_correct_loop():
+    """The gradients are read when the step's first backward begins, not when its first
+    micro-batch is handed out: zeroing them inside the first micro-batch (before the forward,
+    or between the forward and the backward, as Lightning does) is correct, and gives the
+    README loop's numbers."""
+    def before_forward(model, opt, batch):
+        for i, (x, y) in enumerate(batch):
+            if i == 0:
+                opt.zero_grad()
+            _mse(model, x, y, len(batch)).backward()
+        opt.step()
+
+    def before_backward(model, opt, batch):
+        for i, (x, y) in enumerate(batch):
+            loss = _mse(model, x, y, len(batch))
+            if i == 0:
+                opt.zero_grad(set_to_none=False)
+            loss.backward()
+        opt.step()
+
+    want = _rows(_readme_body)
+    assert _rows(before_forward) == want
+    assert _rows(before_backward) == want
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_micro_batches_is_named(set_to_none):
+    """opt.zero_grad() in every micro-batch kept only the last micro-batch's gradient: the GNS
+    came out 145-3867 against 5-21 and B reached its cap at step 0, without a word."""
+    def body(model, opt, batch):
+        for x, y in batch:
+            opt.zero_grad(set_to_none=set_to_none)
+            _mse(model, x, y, len(batch)).backward()
+        opt.step()
+
+    match = "reset between the step's micro-batches" if set_to_none else "zeroed between the step's micro-batches"
+    model, opt, coord, loader = _readme()
+    with pytest.raises(RuntimeError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # MicroBatchGNS may also see a micro-batch as missing
+        for batch in coord.batches(loader, max_steps=3):
+            body(model, opt, batch)
+
+
+def test_optimizer_stepped_twice_or_inside_the_batch_is_named():
+    def twice(model, opt, batch):
+        for x, y in batch:
+            _mse(model, x, y, len(batch)).backward()
+        opt.step()
+        opt.step()
+        opt.zero_grad()
+
+    def inside(model, opt, batch):
+        for x, y in batch:
+            _mse(model, x, y, len(batch)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with pytest.raises(RuntimeError, match="stepped 2 times in one step"):
+        _rows(twice)
+    with pytest.raises(RuntimeError, match="opt.step\\(\\) ran after micro-batch 1 of the step's 2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, coord, loader = _readme()
+            for batch in coord.batches(loader, max_steps=2):
+                inside(model, opt, batch)
+
+
+def test_zero_grad_before_step_is_named():
+    def body(model, opt, batch):
+        for x, y in batch:
+            _mse(model, x, y, len(batch)).backward()
+        opt.zero_grad()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="opt.zero_grad\\(\\) came before opt.step\\(\\)"):
+        _rows(body)
+
+
+def test_batch_size_read_only_when_certain():
+    """Correct loops the size check refused (a detection collate's tuple of images, a
+    PackedSequence) run; a mapping that is not a dict (BatchEncoding is a UserDict) and a
+    tuple that starts with a 0-d tensor are checked."""
+    import collections
+
+    from torch.nn.utils.rnn import pack_sequence
+
+    from gns_kernels.adaptive import _batch_len
+
+    x4 = torch.randn(4, 3)
+    imgs = tuple(torch.randn(3, 5, 5) for _ in range(4))
+    assert _batch_len((imgs, tuple({"boxes": torch.randn(2, 4)} for _ in range(4)))) == 4
+    assert _batch_len(pack_sequence([torch.randn(5, 2), torch.randn(3, 2)])) is None
+    assert _batch_len((torch.randn(7, 4), torch.randn(4))) is None       # sequence-first: unknown
+    assert _batch_len(collections.UserDict(input_ids=torch.zeros(8, 3, dtype=torch.long))) == 8
+    assert _batch_len((torch.tensor(1.0), torch.randn(8, 3))) == 8
+    assert _batch_len((x4, torch.randn(4))) == 4 and _batch_len(x4) == 4
+
+    X, Y = _problem()
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(X)
+
+        def __getitem__(self, i):
+            return X[i].reshape(2, 3), {"y": Y[i]}
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    coord = AdaptiveBatching(model, opt, every=1, micro_batch_size=4, initial_batch_size=8)
+    loader = DataLoader(Items(), batch_sampler=coord.batch_sampler(len(X)),
+                        collate_fn=lambda b: tuple(zip(*b)))     # a detection-style collate
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in coord.batches(loader, max_steps=2):
+            for xs, ts in batch:
+                x = torch.stack(xs)
+                y = torch.stack([t["y"] for t in ts])
+                _mse(model, x, y, len(batch)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert coord.samples_seen >= 16 and coord.current_step == 2
+
+
+def test_wrapped_loader_still_advances_the_sampler_and_a_plain_loader_is_named():
+    """A generator or a prefetching wrapper around DataLoader(batch_sampler=coord's) left the
+    sampler at position 0 (a resume restarted the stream); a plain DataLoader's position
+    cannot be saved, which is said once."""
+    model, opt, coord, loader = _readme()
+
+    class Prefetch:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __iter__(self):
+            return iter(self.inner)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in coord.batches(Prefetch(loader), max_steps=3):
+            _readme_body(model, opt, batch)
+    assert coord.state_dict()["sampler"]["position"] == coord.samples_seen >= 24
+    X, Y = _problem()
+    model, opt, coord, _ = _readme()
+    plain = DataLoader(TensorDataset(X, Y), batch_size=4, shuffle=True, drop_last=True)
+    with pytest.warns(RuntimeWarning, match="does not draw from coord.batch_sampler") as rec:
+        for batch in coord.batches(plain, max_steps=2):
+            _readme_body(model, opt, batch)
+    assert rec[0].filename == HERE
+    gen = (b for b in [next(iter(loader))] * 2)
+    model, opt, coord, _ = _readme()
+    with pytest.raises(RuntimeError, match="is an iterator \\(a generator\\?\\) and it is exhausted"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for batch in coord.batches(gen, max_steps=3):
+                _readme_body(model, opt, batch)
+
+
+def test_removed_param_group_is_named():
+    model, opt, coord, loader = _readme()
+    with pytest.raises(RuntimeError, match="removed from the optimizers' param groups: 0.weight, 0.bias"):
+        for batch in coord.batches(loader, max_steps=4):
+            if batch.step == 2:
+                opt.param_groups.pop(0) if len(opt.param_groups) > 1 else None
+                opt.param_groups[0]["params"] = opt.param_groups[0]["params"][2:]
+            _readme_body(model, opt, batch)
+
+
+def test_two_backward_passes_of_one_micro_batch_warn_nothing():
+    def body(model, opt, batch):
+        for x, y in batch:
+            _mse(model, x, y, 2 * len(batch)).backward()
+            _mse(model, x, y, 2 * len(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    assert len(_rows(body)) == 4
+
+
+def test_resume_below_b0_is_said_by_the_coordinator():
+    X, Y = _problem()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    coord = AdaptiveBatching(model, opt, every=1, micro_batch_size=4, initial_batch_size=8)
+    sd = coord.state_dict()
+    model2 = _model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    coord2 = AdaptiveBatching(model2, opt2, every=1, micro_batch_size=8, initial_batch_size=16)
+    with pytest.warns(RuntimeWarning, match="AdaptiveBatching: resumed .* below this run's initial_batch_size 16") as rec:
+        coord2.load_state_dict(sd, strict=False)
+    assert not any("AdaptiveBatchSize" in str(w.message) for w in rec)
+    assert coord2.batch_size == 16
