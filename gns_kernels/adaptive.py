@@ -81,12 +81,17 @@ from .estimators import GNSEstimate
 from .distributed.microbatch import MicroBatchGNS
 from .distributed.state import GNSHookState
 from .lr import LRMultiplier
+from .schedule import Schedule
 
 __all__ = ["AdaptiveBatching", "Batch"]
 
-_STATE_VERSION = 1
-_STATE_KEYS = ("step", "samples_seen", "world_size", "micro_batch_size", "controller",
+# version 2 saves F, k and B once, as the run's schedule; version 1 (before) also loads
+_STATE_VERSION = 2
+_STATE_KEYS = ("schedule", "samples_seen", "world_size", "micro_batch_size", "controller",
                "lr_multiplier", "schedulers", "sampler", "hook")
+_STATE_KEYS_V1 = ("step", "samples_seen", "world_size", "micro_batch_size", "controller",
+                  "lr_multiplier", "schedulers", "sampler", "hook")
+_OWNER = "AdaptiveBatching"   # the name the run's schedule gives its writer
 
 
 def _as_list(x) -> list:
@@ -366,14 +371,12 @@ class AdaptiveBatching:
         self._micro_batches_used = False  # the loop draws its micro-batches from micro_batches()
         self.sampler = None
         self._pending_sampler: Optional[dict] = None  # loaded before batch_sampler() was made
-        self._step = 0
         self._samples = 0
-        self._batch = B0
         self._loader = None
         self._iter = None
         self._consumed = 0          # micro-batches handed out in the current step
         self._served = False        # micro_batches() was used in the current step
-        self._scale = self._read_scale()
+        self._set_scale(self._read_scale())
         self._last: dict[str, Any] = {}
         self._warned: set = set()
         # what the loop checks compare against (_check_start, _check_state): the parameters
@@ -393,9 +396,9 @@ class AdaptiveBatching:
         self._zeroed_flag = None    # device flag: those gradients were all zero at the next backward
         self._forwards = None       # DDP: forwards through the model in the step, and under no_sync
         self._forward_hook = None   # the forward pre-hook that counts them
-        self._apply_batch()
-        self.state.step = 0
-        self.state.grad_scale = self._scale
+        # the hook state reads F, k, B and the loss scale from the run's schedule from here on
+        self.state.use_schedule(self.schedule)
+        self._sync_mark = self.state.synced_backwards   # synchronized backwards before step 0
         if self.kind == "micro":
             self.state.warn_missing_micro_step = False   # micro_batches() calls micro_step()
         if getattr(self.state, "pool", None) is not None and not self.state.has_param_order:
@@ -460,7 +463,9 @@ class AdaptiveBatching:
                 f"every: AdaptiveBatching(every={every}) but the hook state measures every "
                 f"{self.state.every} steps; one period F must drive both: pass the same every to "
                 "both, or leave AdaptiveBatching's every=None to take the state's")
-        self.every = every
+        # the run's F, k, B_k and loss scale, owned here; the controller writes its decision
+        # B_{k+1} into it and the hook state reads it (both get it below / at the end)
+        self.schedule = Schedule(every=every, batch_size=B0, per_step=R * b, owner=_OWNER)
         pool_beta = getattr(self.state, "pool_beta", None)
         if beta_noise is None:
             beta_noise = 0.9 if pool_beta is None else pool_beta
@@ -485,7 +490,8 @@ class AdaptiveBatching:
         self.controller = AdaptiveBatchSize(
             initial_batch_size=B0, theta=theta, beta_noise=beta_noise, beta_signal=beta_signal,
             every=every, warmup_steps=warmup_steps, max_batch_size=max_batch_size,
-            multiple_of=R * b, lr_scaling=lr_scaling, signal=signal, max_growth=max_growth)
+            multiple_of=R * b, lr_scaling=lr_scaling, signal=signal, max_growth=max_growth,
+            schedule=self.schedule)
         self.schedulers = _as_list(schedulers)
         for i, s in enumerate(self.schedulers):
             if not (callable(getattr(s, "step", None)) and callable(getattr(s, "state_dict", None))):
@@ -584,6 +590,26 @@ class AdaptiveBatching:
         return self.controller.max_growth
 
     @property
+    def every(self) -> int:
+        """F, the measuring period (the run's schedule's)."""
+        return self.schedule.every
+
+    @property
+    def _step(self) -> int:
+        return self.schedule.step
+
+    @property
+    def _batch(self) -> int:
+        return self.schedule.batch_size
+
+    @property
+    def _scale(self) -> float:
+        return self.schedule.grad_scale
+
+    def _set_scale(self, value: float) -> None:
+        self.schedule.write("grad_scale", value, by=_OWNER)
+
+    @property
     def current_step(self) -> int:
         """k, the optimizer step in progress (0, 1, 2, ...; advanced by ``step()``)."""
         return self._step
@@ -668,13 +694,6 @@ class AdaptiveBatching:
             return 1.0
         s = float(self.grad_scaler.get_scale())
         return s if s > 0 and math.isfinite(s) else 1.0
-
-    def _apply_batch(self) -> None:
-        st = self.state
-        st.batch_size = self._batch
-        st.every = self.every
-        if self.kind == "micro":
-            st.micro_batches = self.accum_steps
 
     # ------------------------------------------------------------------ data
     def batch_sampler(self, num_samples: int, shuffle: bool = True, seed: int = 0):
@@ -768,8 +787,7 @@ class AdaptiveBatching:
             self._restart_lrs()
         self._check_start()
         self._served = self._micro_batches_used = True
-        self._scale = self._read_scale()
-        self.state.grad_scale = self._scale  # the pool stores statistics / scale^2
+        self._set_scale(self._read_scale())  # the pool stores statistics / scale^2
         # the coordinator's sampler feeds the loader unless the loader names another one (a
         # wrapper or generator around the DataLoader has no batch_sampler attribute)
         feeds_sampler = (self.sampler is not None
@@ -1150,7 +1168,7 @@ class AdaptiveBatching:
         self._refuse_nested("batches")
         self._in_batches = True
         try:
-            while self._within_budget(max_samples, max_steps):
+            while self.fits(max_samples, max_steps):
                 k = self._step
                 batch = Batch(self, loader, k)
                 self._auto_end = True
@@ -1164,8 +1182,12 @@ class AdaptiveBatching:
         finally:
             self._in_batches = False
 
-    def _within_budget(self, max_samples: Optional[int], max_steps: Optional[int]) -> bool:
-        """The next step's batch fits in ``max_samples`` (global examples) and k < ``max_steps``."""
+    def fits(self, max_samples: Optional[int] = None, max_steps: Optional[int] = None) -> bool:
+        """Whether the next step fits the budget: its batch in ``max_samples`` (global
+        examples, counting the samples seen) and k < ``max_steps`` (None: no limit). What
+        ``batches()`` and ``steps()`` stop on; for a trainer that runs its own loop."""
+        max_samples = _check_budget("max_samples", max_samples)
+        max_steps = _check_budget("max_steps", max_steps)
         if max_steps is not None and self._step >= max_steps:
             return False
         return max_samples is None or self._samples + self._batch <= max_samples
@@ -1193,7 +1215,7 @@ class AdaptiveBatching:
         return self._steps(max_samples, max_steps)
 
     def _steps(self, max_samples, max_steps) -> Iterator[int]:
-        while self._within_budget(max_samples, max_steps):
+        while self.fits(max_samples, max_steps):
             k = self._step
             yield k
             if self._step == k:
@@ -1203,15 +1225,7 @@ class AdaptiveBatching:
     # ------------------------------------------------------------------ the step
     def _check_state(self, k: int) -> None:
         st = self.state
-        if st.batch_size != self._batch:
-            raise RuntimeError(
-                f"the hook state's batch_size was changed to {st.batch_size} outside the coordinator "
-                f"(step {k} runs B = {self._batch}); the coordinator sets it: remove the "
-                "`state.batch_size = ...` line")
-        if st.every != self.every:
-            raise RuntimeError(
-                f"the hook state's every was changed to {st.every} outside the coordinator (F = "
-                f"{self.every}); one F drives the hook and the controller: leave state.every alone")
+        synced = st.synced_backwards - self._sync_mark   # synchronized backwards in step k
         if self._served and self._consumed != self.accum_steps:
             raise RuntimeError(
                 f"step {k}: {self._consumed} of its {self.accum_steps} micro-batches were consumed; "
@@ -1224,24 +1238,24 @@ class AdaptiveBatching:
                 "micro-batch's backward (for x, y in batch: ...backward(); then opt.step(); "
                 "opt.zero_grad())")
         if self._no_backward and self._served and self._grads_none_at_step and \
-                self.kind != "micro" and st.step == k + 1:
+                self.kind != "micro" and synced == 1:
             # the synchronized backward ran (the hook counted it), yet opt.step() found no gradient
             raise RuntimeError(
                 f"step {k}: every gradient was None when opt.step() ran, after this step's "
                 "backward passes: opt.zero_grad() was called between the backward and "
                 "opt.step() (it clears the gradients the step should apply). Call "
                 "opt.step() first, then opt.zero_grad()")
-        if self._no_backward and self._served and (self.kind == "micro" or st.step == k):
+        if self._no_backward and self._served and (self.kind == "micro" or synced == 0):
             raise RuntimeError(
                 f"step {k}: no backward ran in this step (no parameter's gradient changed "
                 f"from its first micro-batch to opt.step()), so there was nothing to measure or "
                 "to step: run loss.backward() on every micro-batch, inside the loop over the batch"
                 + (" (the gradients were None at opt.step(): if the backward ran, "
                    "opt.zero_grad() came before opt.step())" if self._grads_none_at_step else ""))
-        if st.step == k + 1:
+        if synced == 1:
             return
         fw = self._forwards
-        if st.step == k and fw is not None and self._served and self.kind in ("ddp", "micro"):
+        if synced == 0 and fw is not None and self._served and self.kind in ("ddp", "micro"):
             if fw[0] == 0:
                 raise RuntimeError(
                     f"step {k}: no forward went through the DDP model in this step, so DDP "
@@ -1255,12 +1269,12 @@ class AdaptiveBatching:
                     "ran: the coordinator's batch already runs the first A - 1 micro-batches "
                     "under no_sync() and the last one synchronized; remove your own "
                     "no_sync() around the micro-batches")
-        if st.step == k and not self._served and self._micro_batches_used:
+        if synced == 0 and not self._served and self._micro_batches_used:
             raise RuntimeError(
                 f"step {k}: coord.step() without this step's micro-batches: no micro-batch was "
                 "drawn since the last coord.step() (coord.step() called twice for one optimizer "
                 "step?)")
-        if st.step == k:
+        if synced == 0:
             model_form = self._form == "model"
             if self.kind == "micro":
                 fix = ("MicroBatchGNS.micro_step() must follow every micro-batch's backward "
@@ -1286,12 +1300,11 @@ class AdaptiveBatching:
                           "(find_unused_parameters=True). ")
                        + "Otherwise: " + fix)
             raise RuntimeError(f"step {k}: the hook state saw no synchronized backward for this "
-                               f"optimizer step (state.step = {st.step}); {fix}")
+                               f"optimizer step; {fix}")
         raise RuntimeError(
-            f"step {k}: the hook state counted {st.step - k} synchronized backward passes for one "
-            f"optimizer step (state.step = {st.step}, expected {k + 1}); the first accum_steps - 1 "
-            "micro-batches must skip the synchronization (use the context micro_batches yields), "
-            "and state.step must not be set by hand")
+            f"step {k}: the hook state counted {synced} synchronized backward passes for one "
+            f"optimizer step (expected 1); the first accum_steps - 1 "
+            "micro-batches must skip the synchronization (use the context micro_batches yields)")
 
     def _measurement(self, k: int) -> Optional[GNSEstimate]:
         """The hook state's estimate of step k as the controller sees it: noise, signal and
@@ -1396,25 +1409,23 @@ class AdaptiveBatching:
         f_next = (None if self.lr_schedule is None
                   else self._schedule_factor(self._samples + self._batch))
         ctrl = self.controller
-        ctrl.update(k, est)
-        new = ctrl.batch_size
         A_used, B_used, scale_used = self.accum_steps, self._batch, self._scale
+        ctrl.update(k, est)     # writes B_{k+1} into the run's schedule
+        new = ctrl.batch_size
         self._samples += B_used
-        self._step = k + 1
-        self._batch = new
+        self.schedule.write("step", k + 1, by=_OWNER)   # B_{k+1} is in it already (the controller's)
+        self._sync_mark = self.state.synced_backwards
         self._served = False
         self._consumed = 0
         self._stale_grad = self._grad_marks = self._no_backward = None
         self._early_step = self._zeroed_inside = self._held = self._zeroed_flag = None
-        self._apply_batch()
         self._sync_lrs()
         if f_next is not None:
             self._apply_schedule(f_next)
         self._lrm.step(ctrl.lr_multiplier)
         self._sched_epochs = self._scheduler_epochs()
         self._opt_steps = [0] * len(self.optimizers)
-        self._scale = self._read_scale()
-        self.state.grad_scale = self._scale
+        self._set_scale(self._read_scale())
         self._last = self._record(k, B_used, A_used, scale_used, measure, est)
         return new
 
@@ -1474,22 +1485,51 @@ class AdaptiveBatching:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        """Everything to resume: controller, step, samples, sampler position, LR state
-        (multiplier, schedulers), the hook state's schedule. Plain Python values (and the
-        schedulers' own state dicts). For torch.distributed.checkpoint wrap the coordinator
-        in ``gns_kernels.integrations.dcp.DCPState`` (the state is per rank); handed to DCP
-        as it is, this raises RuntimeError."""
+        """Everything to resume: the run's schedule (F, k, B_k), the samples seen, the
+        controller, the sampler position, the LR state (multiplier, schedulers) and the hook
+        state's (eigensolver hints, this rank's noise pool). Plain Python values (and the
+        schedulers' own state dicts); version 2 (version 1, from before, also loads). For
+        torch.distributed.checkpoint wrap the coordinator in
+        ``gns_kernels.integrations.dcp.DCPState`` (the state is per rank); handed to DCP as
+        it is, this raises RuntimeError."""
         refuse_unwrapped_dcp("AdaptiveBatching")
+        sched = self.schedule
         return {
-            "version": _STATE_VERSION, "step": self._step, "samples_seen": self._samples,
-            "batch_size": self._batch, "world_size": self.world_size,
-            "micro_batch_size": self.micro_batch_size, "every": self.every,
+            "version": _STATE_VERSION,
+            "schedule": {"every": sched.every, "step": sched.step, "batch_size": sched.batch_size},
+            "samples_seen": self._samples, "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
             "controller": self.controller.state_dict(),
             "lr_multiplier": self._lrm.state_dict(),
             "schedulers": [s.state_dict() for s in self.schedulers],
             "sampler": None if self.sampler is None else self.sampler.state_dict(),
             "hook": self.state.state_dict(),
         }
+
+    @staticmethod
+    def check_state_dict(sd) -> dict:
+        """``sd`` as a state_dict of this version, or ValueError / KeyError when it is not
+        one this class wrote (any version; nothing is loaded): what a trainer integration
+        checks before it loads anything else. Version 1 kept F, k and B at the top level
+        and in the controller's and the hook's entries (which a coordinated controller and
+        hook state no longer read)."""
+        if not isinstance(sd, dict) or sd.get("version") not in (1, _STATE_VERSION):
+            got = sd.get("version") if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"AdaptiveBatching.load_state_dict: version {got!r}, expected a "
+                             f"state_dict of version 1 or {_STATE_VERSION}")
+        keys = _STATE_KEYS_V1 if sd["version"] == 1 else _STATE_KEYS
+        missing = [k for k in keys if k not in sd]
+        if missing:
+            raise KeyError(f"AdaptiveBatching.load_state_dict: a dict without keys {missing}")
+        if not isinstance(sd["controller"], dict) or not isinstance(sd["controller"].get("config"), dict):
+            raise ValueError("AdaptiveBatching.load_state_dict: 'controller' is not a controller state_dict")
+        if sd["version"] == 1:
+            ctrl = sd["controller"]
+            schedule = {"every": sd.get("every", ctrl["config"].get("every")), "step": sd["step"],
+                        "batch_size": ctrl.get("batch_size")}
+            sd = {k: v for k, v in sd.items() if k not in ("step", "batch_size", "every")}
+            sd.update(version=_STATE_VERSION, schedule=schedule)
+        return sd
 
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Resume from ``state_dict()`` (after loading the model and the optimizers).
@@ -1498,19 +1538,15 @@ class AdaptiveBatching:
         the saved sample position re-sharded over the new ranks, the samples seen and the
         EMAs carry over, and a saved batch that is not a multiple of the new R x b is
         rounded up to one (capped at max_batch_size) with a warning; the LR multiplier
-        follows the batch. strict: the controller's other settings must equal the saved
-        ones (as ``AdaptiveBatchSize.load_state_dict``). A rejected state_dict leaves the
-        coordinator, its controller, sampler, schedulers and hook state as they were."""
-        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
-            raise ValueError(f"AdaptiveBatching.load_state_dict: expected a state_dict of version "
-                             f"{_STATE_VERSION}")
-        missing = [k for k in _STATE_KEYS if k not in sd]
-        if missing:
-            raise KeyError(f"AdaptiveBatching.load_state_dict: missing keys {missing}")
-        if not isinstance(sd["controller"], dict) or not isinstance(sd["controller"].get("config"), dict):
-            raise ValueError("AdaptiveBatching.load_state_dict: 'controller' is not a controller state_dict")
+        follows the batch. strict: the controller's other settings and F must equal the
+        saved ones (as ``AdaptiveBatchSize.load_state_dict``); strict=False keeps this
+        run's. A rejected state_dict leaves the coordinator, its schedule, controller,
+        sampler, schedulers and hook state as they were."""
+        sd = self.check_state_dict(sd)
         if not isinstance(sd["schedulers"], (list, tuple)) or not isinstance(sd["hook"], dict):
             raise ValueError("AdaptiveBatching.load_state_dict: 'schedulers' must be a list and 'hook' a dict")
+        if not isinstance(sd["schedule"], dict):
+            raise ValueError("AdaptiveBatching.load_state_dict: 'schedule' must be a dict")
         saved, attrs = self.state_dict(), dict(self.__dict__)
         try:
             self._load_state_dict(sd, strict)
@@ -1525,14 +1561,19 @@ class AdaptiveBatching:
         ctrl = self.controller
         csd = dict(sd["controller"])
         csd["config"] = dict(csd["config"])
+        sched = sd["schedule"]
         m = ctrl.multiple_of
+        every = _check_int("state_dict['schedule']['every']", sched.get("every"), 1)
+        step = _check_int("state_dict['schedule']['step']", sched.get("step"), 0)
+        batch = _check_int("state_dict['schedule']['batch_size']", sched.get("batch_size"), 1)
         if strict:
             diff = ctrl.config_differences(csd["config"], ignore=("multiple_of",))
+            if every != self.every:
+                diff["every"] = (every, self.every)
             if diff:
-                details = ", ".join(f"{k}: saved {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                details = ", ".join(f"{k}: saved {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
                 raise ValueError(f"AdaptiveBatching.load_state_dict: the controller's settings differ "
                                  f"({details}); construct it with the saved settings or pass strict=False")
-        batch = _check_int("state_dict: controller batch_size", csd.get("batch_size"), 1)
         new = -(-batch // m) * m       # a multiple of this run's R x b,
         if ctrl.max_batch_size is not None:
             new = min(new, ctrl.max_batch_size)
@@ -1546,11 +1587,10 @@ class AdaptiveBatching:
                 f"AdaptiveBatching: resumed with world_size x micro_batch_size = {self.world_size} x "
                 f"{self.micro_batch_size} = {m} (saved: {sd['world_size']} x {sd['micro_batch_size']}); "
                 f"the saved batch {batch} is {why}, continuing with {new} (the LR multiplier follows)")
-            csd["batch_size"] = new
-        ctrl.load_state_dict(csd, strict=False)
-        self._step = _check_int("state_dict['step']", sd["step"], 0)
+        self.schedule.write("batch_size", new, by=_OWNER)
+        self.schedule.write("step", step, by=_OWNER)
+        ctrl.load_state_dict(csd, strict=False)     # B is the schedule's: not read from csd
         self._samples = _check_int("state_dict['samples_seen']", sd["samples_seen"], 0)
-        self._batch = ctrl.batch_size
         if len(sd["schedulers"]) != len(self.schedulers):
             raise ValueError(f"AdaptiveBatching.load_state_dict: {len(sd['schedulers'])} schedulers "
                              f"saved, {len(self.schedulers)} given")
@@ -1560,15 +1600,12 @@ class AdaptiveBatching:
             self.sampler.load_state_dict(sd["sampler"])
         elif sd["sampler"] is not None:
             self._pending_sampler = sd["sampler"]
-        hook = dict(sd["hook"])
-        hook.update(step=self._step, batch_size=self._batch, every=self.every)
-        self.state.load_state_dict(hook)
-        self._apply_batch()
+        self.state.load_state_dict(dict(sd["hook"]))   # F, k, B there (version 1) are not read
+        self._sync_mark = self.state.synced_backwards
         self._lrm.set_multiplier(ctrl.lr_multiplier)
         self._loader = self._iter = None
         self._served, self._consumed = False, 0
-        self._scale = self._read_scale()
-        self.state.grad_scale = self._scale
+        self._set_scale(self._read_scale())
         self._sched_epochs = self._scheduler_epochs()
         self._opt_steps = [0] * len(self.optimizers)
         self._loaded = True

@@ -69,6 +69,7 @@ from ._validation import check_real as _check_real
 from ._validation import check_signal as _check_signal
 from ._validation import warn_user as _warn_user
 from .estimators import GNSEstimate
+from .schedule import Schedule
 
 __all__ = ["AdaptiveBatchSize"]
 
@@ -173,6 +174,7 @@ class AdaptiveBatchSize:
         lr_scaling: str = "sqrt",
         signal: str = "raw",
         max_growth: float | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         self.signal = _check_signal(signal)
         if max_growth is not None:
@@ -193,7 +195,7 @@ class AdaptiveBatchSize:
         for name, b in (("beta_noise", self.beta_noise), ("beta_signal", self.beta_signal)):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {b}")
-        self.every = _check_int("every", every, 1)
+        every = _check_int("every", every, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         self.multiple_of = _check_int("multiple_of", multiple_of, 1)
         if self.initial_batch_size % self.multiple_of:
@@ -218,8 +220,18 @@ class AdaptiveBatchSize:
             raise ValueError(f"lr_scaling must be one of {_LR_SCALINGS}, got {lr_scaling!r}")
         self.lr_scaling = lr_scaling
 
+        # F and B_k: this controller's own schedule, or the run's (a coordinator's, handed
+        # over with ``schedule=``): then F is read from it and B_{k+1}, this controller's
+        # decision, is written into it on the owner's behalf
+        if schedule is None:
+            schedule = Schedule(every=every, batch_size=self.initial_batch_size)
+        elif not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule: expected a gns_kernels.schedule.Schedule, got {type(schedule).__name__}")
+        elif schedule.every != every:
+            raise ValueError(f"every: {every} given, the schedule's is {schedule.every}; pass the schedule's")
+        self.schedule = schedule
+        self._writer = schedule.owner or type(self).__name__
         # trajectory state
-        self._batch_size = self.initial_batch_size
         self._noise_ema: float | None = None
         self._signal_ema: float | None = None
         self._target: float | None = None
@@ -230,6 +242,24 @@ class AdaptiveBatchSize:
         self._warned_pool_beta = False
 
     # ------------------------------------------------------------------ read-outs
+    @property
+    def every(self) -> int:
+        """F, the measuring period (the schedule's)."""
+        return self.schedule.every
+
+    @property
+    def _shared(self) -> bool:
+        """The schedule is a coordinator's: it saves F and B itself."""
+        return self.schedule.owner is not None and self.schedule.owner != type(self).__name__
+
+    @property
+    def _batch_size(self) -> int:
+        return self.schedule.batch_size
+
+    @_batch_size.setter
+    def _batch_size(self, value: int) -> None:
+        self.schedule.write("batch_size", value, by=self._writer)
+
     @property
     def batch_size(self) -> int:
         """B_{k+1}: global batch size for the step after the last ``update``."""
@@ -408,8 +438,10 @@ class AdaptiveBatchSize:
     _CONFIG_DEFAULTS = {"signal": "raw", "max_growth": None}
 
     def config(self) -> dict[str, Any]:
-        """The settings (what ``state_dict()['config']`` holds and a strict load compares)."""
-        return {
+        """The settings (what ``state_dict()['config']`` holds and a strict load compares);
+        ``every`` only when the schedule is this controller's own (a coordinator saves the
+        run's F with its schedule)."""
+        cfg = {
             "initial_batch_size": self.initial_batch_size,
             "theta": self.theta,
             "beta_noise": self.beta_noise,
@@ -422,6 +454,9 @@ class AdaptiveBatchSize:
             "signal": self.signal,
             "max_growth": self.max_growth,
         }
+        if self._shared:
+            del cfg["every"]
+        return cfg
 
     def config_differences(self, saved: dict[str, Any], ignore: tuple = ()) -> dict[str, tuple]:
         """{name: (saved value, this controller's value)} for every setting whose saved
@@ -429,12 +464,14 @@ class AdaptiveBatchSize:
         a setting existed takes its old default; ``ignore``: names not compared."""
         saved = {**self._CONFIG_DEFAULTS, **saved}
         mine = self.config()
+        if self._shared:   # F is the schedule's (its owner compares it)
+            ignore = tuple(ignore) + ("every",)
         return {k: (saved.get(k), mine.get(k)) for k in sorted(set(mine) | set(saved))
                 if k not in ignore and mine.get(k) != saved.get(k)}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python snapshot (config + trajectory state); safe for torch.save / json."""
-        return {
+        sd = {
             "version": _STATE_VERSION,
             "config": self.config(),
             "batch_size": self._batch_size,
@@ -446,6 +483,9 @@ class AdaptiveBatchSize:
             "num_measurements": self._num_measurements,
             "num_skipped": self._num_skipped,
         }
+        if self._shared:   # B is the schedule's, saved by its owner
+            del sd["batch_size"]
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore a ``state_dict()``.
@@ -463,9 +503,10 @@ class AdaptiveBatchSize:
             raise ValueError(
                 f"state_dict has version {state_dict.get('version')!r}, expected {_STATE_VERSION}"
             )
-        missing = [k for k in ("config", "batch_size", "noise_ema", "signal_ema",
-                               "target_batch_size", "last_step", "last_measured_step",
-                               "num_measurements", "num_skipped") if k not in state_dict]
+        missing = [k for k in ("config",) + (() if self._shared else ("batch_size",))
+                   + ("noise_ema", "signal_ema", "target_batch_size", "last_step",
+                      "last_measured_step", "num_measurements", "num_skipped")
+                   if k not in state_dict]
         if missing:
             raise ValueError(f"state_dict is missing keys {missing}")
         saved = state_dict["config"]
@@ -486,7 +527,10 @@ class AdaptiveBatchSize:
                 f"signal={saved_kind!r}, this controller uses signal={self.signal!r}; its first "
                 "decisions mix the two until the EMAs turn over", UserWarning)
         # check every entry before changing anything: a corrupt state leaves self as it was
-        batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
+        if self._shared:   # the schedule's owner has loaded B (a saved copy here is not read)
+            batch = self._batch_size
+        else:
+            batch = _check_int("state_dict['batch_size']", state_dict["batch_size"], 1)
         if batch % self.multiple_of:
             raise ValueError(f"state_dict['batch_size'] ({batch}) is not a multiple of {self.multiple_of}")
         noise = _optional_real("state_dict['noise_ema']", state_dict["noise_ema"], 0.0, False)
@@ -526,7 +570,8 @@ class AdaptiveBatchSize:
                 f"{'below initial_batch_size' if batch < low else 'above max_batch_size'} "
                 f"({new}) of this controller; continuing with {new} (the LR multiplier follows)")
             batch = new
-        self._batch_size = batch
+        if batch != self._batch_size:
+            self._batch_size = batch
         self._noise_ema, self._signal_ema, self._target = noise, signal, t
         self._last_step, self._last_measured_step = last, measured
         self._num_measurements, self._num_skipped = n_meas, n_skip

@@ -36,7 +36,7 @@ def _backward(state, estimate=None):
     k = state.step
     if state.is_measurement_step() and estimate is not None:
         state.estimate, state.estimate_step = estimate, k
-    state._step = k + 1
+    state.advance_step()
     if id(state) in _OPTIMIZER_OF:
         opt = _OPTIMIZER_OF[id(state)]
         for group in opt.param_groups:   # the gradients a real backward leaves
@@ -129,22 +129,24 @@ def test_every_mismatch_raises_and_none_adopts_the_states():
     assert coord.every == coord.controller.every == 1
 
 
-def test_batch_size_changed_behind_the_coordinators_back_raises():
+def test_schedule_written_behind_the_coordinators_back_raises():
+    """The hook state reads F, k, B and the loss scale from the run's schedule, which the
+    coordinator owns: setting one through the state (the old README handshake line
+    ``state.batch_size = ...``) raises at that line, naming the owner, and changes nothing
+    (it raised at the next coord.step() before, after the step had run with it)."""
     coord, state, _ = _ddp_coord()
     _backward(state, _est(1.0, 1.0))
     coord.step()
-    state.batch_size = 64  # the old README handshake line, now wrong
+    for field, value in (("batch_size", 64), ("every", 5), ("step", 7), ("grad_scale", 2.0)):
+        before = getattr(state, field)
+        with pytest.raises(RuntimeError, match=f"{field}: this schedule is owned by AdaptiveBatching"):
+            setattr(state, field, value)
+        assert getattr(state, field) == before
+    assert state.batch_size == coord.batch_size and state.every == coord.every == coord.controller.every
+    assert state.schedule is coord.schedule is coord.controller.schedule
     _backward(state)
-    with pytest.raises(RuntimeError, match="batch_size was changed.*remove the"):
-        coord.step()
-
-
-def test_every_changed_behind_the_coordinators_back_raises():
-    coord, state, _ = _ddp_coord()
-    state.every = 5
-    _backward(state)
-    with pytest.raises(RuntimeError, match="every was changed"):
-        coord.step()
+    coord.step()
+    assert state.step == coord.current_step == 2
 
 
 def test_steps_counted_from_one_raise():
@@ -172,7 +174,7 @@ def test_stale_estimate_is_never_reused():
     coord.step()
     ema = coord.controller.noise_ema
     # step 2 is a measuring step but the hook did not measure: the estimate is step 0's
-    state._step += 1
+    state.advance_step()
     _OPTIMIZER_OF[id(state)].step()
     with pytest.warns(RuntimeWarning, match="no estimate of it \\(estimate_step = 0\\)"):
         coord.step()
@@ -180,7 +182,7 @@ def test_stale_estimate_is_never_reused():
     assert coord.controller.num_skipped == 1
     # ... and only once
     _backward(state); coord.step()
-    state._step += 1
+    state.advance_step()
     _OPTIMIZER_OF[id(state)].step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -288,7 +290,7 @@ def test_grad_scaler_noise_and_signal_are_unscaled_before_the_emas():
         for (n, s), c in zip(truth, scales):
             if scaler is not None:
                 scaler.scale = c
-                coord._scale = coord._read_scale()  # the scale the step's backward runs with
+                coord._set_scale(coord._read_scale())  # the scale the step's backward runs with
             f = c * c if scaled else 1.0
             _backward(state, _est(n * f, s * f))
             coord.step()
@@ -489,7 +491,7 @@ def test_resume_on_another_world_size_rounds_the_batch_and_keeps_the_stream():
     coord.sampler.advance(1)
     _backward(state); coord.step()
     sd = coord.state_dict()
-    assert sd["batch_size"] == 16
+    assert sd["schedule"]["batch_size"] == 16
     new, state3, opt3 = _ddp_coord(every=1, max_batch_size=96, world_size=3,
                                    initial_batch_size=12)    # R = 3, b = 4: multiples of 12
     new.batch_sampler(100)

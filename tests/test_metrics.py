@@ -65,7 +65,7 @@ def test_decisions_can_be_recomputed_from_the_csv(tmp_path):
             n = float(torch.rand((), generator=g)) * 40 + 1.0
             s = float(torch.rand((), generator=g)) + 0.2
             state.estimate, state.estimate_step = _est(n, s), k
-        state._step = k + 1
+        state.advance_step()
         opt.step()
         coord.step()
         w.write(coord.metrics())
@@ -117,7 +117,8 @@ def test_coordinator_to_tensorboard_in_adaptdl_style():
     state = GNSHookState(geometry="l1", every=1, batch_size=8)
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
-    state.estimate, state.estimate_step, state._step = _est(3.0, 1.0), 0, 1
+    state.estimate, state.estimate_step = _est(3.0, 1.0), 0
+    state.advance_step()
     opt.step()
     coord.step()
     fw = _FakeWriter()
@@ -139,10 +140,11 @@ def test_valid_is_none_on_steps_that_do_not_measure():
     state = GNSHookState(geometry="l1", every=2, batch_size=8)
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     coord = AdaptiveBatching(state, opt, micro_batch_size=4, initial_batch_size=8, world_size=2)
-    state.estimate, state.estimate_step, state._step = _est(3.0, 1.0), 0, 1
+    state.estimate, state.estimate_step = _est(3.0, 1.0), 0
+    state.advance_step()
     opt.step(); coord.step()
     assert coord.metrics()["valid"] is True
-    state._step = 2
+    state.advance_step()
     opt.step(); coord.step()
     m = coord.metrics()
     assert m["measuring_step"] is False and m["valid"] is None

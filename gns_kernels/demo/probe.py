@@ -101,9 +101,10 @@ class DemoRun:
         val = TokenWindows(corpus.val, cfg.context)
         self.val_x, self.val_y = val.batch(val.evenly_spaced(cfg.val_windows))
         coord = ck["coord"][0]
-        self.step = int(coord["step"])
+        sched = coord.get("schedule", coord)   # version 2 keeps k and B there, version 1 at the top
+        self.step = int(sched["step"])
         self.samples_seen = int(coord["samples_seen"])
-        self.batch_size = int(coord["batch_size"])
+        self.batch_size = int(sched["batch_size"])
         self.micro_batch = int(coord["micro_batch_size"])
         self.world = int(coord["world_size"])
         ctrl = coord["controller"]

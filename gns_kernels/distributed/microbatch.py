@@ -152,10 +152,14 @@ class MicroBatchGNS(GNSHookState):
 
     @property
     def micro_batches(self) -> int:
-        return self._micro_batches
+        """A, micro-batches per optimizer step on this rank: settable on its own; under a
+        coordinator the run's A_k = B_k / (R b), read from the schedule it owns."""
+        A = self.schedule.accum_steps
+        return self._micro_batches if A is None else A
 
     @micro_batches.setter
     def micro_batches(self, value: int) -> None:
+        self.schedule.check_writer("micro_batches", type(self).__name__)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"micro_batches: expected an int >= 1, got {value!r}")
         self._micro_batches = value
@@ -196,7 +200,7 @@ class MicroBatchGNS(GNSHookState):
             if not self._warned_no_backward:   # the step is marked invalid every time; said once
                 self._warned_no_backward = True
                 _warn_user(
-                    f"MicroBatchGNS: micro-batch {self._count} of step {self._step} had no backward "
+                    f"MicroBatchGNS: micro-batch {self._count} of step {self.step} had no backward "
                     "through the measured parameters before the next micro-batch (a micro-batch "
                     "skipped, its backward run after the loop over the batch, or micro_step() "
                     "called twice): its gradient would count as a zero sample, so the step's "
@@ -236,12 +240,12 @@ class MicroBatchGNS(GNSHookState):
         if self._synced:  # DDP: the synchronized backward's hook took this micro-batch
             count = self._count
             self._reset()
-            if count != self._micro_batches:
+            if count != self.micro_batches:
                 raise RuntimeError(
                     f"MicroBatchGNS: the synchronized backward was micro-step {count} of the "
-                    f"step, but micro_batches is {self._micro_batches}")
+                    f"step, but micro_batches is {self.micro_batches}")
             return
-        last = self._count >= self._micro_batches
+        last = self._count >= self.micro_batches
         try:
             if not self._failed and self.is_measurement_step():
                 self._accumulate()
@@ -274,7 +278,7 @@ class MicroBatchGNS(GNSHookState):
         self._reset()
 
     def _measure_local(self) -> None:
-        A = self._micro_batches
+        A = self.micro_batches
         if A < 2:
             raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
         live = [p for p in self._params if p.grad is not None]
@@ -350,12 +354,12 @@ class MicroBatchGNS(GNSHookState):
         hook (None when this step is not measured or has one micro-batch). Raises
         RuntimeError (and drops the step's accumulation) when the synchronized backward
         is not the A-th micro-batch."""
-        if self._count + 1 != self._micro_batches:
+        if self._count + 1 != self.micro_batches:
             count = self._count
             self._reset()
             raise RuntimeError(
                 f"MicroBatchGNS: synchronized backward after {count} micro-steps, expected "
-                f"{self._micro_batches - 1} (call micro_step() after every micro-batch backward, "
+                f"{self.micro_batches - 1} (call micro_step() after every micro-batch backward, "
                 "the first micro_batches-1 of them under ddp.no_sync())")
         if self._count == 0 or not self.is_measurement_step():
             return None

@@ -56,7 +56,6 @@ mix units (``gk.AdaptiveBatching`` keeps it current).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -72,6 +71,7 @@ from ..pooling import NoisePool, check_pool_beta
 from ._measurement import LastMeans, MeasurementPlan, Sums, resolve_shift
 from ..spectral.hints import EigHints
 from ..spectral.trace import METHODS as SOLVE_METHODS
+from ..schedule import Schedule, check_batch_size
 
 Tensor = torch.Tensor
 
@@ -127,14 +127,6 @@ def _unique(params: Iterable[Tensor]) -> list:
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def _check_batch_size(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"batch_size: expected a positive number (the global batch), got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"batch_size: expected a positive finite number (the global batch), got {value}")
-    return value
 
 
 class GNSHookState:
@@ -206,10 +198,13 @@ class GNSHookState:
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry: expected one of {GEOMETRIES}, got {geometry!r}")
         self.geometry = geometry
-        self.every = _check_positive_int("every", every)
         if batch_size is None:
             raise ValueError("batch_size: expected the global batch size (a positive number), got None")
-        self._batch_size = _check_batch_size(batch_size)
+        # F, k, B and the loss scale: this state's own schedule until a coordinator hands it
+        # the run's (use_schedule)
+        self.schedule = Schedule(every=_check_positive_int("every", every),
+                                 batch_size=check_batch_size(batch_size))
+        self.synced_backwards = 0   # synchronized backward passes seen (each ends a step)
         if isinstance(shift, str):
             if shift != "last":
                 raise ValueError(f"shift: the only string accepted is 'last', got {shift!r}")
@@ -256,8 +251,6 @@ class GNSHookState:
         self.pool_owners: dict = {}
         if plist is not None:
             self._order = {id(p): i for i, p in enumerate(plist)}
-        self._grad_scale = 1.0
-        self._step = 0
         self._estimate = None
         self._pending = None  # statistics of the last measurement, not yet read
         self.estimate_step: Optional[int] = None
@@ -274,35 +267,55 @@ class GNSHookState:
         return self.signal == "debiased" and self.geometry == "l1"
 
     # ---------------------------------------------------------------- schedule
+    # F, k, B and the loss scale live in ``self.schedule`` (gns_kernels.schedule): this
+    # state's own, or the run's when a coordinator owns it (then they are read-only here)
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Read F, k, B and the loss scale from ``schedule`` from now on (a coordinator's,
+        which writes them; this state's setters then raise, naming the owner)."""
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule: expected a gns_kernels.schedule.Schedule, got {type(schedule).__name__}")
+        self.schedule = schedule
+
+    def _write(self, field: str, value) -> None:
+        self.schedule.write(field, value, by=type(self).__name__)
+
+    @property
+    def every(self) -> int:
+        """F: measure at optimizer steps k with k % F == 0 (settable unless a coordinator
+        owns the schedule)."""
+        return self.schedule.every
+
+    @every.setter
+    def every(self, value: int) -> None:
+        self._write("every", _check_positive_int("every", value))
+
     @property
     def step(self) -> int:
-        """k: the number of synchronized backward passes seen so far (settable on resume)."""
-        return self._step
+        """k: the optimizer step in progress; on its own the state counts the synchronized
+        backward passes (settable on resume), under a coordinator it reads the run's k."""
+        return self.schedule.step
 
     @step.setter
     def step(self, value: int) -> None:
-        self._step = _check_positive_int("step", value, minimum=0)
+        self._write("step", _check_positive_int("step", value, minimum=0))
 
     @property
     def batch_size(self) -> float:
         """Global batch size B of the current step (settable; the trainer keeps it current)."""
-        return self._batch_size
+        return self.schedule.batch_size
 
     @batch_size.setter
     def batch_size(self, value: float) -> None:
-        self._batch_size = _check_batch_size(value)
+        self._write("batch_size", check_batch_size(value))
 
     @property
     def grad_scale(self) -> float:
         """The loss scale of the measured backward (settable; 1 without a GradScaler)."""
-        return self._grad_scale
+        return self.schedule.grad_scale
 
     @grad_scale.setter
     def grad_scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value > 0):
-            raise ValueError(f"grad_scale: expected a positive finite loss scale, got {value!r}")
-        self._grad_scale = float(value)
+        self._write("grad_scale", value)
 
     def bind_params(self, params: Iterable[Tensor]) -> None:
         """Fix the parameter order that keys the noise pool in ``state_dict()`` (the
@@ -346,8 +359,7 @@ class GNSHookState:
 
     def is_measurement_step(self, step: Optional[int] = None) -> bool:
         """True when optimizer step k (default: the next one, ``self.step``) measures."""
-        k = self._step if step is None else step
-        return k % self.every == 0
+        return self.schedule.measures(step)
 
     def resolved_nuclear_dof(self, num_samples: int, per_sample: bool = True) -> Optional[str]:
         """The dof mode of a nuclear measurement with ``num_samples`` samples: 'gauss-sums'
@@ -364,8 +376,11 @@ class GNSHookState:
         return resolve_nuclear_dof(self.nuclear_dof, num_samples, per_sample=per_sample)
 
     def advance_step(self) -> None:
-        """k += 1: one optimizer step (a synchronized backward) is done."""
-        self._step += 1
+        """One optimizer step (a synchronized backward) is done: ``synced_backwards`` += 1,
+        and k += 1 when this state owns its schedule (a coordinator advances the run's k)."""
+        self.synced_backwards += 1
+        if self.schedule.owner is None:
+            self.schedule.write("step", self.schedule.step + 1, by=type(self).__name__)
 
     # ---------------------------------------------------------------- hook protocol
     # What ddp_gns_hook and attach_fsdp_gns call, in this order, per synchronized backward:
@@ -505,7 +520,7 @@ class GNSHookState:
 
         self.eig_hints.apply()
         self._estimate = estimate_from_sums(
-            self.geometry, sums, self._batch_size, self.bias_correction, signal=self.signal,
+            self.geometry, sums, self.batch_size, self.bias_correction, signal=self.signal,
             pool_beta=self.pool_beta if sums.noise_pooled is not None else None)
         self.estimate_step = sums.step
 
@@ -523,8 +538,9 @@ class GNSHookState:
         refuse_unwrapped_dcp(type(self).__name__)  # the pool is this rank's
         if self._pending is not None:
             self._materialize()
-        sd = {"step": self._step, "every": self.every, "batch_size": self._batch_size,
-              "geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
+        sd = {"geometry": self.geometry, "eig_float64": self.eig_hints.state_dict()}
+        if self.schedule.owner is None:   # a coordinator saves the run's schedule itself
+            sd.update(step=self.step, every=self.every, batch_size=self.batch_size)
         if self.pool is not None:
             unkeyed = [k for k in self.pool.keys() if isinstance(k, tuple)]
             if unkeyed:
@@ -545,14 +561,18 @@ class GNSHookState:
             raise TypeError(f"state_dict: expected a dict, got {type(sd).__name__}")
         if self._pending is not None:  # an unread measurement reports before the hints change
             self._materialize()
-        for key in ("step", "every", "batch_size", "geometry"):
+        # the schedule is this state's to load when it owns it; a coordinator loads the
+        # run's itself (and a checkpoint's copy here, from before, is not read)
+        own = self.schedule.owner is None
+        for key in (("step", "every", "batch_size") if own else ()) + ("geometry",):
             if key not in sd:
                 raise KeyError(f"state_dict: missing key {key!r}")
         if sd["geometry"] != self.geometry:
             raise ValueError(f"state_dict: geometry {sd['geometry']!r} differs from this state's {self.geometry!r}")
-        every = _check_positive_int("state_dict: every", sd["every"])
-        step = _check_positive_int("state_dict: step", sd["step"], minimum=0)
-        batch_size = _check_batch_size(sd["batch_size"])
+        if own:
+            every = _check_positive_int("state_dict: every", sd["every"])
+            step = _check_positive_int("state_dict: step", sd["step"], minimum=0)
+            batch_size = check_batch_size(sd["batch_size"])
         # absent in checkpoints written before the hints existed
         hints = type(self.eig_hints)()
         hints.load_state_dict(sd.get("eig_float64", {}), name="state_dict: eig_float64")
@@ -600,11 +620,12 @@ class GNSHookState:
             # is refused), so all ranks agree on it
             same_world = pool_sd is not None and pool_sd.get("world") == self._rank_world()[1]
             self.pool_owners = dict(pool_sd.get("owners", {})) if same_world else {}
-        self.every, self._step, self._batch_size = every, step, batch_size
+        if own:
+            self.every, self.step, self.batch_size = every, step, batch_size
 
     def __repr__(self) -> str:
         return (f"GNSHookState(geometry={self.geometry!r}, every={self.every}, "
-                f"batch_size={self._batch_size}, step={self._step}, shift={self.shift!r}, "
+                f"batch_size={self.batch_size}, step={self.step}, shift={self.shift!r}, "
                 f"nuclear_dof={self.nuclear_dof!r}, signal={self.signal!r}, "
                 f"pool_beta={self.pool_beta!r}"
                 + (f", method={self.method!r})" if self.method != "auto" else ")"))

@@ -415,7 +415,7 @@ class AdaptiveTrainer(_Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         c = self.coord
-        if c is not None and not c._within_budget(self.max_samples, None):
+        if c is not None and not c.fits(self.max_samples):
             self.control.should_training_stop = True
             return [], None
         return [next(epoch_iterator)], None
@@ -497,15 +497,14 @@ class AdaptiveTrainer(_Trainer):
             raise ValueError(f"{foreign}: torch's safe loader refused it ({type(exc).__name__}; "
                              "nothing in it was run). Resume from a checkpoint folder written by "
                              "AdaptiveTrainer, or put that run's file back") from None
-        from ..adaptive import _STATE_KEYS, _STATE_VERSION
+        from ..adaptive import AdaptiveBatching
 
         if not isinstance(sd, dict):
             raise ValueError(f"{foreign}: it holds a {type(sd).__name__}")
-        missing = [k for k in ("version",) + tuple(_STATE_KEYS) if k not in sd]
-        if missing or sd["version"] != _STATE_VERSION:
-            # checked here, before the Trainer loads anything (the coordinator checks the rest)
-            raise ValueError(f"{foreign}: " + (f"a dict without {missing}" if missing else
-                             f"version {sd['version']!r}, expected {_STATE_VERSION}"))
+        try:   # checked here, before the Trainer loads anything (the coordinator checks the rest)
+            AdaptiveBatching.check_state_dict(sd)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{foreign}: {str(exc).strip(chr(39) + chr(34))}") from None
         self._gns_state_path = path
         return sd
 

@@ -169,7 +169,7 @@ class GNSTrainer(_Trainer):
 
     def should_continue_training(self) -> bool:
         c, cap = self.coord, self.config.gns.max_samples
-        if c is not None and not c._within_budget(cap, None):
+        if c is not None and not c.fits(cap):
             return False
         return super().should_continue_training()
 

@@ -111,7 +111,7 @@ def _coord(every=2):
 def _good_coord_sd():
     coord, state, opt = _coord()
     for k in range(3):  # a few steps of the simulated hook: state.step follows the backward
-        state._step = k + 1
+        state.advance_step()
         opt.step()
         coord.step()
     return coord.state_dict()
@@ -124,10 +124,12 @@ _COORD_CORRUPT = [
     ("controller not a dict", lambda sd: sd.update(controller=3), ValueError, "controller"),
     ("schedulers not a list", lambda sd: sd.update(schedulers=None), ValueError, "schedulers"),
     ("two schedulers saved", lambda sd: sd.update(schedulers=sd["schedulers"] * 2), ValueError, "schedulers"),
-    ("step negative", lambda sd: sd.update(step=-2), ValueError, "step"),
+    ("step negative", lambda sd: sd["schedule"].update(step=-2), ValueError, "step"),
+    ("schedule missing", lambda sd: sd.pop("schedule"), KeyError, "schedule"),
+    ("schedule every 0", lambda sd: sd["schedule"].update(every=0), ValueError, "every"),
     ("samples string", lambda sd: sd.update(samples_seen="12"), TypeError, "samples_seen"),
     ("hook every 0", lambda sd: sd["hook"].update(geometry="nuclear"), ValueError, "geometry"),
-    ("controller batch nan", lambda sd: sd["controller"].update(batch_size=math.nan), (ValueError, TypeError),
+    ("schedule batch nan", lambda sd: sd["schedule"].update(batch_size=math.nan), (ValueError, TypeError),
      "batch_size"),
 ]
 
@@ -135,7 +137,7 @@ _COORD_CORRUPT = [
 @pytest.mark.parametrize("case,mutate,exc,pat", _COORD_CORRUPT, ids=[c[0] for c in _COORD_CORRUPT])
 def test_coordinator_corrupt_state_dict_rejected_unchanged(case, mutate, exc, pat):
     coord, state, opt = _coord()
-    state._step = 1
+    state.advance_step()
     opt.step()
     coord.step()
     before = copy.deepcopy(coord.state_dict())
@@ -146,7 +148,7 @@ def test_coordinator_corrupt_state_dict_rejected_unchanged(case, mutate, exc, pa
         coord.load_state_dict(sd)
     assert coord.state_dict() == before
     assert [g["lr"] for g in opt.param_groups] == lrs
-    assert state.step == before["hook"]["step"] and state.batch_size == before["hook"]["batch_size"]
+    assert state.step == before["schedule"]["step"] and state.batch_size == before["schedule"]["batch_size"]
 
 
 def test_coordinator_good_state_dict_still_loads():

@@ -254,8 +254,7 @@ def test_non_strict_load_raises_a_batch_below_the_new_initial():
 def test_coordinator_resume_under_a_smaller_cap():
     coord, *_ = _one_rank_run(steps=6)
     sd = coord.state_dict()
-    sd["controller"]["batch_size"] = 32
-    sd["batch_size"] = 32
+    sd["schedule"]["batch_size"] = 32
     c2, mb, *_ = _fresh_coord(max_batch_size=16)
     with pytest.warns(RuntimeWarning, match="max_batch_size"):
         c2.load_state_dict(sd, strict=False)

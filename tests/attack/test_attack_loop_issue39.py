@@ -362,8 +362,7 @@ def test_warnings_point_at_the_users_line():
     # a resumed batch that is not a multiple of the new R x b
     model, opt, coord, loader = _readme()
     sd = coord.state_dict()
-    sd["controller"]["batch_size"] = 12
-    sd["batch_size"] = 12
+    sd["schedule"]["batch_size"] = 12
     model2 = _model()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     coord2 = AdaptiveBatching(model2, opt2, every=1, micro_batch_size=8, initial_batch_size=16,
