@@ -105,7 +105,7 @@ def test_version_1_layout_with_a_noise_pool_resumes_as_version_2():
     for state in (sd, _as_version_1(sd)):
         m2, o2, c2, l2 = _build(torch.optim.AdamW, 0.01)
         m2.load_state_dict(weights)
-        o2.load_state_dict(opt_sd)
+        o2.load_state_dict(copy.deepcopy(opt_sd))   # (load_state_dict keeps its tensors: AdamW steps them)
         c2.load_state_dict(copy.deepcopy(state))
         assert _equal(c2.state_dict(), sd)
         runs.append(_run(m2, o2, c2, l2, 4))
