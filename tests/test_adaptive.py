@@ -290,7 +290,7 @@ def test_grad_scaler_noise_and_signal_are_unscaled_before_the_emas():
         for (n, s), c in zip(truth, scales):
             if scaler is not None:
                 scaler.scale = c
-                coord._set_scale(coord._read_scale())  # the scale the step's backward runs with
+                coord.schedule.write("grad_scale", scaler.get_scale(), by="AdaptiveBatching")  # the scale of the step's backward
             f = c * c if scaled else 1.0
             _backward(state, _est(n * f, s * f))
             coord.step()

@@ -53,15 +53,16 @@ def test_import_loads_no_dynamo_triton_or_fsdp():
 def test_lazy_names_load_on_first_access():
     code = (
         "import sys, gns_kernels as gk\n"
-        "lazy = ('gns_kernels.distributed', 'gns_kernels.adaptive', 'gns_kernels.lr', 'gns_kernels.demo')\n"
+        "lazy = ('gns_kernels.distributed', 'gns_kernels.adaptive', 'gns_kernels.coordinator', "
+        "'gns_kernels.lr', 'gns_kernels.demo')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
         "print(gk.warmup_cosine.__module__, gk.AdaptiveBatching.__module__, gk.GNSHookState.__module__,"
         " gk.attach_fsdp_gns.__module__)\n"
     )
     out = _python(code).stdout.strip().splitlines()
     assert out[0] == "[]"
-    assert out[1].split() == ["gns_kernels.lr", "gns_kernels.adaptive", "gns_kernels.distributed.state",
-                              "gns_kernels.distributed.fsdp"]
+    assert out[1].split() == ["gns_kernels.lr", "gns_kernels.coordinator.core",
+                              "gns_kernels.distributed.state", "gns_kernels.distributed.fsdp"]
 
 
 def test_public_names():

@@ -648,12 +648,12 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     Returns an FSDPGNSHandle (``.remove()`` detaches).
     """
     modules = _check_attach(model, state)
-    handle, install = _prepare_fsdp_gns(model, state, reuse_input=reuse_input, checked=modules)
+    handle, install = prepare_fsdp_gns(model, state, reuse_input=reuse_input, checked=modules)
     install()
     return handle
 
 
-def _prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
+def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
     """Every check of ``attach_fsdp_gns`` and the handle, with nothing installed yet:
     (handle, install), ``install()`` putting the GNSReduceScatter objects in place (what
     ``gk.AdaptiveBatching(model, ...)`` calls last, once every other argument passed).

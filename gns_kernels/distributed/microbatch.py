@@ -145,10 +145,15 @@ class MicroBatchGNS(GNSHookState):
         if watched is not None:
             self._grad_hook = watched.register_post_accumulate_grad_hook(_backward_seen(self))
 
-    def __del__(self):
-        handle = getattr(self, "_grad_hook", None)
+    def detach(self) -> None:
+        """Remove the gradient hook this object put on one measured parameter (it counts the
+        backward passes between micro_step() calls); what a refused coordinator undoes."""
+        handle, self._grad_hook = getattr(self, "_grad_hook", None), None
         if handle is not None:
             handle.remove()
+
+    def __del__(self):
+        self.detach()
 
     @property
     def micro_batches(self) -> int:

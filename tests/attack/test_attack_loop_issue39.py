@@ -600,7 +600,7 @@ def test_batch_size_read_only_when_certain():
 
     from torch.nn.utils.rnn import pack_sequence
 
-    from gns_kernels.adaptive import _batch_len
+    from gns_kernels.coordinator.stream import batch_len as _batch_len
 
     x4 = torch.randn(4, 3)
     imgs = tuple(torch.randn(3, 5, 5) for _ in range(4))
