@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from gns_kernels.controller import AdaptiveBatchSize
+from gns_kernels import controller
+from gns_kernels.controller import AdaptiveBatchSize, ControllerConfig
 from gns_kernels.estimators import GNSEstimate
+from gns_kernels.schedule import Schedule
 
 
 def Est(noise, signal, valid=True, step=None, **kw):
@@ -300,6 +302,89 @@ def test_state_round_trip_continues_same_trajectory(cut):
     assert head + tail == whole                          # exact, float for float
     assert full.state_dict() == resumed.state_dict()
     assert whole[-1][0] > 8                              # the trajectory did grow
+
+
+# state_dicts as AdaptiveBatchSize wrote them before ControllerConfig (issue 41), copied from
+# its output: AdaptiveBatchSize(initial_batch_size=8, theta=0.5, beta_noise=0.5,
+# beta_signal=0.75, every=2, warmup_steps=2, max_batch_size=256, multiple_of=4,
+# max_growth=4.0) after update(0, (8, 2)), update(2, (16, 6)), update(3, None), update(4, None)
+SETTINGS_V1 = dict(initial_batch_size=8, theta=0.5, beta_noise=0.5, beta_signal=0.75, every=2,
+                   warmup_steps=2, max_batch_size=256, multiple_of=4, max_growth=4.0)
+STATE_V1 = {
+    "version": 1,
+    "config": {"initial_batch_size": 8, "theta": 0.5, "beta_noise": 0.5, "beta_signal": 0.75,
+               "every": 2, "warmup_steps": 2, "max_batch_size": 256, "multiple_of": 4,
+               "lr_scaling": "sqrt", "signal": "raw", "max_growth": 4.0},
+    "batch_size": 16, "noise_ema": 12.0, "signal_ema": 3.0, "target_batch_size": 16.0,
+    "last_step": 4, "last_measured_step": 2, "num_measurements": 2, "num_skipped": 1,
+}
+# the same settings but warmup 0, max_batch_size and max_growth None, under a coordinator's
+# schedule (F and B are the schedule's: neither saved here), after update(0, (8, 2))
+STATE_V1_SHARED = {
+    "version": 1,
+    "config": {"initial_batch_size": 8, "theta": 0.5, "beta_noise": 0.5, "beta_signal": 0.75,
+               "warmup_steps": 0, "max_batch_size": None, "multiple_of": 4, "lr_scaling": "sqrt",
+               "signal": "raw", "max_growth": None},
+    "noise_ema": 8.0, "signal_ema": 2.0, "target_batch_size": 16.0, "last_step": 0,
+    "last_measured_step": 0, "num_measurements": 1, "num_skipped": 0,
+}
+
+
+def test_a_state_dict_written_before_controller_config_loads_and_continues():
+    c = AdaptiveBatchSize(**SETTINGS_V1)
+    c.load_state_dict(copy.deepcopy(STATE_V1))
+    assert c.state_dict() == STATE_V1
+    assert list(c.state_dict()) == list(STATE_V1) and list(c.config()) == list(STATE_V1["config"])
+    assert (c.batch_size, c.lr_multiplier, c.gns_ema) == (16, math.sqrt(2.0), 4.0)
+    # N = 0.5 x 12 + 0.5 x 64 = 38, M = 0.75 x 3 + 0.25 x 2 = 2.75; 38 / (0.25 x 2.75) = 55.27
+    # -> 56 (a multiple of 4, under 4 x 16 and 256)
+    assert c.update(6, Est(64.0, 2.0, step=6)) == 56
+    assert (c.noise_ema, c.signal_ema, c.target_batch_size) == (38.0, 2.75, 38.0 / 0.6875)
+    assert c.lr_multiplier == math.sqrt(7.0)
+    # the one written by the same controller without a resume
+    d = AdaptiveBatchSize(**SETTINGS_V1)
+    for k, e in ((0, Est(8.0, 2.0, step=0)), (2, Est(16.0, 6.0, step=2)), (3, None), (4, None)):
+        d.update(k, e)
+    assert d.state_dict() == STATE_V1
+
+
+def test_a_shared_schedule_state_dict_written_before_controller_config_loads():
+    kw = dict(initial_batch_size=8, theta=0.5, beta_noise=0.5, beta_signal=0.75, every=2, multiple_of=4)
+    run = Schedule(every=2, batch_size=16, owner="AdaptiveBatching")   # the owner loaded F and B
+    c = AdaptiveBatchSize(**kw, schedule=run)
+    c.load_state_dict(copy.deepcopy(STATE_V1_SHARED))
+    assert c.state_dict() == STATE_V1_SHARED and c.batch_size == 16
+    d = AdaptiveBatchSize(**kw, schedule=Schedule(every=2, batch_size=8, owner="AdaptiveBatching"))
+    d.update(0, Est(8.0, 2.0, step=0))
+    assert d.state_dict() == STATE_V1_SHARED and d.batch_size == 16
+
+
+def test_settings_are_one_controller_config():
+    cfg = ControllerConfig(**SETTINGS_V1)
+    c = AdaptiveBatchSize(**SETTINGS_V1)
+    assert c.settings == cfg and c.config() == cfg.to_dict() == STATE_V1["config"]
+    f = AdaptiveBatchSize.from_config(cfg)
+    assert f.settings is cfg and f.config() == c.config() and f.batch_size == 8
+    for name, value in SETTINGS_V1.items():
+        assert getattr(f, name) == value
+        with pytest.raises(AttributeError):
+            setattr(f, name, value)                      # read-only: the config owns them
+    f.load_state_dict(copy.deepcopy(STATE_V1))
+    assert f.state_dict() == STATE_V1
+    with pytest.raises(TypeError, match="config: expected a ControllerConfig, got dict"):
+        AdaptiveBatchSize.from_config(SETTINGS_V1)
+    with pytest.raises(ValueError, match="every: 2 given, the schedule's is 3"):
+        AdaptiveBatchSize.from_config(cfg, schedule=Schedule(every=3, batch_size=8))
+    run = Schedule(every=2, batch_size=8, owner="AdaptiveBatching")
+    assert AdaptiveBatchSize.from_config(cfg, schedule=run).schedule is run
+    # F is the schedule's: the settings follow it
+    c.schedule.write("every", 5, by="AdaptiveBatchSize")
+    assert c.every == 5 and c.settings.every == 5 and c.config()["every"] == 5
+
+
+def test_lr_scalings_public_and_its_old_name():
+    assert controller.LR_SCALINGS == ("sqrt", "linear", "none")
+    assert controller._LR_SCALINGS is controller.LR_SCALINGS
 
 
 def test_load_state_dict_config_mismatch():
