@@ -53,7 +53,8 @@ from .. import spectral
 from .._validation import warn_user as _warn_user
 from ._measurement import Measurement, Sums
 from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
-from .state import GNSHookState, _unique
+from .config import GNSConfig, unique_params
+from .state import GNSHookState
 
 Tensor = torch.Tensor
 
@@ -61,11 +62,6 @@ __all__ = ["MicroBatchGNS"]
 
 
 class MicroBatchGNS(GNSHookState):
-    micro_batch_samples = True
-    _NUCLEAR_DOFS = ("auto", "columns")
-    _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
-                         "gradient, which would mean keeping every micro-batch's gradient)")
-
     """GNS from gradient-accumulation micro-batches (x ranks, when used as a DDP hook state).
 
     Args:
@@ -83,6 +79,9 @@ class MicroBatchGNS(GNSHookState):
         pool_beta: the noise pool's EMA factor (default 0.9) or None, as GNSHookState. The
             pool's parameter order is ``params``' (so ``state_dict()`` keeps it).
 
+    ``MicroBatchGNS.from_config(config, every=F, batch_size=B, micro_batches=A)`` builds it
+    from a GNSConfig whose ``params`` are set and ``shift`` is None.
+
     ``micro_step()`` must follow every micro-batch's backward: it is what counts the
     micro-batches and optimizer steps. A second backward through the measured parameters
     without ``micro_step()`` in between warns once (RuntimeWarning; a gradient hook on one
@@ -95,6 +94,12 @@ class MicroBatchGNS(GNSHookState):
     micro-batch, the step ends at its A-th call as usual, and the next measurement step
     measures normally.
     """
+
+    micro_batch_samples = True
+    # the nuclear_dof values it accepts: fewer than GNSConfig's (checked before the config)
+    _NUCLEAR_DOFS = ("auto", "columns")
+    _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
+                         "gradient, which would mean keeping every micro-batch's gradient)")
 
     def __init__(
         self,
@@ -110,16 +115,34 @@ class MicroBatchGNS(GNSHookState):
         pool_beta: Optional[float] = 0.9,
         method: str = "auto",
     ):
-        if isinstance(params, Tensor):
-            raise TypeError("params: expected an iterable of parameters, got a single tensor")
-        plist = _unique(params)
-        super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
-                         params=plist, process_group=process_group,
-                         bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
-                         pool_beta=pool_beta, method=method)
-        self._params = [p for p in plist if self.measures(p)]
+        plist = unique_params(params)
+        self._check_nuclear_dof(nuclear_dof)
+        config = GNSConfig(geometry=geometry, shift=None, params=plist, process_group=process_group,
+                           bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
+                           pool_beta=pool_beta, method=method)
+        self._start(config, every, batch_size, micro_batches)
+
+    @classmethod
+    def _check_nuclear_dof(cls, nuclear_dof) -> None:
+        if nuclear_dof not in cls._NUCLEAR_DOFS:
+            raise ValueError(f"nuclear_dof: expected one of {cls._NUCLEAR_DOFS} for "
+                             f"{cls.__name__}, got {nuclear_dof!r}{cls._NUCLEAR_DOF_HINT}")
+
+    @classmethod
+    def _check_config(cls, config: GNSConfig) -> None:
+        if config.params is None:
+            raise ValueError(f"params: {cls.__name__} reads the .grad of config.params, got None")
+        if config.shift is not None:
+            raise ValueError(f"shift: {cls.__name__} has no shift (the accumulation op has none), "
+                             f"got {config.shift!r}")
+        cls._check_nuclear_dof(config.nuclear_dof)
+
+    def _start(self, config: GNSConfig, every: int, batch_size: Optional[float],
+               micro_batches: Optional[int] = None) -> None:
+        super()._start(config, every, batch_size)
+        self._params = [p for p in config.params if self.measures(p)]
         if not self._params:
-            what = "2-D parameters" if geometry == "nuclear" else "parameters"
+            what = "2-D parameters" if config.geometry == "nuclear" else "parameters"
             raise ValueError(f"params: expected at least one of the {what} this geometry measures, got none")
         if micro_batches is None:
             raise ValueError("micro_batches: expected the number of micro-batches per step (an int >= 1), got None")
