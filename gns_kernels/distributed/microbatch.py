@@ -48,12 +48,11 @@ from typing import Iterable, Optional
 
 import torch
 
-from .. import ops
-from .. import spectral
 from .._validation import warn_user as _warn_user
-from ._measurement import Measurement, Sums
-from ._stats import l1_signal_debiased_sum, nuclear_stats_or_nan
-from .state import GNSHookState, _unique
+from ._micro_measure import measure_micro_batches
+from ._micro_sums import MicroSums, SyncMicro
+from .config import GNSConfig, unique_params
+from .state import GNSHookState
 
 Tensor = torch.Tensor
 
@@ -61,11 +60,6 @@ __all__ = ["MicroBatchGNS"]
 
 
 class MicroBatchGNS(GNSHookState):
-    micro_batch_samples = True
-    _NUCLEAR_DOFS = ("auto", "columns")
-    _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
-                         "gradient, which would mean keeping every micro-batch's gradient)")
-
     """GNS from gradient-accumulation micro-batches (x ranks, when used as a DDP hook state).
 
     Args:
@@ -83,6 +77,9 @@ class MicroBatchGNS(GNSHookState):
         pool_beta: the noise pool's EMA factor (default 0.9) or None, as GNSHookState. The
             pool's parameter order is ``params``' (so ``state_dict()`` keeps it).
 
+    ``MicroBatchGNS.from_config(config, every=F, batch_size=B, micro_batches=A)`` builds it
+    from a GNSConfig whose ``params`` are set and ``shift`` is None.
+
     ``micro_step()`` must follow every micro-batch's backward: it is what counts the
     micro-batches and optimizer steps. A second backward through the measured parameters
     without ``micro_step()`` in between warns once (RuntimeWarning; a gradient hook on one
@@ -95,6 +92,12 @@ class MicroBatchGNS(GNSHookState):
     micro-batch, the step ends at its A-th call as usual, and the next measurement step
     measures normally.
     """
+
+    micro_batch_samples = True
+    # the nuclear_dof values it accepts: fewer than GNSConfig's (checked before the config)
+    _NUCLEAR_DOFS = ("auto", "columns")
+    _NUCLEAR_DOF_HINT = (" ('gauss-sums' needs each micro-batch's deviation from the final mean "
+                         "gradient, which would mean keeping every micro-batch's gradient)")
 
     def __init__(
         self,
@@ -110,16 +113,34 @@ class MicroBatchGNS(GNSHookState):
         pool_beta: Optional[float] = 0.9,
         method: str = "auto",
     ):
-        if isinstance(params, Tensor):
-            raise TypeError("params: expected an iterable of parameters, got a single tensor")
-        plist = _unique(params)
-        super().__init__(geometry=geometry, every=every, batch_size=batch_size, shift=None,
-                         params=plist, process_group=process_group,
-                         bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
-                         pool_beta=pool_beta, method=method)
-        self._params = [p for p in plist if self.measures(p)]
+        plist = unique_params(params)
+        self._check_nuclear_dof(nuclear_dof)
+        config = GNSConfig(geometry=geometry, shift=None, params=plist, process_group=process_group,
+                           bias_correction=bias_correction, nuclear_dof=nuclear_dof, signal=signal,
+                           pool_beta=pool_beta, method=method)
+        self._start(config, every, batch_size, micro_batches)
+
+    @classmethod
+    def _check_nuclear_dof(cls, nuclear_dof) -> None:
+        if nuclear_dof not in cls._NUCLEAR_DOFS:
+            raise ValueError(f"nuclear_dof: expected one of {cls._NUCLEAR_DOFS} for "
+                             f"{cls.__name__}, got {nuclear_dof!r}{cls._NUCLEAR_DOF_HINT}")
+
+    @classmethod
+    def _check_config(cls, config: GNSConfig) -> None:
+        if config.params is None:
+            raise ValueError(f"params: {cls.__name__} reads the .grad of config.params, got None")
+        if config.shift is not None:
+            raise ValueError(f"shift: {cls.__name__} has no shift (the accumulation op has none), "
+                             f"got {config.shift!r}")
+        cls._check_nuclear_dof(config.nuclear_dof)
+
+    def _start(self, config: GNSConfig, every: int, batch_size: Optional[float],
+               micro_batches: Optional[int] = None) -> None:
+        super()._start(config, every, batch_size)
+        self._params = [p for p in config.params if self.measures(p)]
         if not self._params:
-            what = "2-D parameters" if geometry == "nuclear" else "parameters"
+            what = "2-D parameters" if config.geometry == "nuclear" else "parameters"
             raise ValueError(f"params: expected at least one of the {what} this geometry measures, got none")
         if micro_batches is None:
             raise ValueError("micro_batches: expected the number of micro-batches per step (an int >= 1), got None")
@@ -129,9 +150,9 @@ class MicroBatchGNS(GNSHookState):
         self._failed = False  # a micro_step of the current step raised: it is not measured
         self._poisoned = False  # a micro-batch of the current step had no backward: invalid
         self._marks = None  # (id, version) of the measured .grad after the last micro_step
-        self.prev: dict[int, Tensor] = {}
-        self.sq: dict[int, Tensor] = {}
-        self.gsum: dict[int, Tensor] = {}
+        # the sums of this step's micro-batches (measurement steps only)
+        self._sums = MicroSums(nuclear=config.geometry == "nuclear")
+        self.prev, self.sq, self.gsum = self._sums.prev, self._sums.sq, self._sums.gsum
         # backward passes seen since the last micro_step() (a gradient hook on one
         # measured parameter); 2 means micro_step() was left out
         self._backwards = 0
@@ -185,14 +206,6 @@ class MicroBatchGNS(GNSHookState):
                 f"{str(g.dtype).replace('torch.', '')} for a parameter of shape {tuple(p.shape)}")
         return g if g.is_contiguous() else g.contiguous()
 
-    def _buffers(self, p: Tensor) -> None:
-        if id(p) not in self.prev:
-            self.prev[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            if self.geometry == "nuclear":
-                self.gsum[id(p)] = None
-            else:
-                self.sq[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-
     def _accumulate(self) -> None:
         live = [(p, g) for p in self._params if (g := self._grad(p)) is not None]
         # a backward changes some measured gradient (a new tensor, or its version counter):
@@ -213,22 +226,7 @@ class MicroBatchGNS(GNSHookState):
                     "each micro-batch's backward inside the loop over the batch (hand-wired: "
                     "before its micro_step())")
         self._marks = marks
-        for p, _ in live:
-            self._buffers(p)
-        if self.geometry == "nuclear":
-            for p, g in live:  # one temporary difference at a time
-                (G,) = spectral.gram([g - self.prev[id(p)]])
-                acc = self.gsum[id(p)]
-                self.gsum[id(p)] = G if acc is None else acc.add_(G)
-                self.prev[id(p)].copy_(g)
-        elif live:
-            ops.accumulate_sq_multi([g for _, g in live], [self.prev[id(p)] for p, _ in live],
-                                    [self.sq[id(p)] for p, _ in live])
-
-    def _drop_buffers(self) -> None:
-        self.prev.clear()
-        self.sq.clear()
-        self.gsum.clear()
+        self._sums.add(live)
 
     def _reset(self) -> None:
         self._count = 0
@@ -236,7 +234,7 @@ class MicroBatchGNS(GNSHookState):
         self._failed = False
         self._poisoned = False
         self._marks = None
-        self._drop_buffers()
+        self._sums.clear()
 
     def micro_step(self) -> None:
         """Call after each micro-batch's backward (all A of them, see the module docstring)."""
@@ -259,7 +257,7 @@ class MicroBatchGNS(GNSHookState):
         except BaseException:
             # this step is not measured; the error is the caller's, raised once
             self._failed = True
-            self._drop_buffers()
+            self._sums.clear()
             raise
         finally:
             if last:  # the step's A micro-batches are done, measured or not
@@ -288,60 +286,8 @@ class MicroBatchGNS(GNSHookState):
             raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
         live = [p for p in self._params if p.grad is not None]
         self._read_host_pending()  # an unread CPU measurement reports its eigensolver hints first
-        # one rank, A samples: the core's measurement (its shared solve, without a
-        # collective; the dof is 'columns': no micro-batch's own gradient is kept)
-        m = Measurement(self, 1, A, 0, per_sample=False)
-        scale = m.scale
-        keys = [m.plan.of(p).key for p in live]
-        if self.pool is not None and live:
-            self.pool.to(live[0].device)
-        if self._poisoned:  # a micro-batch without backward: the measurement is invalid
-            for t in list(self.sq.values()) + [g for g in self.gsum.values() if g is not None]:
-                t.fill_(float("nan"))
-        if self.geometry == "nuclear":
-            grams = [self.gsum[id(p)].mul_(A) for p in live]
-            grads = [self._grad(p).float() for p in live]
-            if self.pool is not None and live:
-                # the shared-solve path on one rank (no collective): it also folds the
-                # covariances into the noise pool
-                m.share.add_grads(grams, grads, None, None, keys)
-                m.record_nuclear(None, None)
-                if m.share.stream is not None:
-                    # CUDA: the solves read .grad on a side stream; later in-place changes of
-                    # .grad (unscale, clipping, zero_grad) must wait for them (device order,
-                    # no host synchronization)
-                    torch.cuda.current_stream(m.share.stream.device).wait_stream(m.share.stream)
-                return
-            deb = None
-            if live:
-                noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, self.bias_correction,
-                                                     A, m.batch_size,
-                                                     hints=self.eig_hints, method=self.method)
-                n, s = noise.double().sum(), signal.double().sum()  # read with the estimate
-                if self.signal == "debiased":
-                    _, sd = nuclear_stats_or_nan(grams, grads, None, scale, False, A,
-                                                 m.batch_size, signal="debiased",
-                                                 method=self.method)
-                    deb = sd.double().sum()
-            else:
-                n = s = float("nan")
-            self.record(Sums(A, m.step, nuc_noise=n, nuc_signal=s, nuc_signal_debiased=deb,
-                             nuclear_dof=m.dof, noise_pooled=None if self.pool is None else n))
-        else:
-            qs = [self.sq[id(p)].mul_(A).view(-1) for p in live]
-            ds = [self._grad(p).view(-1) for p in live]
-            terms = ops.variance_norms_multi(ds, qs, scale).double()
-            if self.l1_debiased:
-                deb = (l1_signal_debiased_sum(ds, qs, [None] * len(ds), scale, m.batch_size)
-                       if ds else torch.zeros((), dtype=torch.float64))
-                terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
-            pooled = None
-            if self.pool is not None:  # one rank: every coordinate of every parameter
-                roots = [self.pool.fold_variance(key, d, q, scale, A, self.grad_scale)
-                         for key, d, q in zip(keys, ds, qs)]
-                pooled = (torch.stack(roots).sum() if roots
-                          else torch.full((), float("nan"), dtype=torch.float64))
-            m.record_l(terms, pooled)
+        measure_micro_batches(self, self._sums, live, [self._grad(p) for p in live], A,
+                              poisoned=self._poisoned)
 
     def _backward_seen(self) -> None:
         self._backwards += 1
@@ -368,7 +314,7 @@ class MicroBatchGNS(GNSHookState):
                 "the first micro_batches-1 of them under ddp.no_sync())")
         if self._count == 0 or not self.is_measurement_step():
             return None
-        return _SyncMicro(self, self._count + 1, invalid=self._failed or self._poisoned)
+        return SyncMicro(self._sums, self._count + 1, invalid=self._failed or self._poisoned)
 
     def accepts_samples(self, num_samples: int) -> bool:
         """False (with a RuntimeWarning) for 1 rank x 1 micro-batch: that step is not
@@ -394,40 +340,3 @@ def _backward_seen(mb: MicroBatchGNS):
             owner._backward_seen()
 
     return hook
-
-
-class _SyncMicro:
-    """The last micro-batch of a rank, taken from the bucket inside the DDP hook.
-
-    ``invalid``: a micro_step of this step raised on this rank, so its statistics are
-    lost: the rank sends NaN statistics (its gradients are sent unchanged), which makes
-    the measurement invalid on every rank through the all-reduce, with the same payload
-    and sample count as the other ranks.
-    """
-
-    def __init__(self, owner: MicroBatchGNS, A: int, invalid: bool = False):
-        self.owner = owner
-        self.count = A
-        self.invalid = invalid
-
-    def accumulate_last(self, p: Tensor, flat_grad: Tensor) -> None:
-        o = self.owner
-        o._buffers(p)
-        ops.accumulate_sq(flat_grad, o.prev[id(p)].view(-1), o.sq[id(p)].view(-1))
-        if self.invalid:
-            o.sq[id(p)].fill_(float("nan"))
-
-    @property
-    def sq(self):
-        return self.owner.sq
-
-    def accumulate_last_gram(self, p: Tensor, grad: Tensor) -> Tensor:
-        o = self.owner
-        o._buffers(p)
-        (G,) = spectral.gram([grad.float() - o.prev[id(p)]])
-        acc = o.gsum[id(p)]
-        acc = G if acc is None else acc.add_(G)
-        o.gsum[id(p)] = acc
-        if self.invalid:
-            acc.fill_(float("nan"))
-        return acc.mul_(self.count)
