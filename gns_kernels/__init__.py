@@ -24,11 +24,11 @@ Names that were public before and moved (``LRMultiplier``, ``MicroBatchSampler``
 ``AdaptiveBatchSampler``, ``to_tensorboard``, ``tensorboard_writer``) raise an
 AttributeError that names their replacement (CHANGELOG.md).
 
-Importing the package loads the ops, estimators, controller and optimizers (and the C++
-extension, which registers ``torch.ops.gns_kernels.*``); the data-parallel hooks, the
-coordinator, metrics writers and the LR helpers are imported on first access;
-neither torch.compile's machinery (torch._dynamo) nor, on a machine without CUDA, Triton
-is imported.
+Importing the package loads the ops, the estimators (gns_kernels.stats), controller and
+optimizers (and the C++ extension, which registers ``torch.ops.gns_kernels.*``); the
+data-parallel hooks, the coordinator, metrics writers and the LR helpers are imported on
+first access; neither torch.compile's machinery (torch._dynamo) nor, on a machine without
+CUDA, Triton is imported.
 """
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ from ._version import __version__
 
 from . import reference  # float64 formulas every fast path is tested against
 from .controller import AdaptiveBatchSize
-from .estimators import GNSEstimate, critical_batch_size, estimate
 from .ops import (
     accumulate_sq, accumulate_sq_multi, square_pack, square_pack_multi, variance_norms,
     variance_norms_multi,
 )
 from .optim import SignSGD, Signum, SpecSGD, geometry_for
 from .spectral import gram, nuclear_stats, sqrt_trace
+from .stats.critical import critical_batch_size
+from .stats.gns import GNSEstimate
+from .stats.offline import estimate
 
 # public name -> submodule that defines it, imported on first access (PEP 562)
 _LAZY: dict[str, str] = {
@@ -76,7 +78,8 @@ _MOVED: dict[str, str] = {
 # submodules reachable as attributes (gns_kernels.ops, gns_kernels.triton, ...)
 _SUBMODULES = (
     "adaptive", "benchmarks", "bias", "cli", "controller", "data", "demo", "distributed",
-    "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim", "reference", "spectral", "triton",
+    "estimators", "lr", "metrics", "nuclear_dof", "ops", "optim", "reference", "spectral", "stats",
+    "triton",
 )
 
 __all__ = [

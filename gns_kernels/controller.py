@@ -16,7 +16,7 @@ Rule (paper Algorithm 1 and eq. (var_ema_method)):
   The EMAs start at the first valid measurement (N = noise, M = signal), so there is no
   zero-initialisation bias to correct.
   An estimate that carries a pooled noise (``noise_pooled`` not None: a hook state with a
-  noise pool, gns_kernels.pooling) has formed the noise EMA already, on the variances /
+  noise pool, gns_kernels.stats.pool) has formed the noise EMA already, on the variances /
   covariances before their square roots: then N_k = estimate.noise_pooled (the pool's EMA
   factor ``pool_beta`` takes the place of beta_noise; a WARNING is logged once when the two
   differ) and only M is averaged here. A measurement whose noise_pooled is not a finite
@@ -74,7 +74,7 @@ from ._validation import check_int as _check_int
 from .controller_config import LR_SCALINGS, ControllerConfig, config_differences
 from .controller_rule import (STATE_VERSION, Trajectory, decide_batch, ema, invalid_reason,
                               lr_omega, pooled_noise, read_state_dict, target_batch)
-from .estimators import GNSEstimate
+from .stats.gns import GNSEstimate
 from .schedule import Schedule
 
 __all__ = ["AdaptiveBatchSize", "ControllerConfig", "LR_SCALINGS", "lr_omega"]

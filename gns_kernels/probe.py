@@ -286,7 +286,7 @@ def measure_gns(model: torch.nn.Module, params: Sequence[torch.nn.Parameter], dr
     `bias_correction` as in ``gk.estimate`` (False: the paper's raw estimator). Returns
     {geometry: {"gns", "noise", "signal", "gns_each": [...]}}; the model is left as it was
     (its .grad untouched)."""
-    from .estimators import estimate
+    from .stats.offline import estimate
 
     params = list(params)
     if micro_batches < 2:

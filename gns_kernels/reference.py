@@ -268,7 +268,7 @@ def pooled_noise(
     beta: float,
     grad_scales: Sequence[float] | None = None,
 ) -> list[list[float]]:
-    """The noise pools of gns_kernels.pooling, eagerly, in float64 (loops, two-pass variances).
+    """The noise pools of gns_kernels.stats.pool, eagerly, in float64 (loops, two-pass variances).
 
     measurements[t] = (rank_grads, batch_size) of measurement t (rank_grads as raw_gns), or
     None for a measurement that is not folded (invalid). grad_scales[t]: the loss scale the

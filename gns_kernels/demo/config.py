@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from ..estimators import GEOMETRIES
+from ..stats.gns import GEOMETRIES
 
 OPTIMIZERS = ("muon", "specsgd", "signum", "signsgd", "adamw", "sgd", "msgd")
 COMPOSITES = ("muon", "specsgd")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..estimators import GEOMETRIES
+from ..stats.gns import GEOMETRIES
 from . import synthetic as sy
 
 _CHUNK_EXAMPLES = 1 << 16  # examples gathered per chunk of draws (bounds memory)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .._validation import warn_user
-from ..pooling import NoisePool
+from ..stats.pool import NoisePool
 from ..schedule import check_batch_size
 from .config import check_count
 

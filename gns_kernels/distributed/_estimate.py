@@ -14,7 +14,7 @@ def estimate_from_sums(geometry: str, sums: Sums, batch_size: float, bias_correc
     corrected when bias_correction) and sum_l ||G_l||_S1 (nuclear); nuc_signal_debiased:
     the debiased nuclear signal sum (signal='debiased'); noise_pooled: the noise pool's
     sum (None: no pool), pool_beta its EMA factor."""
-    from ..estimators import estimate_from_stats
+    from ..stats.gns import estimate_from_stats
 
     deb = None
     l_terms = sums.l_terms

@@ -1,7 +1,7 @@
 """PoolKeys: the parameter order that keys a hook state's noise pool, and the pooled
 matrices' solve owners.
 
-The noise pool (gns_kernels.pooling.NoisePool) keys each parameter's entry by its position
+The noise pool (gns_kernels.stats.pool.NoisePool) keys each parameter's entry by its position
 in the state's parameter order (``params=`` at construction, or ``bind_params``), so that
 ``state_dict()`` can save it; a parameter outside any order is keyed ("id", id(param)) and
 not saved. Nuclear with a pool: ``owners`` maps a pool key to the rank that solves (and

@@ -46,7 +46,7 @@ def l1_signal_debiased_sum(means: Sequence[Tensor], mean_sqs: Sequence[Tensor],
                            shifts: Sequence[Optional[Tensor]], scale: float,
                            batch_size: float) -> Tensor:
     """float64 0-d: sum over the given parameters of sum_i sqrt(max(g_i^2 - s2_i / B, 0))
-    (nuclear_dof.l1_signal_debiased) from the reduced halves of the l1 pack: means[p] =
+    (stats.signal.l1_signal_debiased) from the reduced halves of the l1 pack: means[p] =
     mean_j x^j, mean_sqs[p] = mean_j (x^j)^2 (flat, x = g - S), shifts[p] = S or None;
     s2 = scale (mean_sqs - means^2) clamped at 0, g = means + S. float64 arithmetic (the
     clamp at 0 is where float32 cancellation would show). No host synchronization."""

@@ -21,11 +21,11 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..bias import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from .._validation import check_signal
-from ..estimators import GEOMETRIES
-from ..pooling import check_pool_beta
 from ..spectral.trace import METHODS as SOLVE_METHODS
+from ..stats.dof import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
+from ..stats.gns import GEOMETRIES
+from ..stats.pool_state import check_pool_beta
 
 Tensor = torch.Tensor
 

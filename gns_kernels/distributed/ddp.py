@@ -31,10 +31,10 @@ number of samples: R, or R x A micro-batches for MicroBatchGNS):
   default at R >= 3 ranks; not with micro-batch samples) each rank also computes
   ||d d^T||_F^2 and ||d||_F^4 of its deviation d = G^j - G per matrix after the bucket's
   all-reduce, the same all-reduce carries them (8L float64 in all) and the corrected noise
-  is formed after it on every rank; signal='debiased' adds L more (``_share.py``); the
+  is formed after it on every rank; signal='debiased' adds L more (``_share_vector.py``); the
   noise pool (default) 4L more: the solving rank folds the matrix's covariance into the
   pool and shares the pooled sqrt-trace, pair sum, degrees of freedom and first-measurement
-  flag, corrected after the all-reduce with the noise (gns_kernels.pooling).
+  flag, corrected after the all-reduce with the noise (gns_kernels.stats.pooled).
   An unshifted bucket (no micro-batches) is packed and unpacked by Gram group, not by
   matrix (``_NuclearLayout``, cached per layout: a function of the parameters' shapes
   alone): one Gram batch per (shape, side) -- the batches spectral.gram forms, from one
@@ -104,8 +104,8 @@ import torch.distributed as dist
 from .. import ops
 from .. import spectral
 from ..spectral.grams import aligned_in_stack, gram_groups_cpu
+from ..stats.deviations import deviation_sums_parts
 from ._measurement import Measurement
-from ._share import deviation_sums_parts
 from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
 
@@ -283,10 +283,10 @@ class _NuclearLayout:
     indices], (a, b) when the members lie back to back in the buffer (one view) else None).
     pieces: the pack's Gram part in measured order as slices (group, i0, i1) of the
     groups' stacked Grams. dev_runs: the deviation sums' runs (spectral-consistent with
-    ``_share.deviation_sums``: consecutive measured matrices of one shape), as (j0, j1,
+    ``stats.deviations.deviation_sums``: consecutive measured matrices of one shape), as (j0, j1,
     (a, b) or None); dev_whole: every run lies back to back in the buffer at a 64-byte
     offset (a float32 deviation of the whole bucket then holds every run, aligned, as one
-    of _share.deviation_sums's fresh stacks would be)."""
+    of stats.deviations.deviation_sums's fresh stacks would be)."""
 
     __slots__ = ("n_buf", "mats", "groups", "pieces", "joined", "dev_runs", "dev_whole", "ks", "shapes")
 
@@ -491,7 +491,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
     if m.share.gauss:
         # this rank's deviation G^j - G per run: buf still holds the local gradient, the
         # pack's first part the mean. One fresh (aligned) tensor per run, the values of
-        # _share.deviation_sums's stack of the per-matrix deviations
+        # stats.deviations.deviation_sums's stack of the per-matrix deviations
         runs = []
         whole = None
         if lay.dev_whole:  # one subtraction for the bucket, the runs its views

@@ -38,7 +38,7 @@ identical on all ranks. ``shift`` may be
 Noise pool (``pool_beta``, default 0.9; l1 and nuclear with bias correction): every
 measurement also folds its per-coordinate variances (l1) or per-matrix covariances
 (nuclear) into an EMA with factor ``pool_beta`` and reports the noise of the pooled
-statistics as ``estimate.noise_pooled`` (gns_kernels.pooling): the noise EMA the
+statistics as ``estimate.noise_pooled`` (gns_kernels.stats.pool): the noise EMA the
 controller needs, without the small-sample bias of square roots taken per measurement
 (docs/fidelity.md). ``gk.AdaptiveBatchSize`` uses it in place of its own noise EMA, so
 ``pool_beta`` plays the role of its ``beta_noise`` (keep the two equal; the controller warns
@@ -64,8 +64,8 @@ from typing import Iterable, Optional
 import torch
 
 from .._dcp_guard import refuse_unwrapped_dcp
-from ..estimators import GEOMETRIES
-from ..pooling import NoisePool
+from ..stats.gns import GEOMETRIES
+from ..stats.pool import NoisePool
 from ..spectral.hints import EigHints
 from ._checkpoint import hook_state_dict, load_hook_state_dict
 from ._measurement import LastMeans, MeasurementPlan, Sums, resolve_shift
@@ -80,7 +80,7 @@ __all__ = ["GNSHookState", "GNSConfig", "GEOMETRIES", "HOOK_METHODS", "check_hoo
 
 
 def _estimate_has_step() -> bool:
-    from ..estimators import GNSEstimate
+    from ..stats.gns import GNSEstimate
     return "step" in {f.name for f in dataclasses.fields(GNSEstimate)}
 
 

@@ -448,7 +448,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
     indefinite gg - c (mean_grams - dd) instead of ||G||_S1. (The Newton path projects the
     noise matrices always: NOISE_NEWTON.)
     Returns (noise, signal, used64) as nuclear_stats_select (plus the sums when sums)."""
-    from ..bias import _pair_sum
+    from ..stats.bias import pair_sum as _pair_sum
 
     L = len(mean_grams)
     hint = eig_hints.lookup(shapes) if eig_hints is not None else [False] * L
@@ -499,7 +499,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
             res = lam.clamp_min(0).sqrt().sum(-1)
             for i, (w, l) in enumerate(items):
                 if w == "n" and correct:
-                    from ..bias import nuclear_sqrt_trace_corrected
+                    from ..stats.bias import nuclear_sqrt_trace_corrected
 
                     noise[l] = nuclear_sqrt_trace_corrected(
                         lam[i], int(num_samples), batch_size, other_dim=others[l], dof_model=dof_model)
@@ -571,7 +571,7 @@ def _solve(mean_grams: list, dd: list, gg: list, scale: float, others: list, met
                                 (Cn * Cn).sum((-2, -1))])
             extra.append(_scatter_cols(cols.to(dev0), n_ls, L))
         elif correct:
-            from ..bias import nuclear_sqrt_trace_corrected_from_sums
+            from ..stats.bias import nuclear_sqrt_trace_corrected_from_sums
 
             for j, l in enumerate(n_ls):
                 noise[l] = nuclear_sqrt_trace_corrected_from_sums(

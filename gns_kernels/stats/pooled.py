@@ -1,0 +1,113 @@
+"""The noise pool's part of the nuclear solves: fold a measurement's covariances into the
+pool (gns_kernels.stats.pool.NoisePool), solve the pooled covariances' sqrt-traces and pair
+sums, and correct them for the pool's degrees of freedom.
+
+Per matrix l the pool gives four raw rows (``pooled_sums``): tr P_l^{1/2} and the pair sum
+sum_ik s_i s_k / (s_i + s_k) of the pooled covariance P_l (its positive part), nu_l (the
+pool's degrees of freedom, NaN where the covariance was not finite) and new_l (1.0 while
+the pool has no pair of measurements yet: the first measurement of a key, which has no nu).
+Their value (``pooled_values``, ``pooled_correct``) is tr P_l^{1/2} / c4(nu_l / k + 1) (the
+correction of gns_kernels.stats.bias.corrected_sqrt_trace, nu_l read by ``pool_nu``), the
+measurement's own corrected noise where new_l, NaN where nu_l is NaN. The hooks' shared
+solves (gns_kernels.distributed._share) carry the raw rows in the shared vector and correct
+them after its all-reduce, with the noise.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from ..spectral.nuclear import _scatter_cols, nuclear_stats_from_grams_select
+from .bias import corrected_sqrt_trace
+from .pool import NoisePool
+
+Tensor = torch.Tensor
+
+__all__ = ["pool_folder", "pooled_sums", "pool_nu", "pooled_correct", "pooled_sqrt_traces", "pooled_values"]
+
+
+def pool_folder(pool: NoisePool, keys: Sequence, num_samples: int, grad_scale: float) -> tuple[Callable, list]:
+    """(fold, folds): fold(ls, C) folds the covariances C (n, k, k) of the matrices ls
+    (indices into keys) into the pool (NoisePool.fold_covariances, one call per Gram size)
+    and returns their pooled matrices P; each call appends (ls, nu, first) to folds. The
+    ``pool_fold`` of spectral's nuclear_stats_from_grams_select (the pooled matrices join
+    the noise matrices' Newton chain)."""
+    folds: list = []
+
+    def fold(ls, C):
+        P, nu, first = pool.fold_covariances([keys[l] for l in ls], C, num_samples, grad_scale)
+        folds.append((list(ls), nu, first))
+        return P
+
+    return fold, folds
+
+
+def pooled_sums(sums: Tensor, folds: list, L: int, device) -> Tensor:
+    """float64 Tensor[4, L] rows [tr P^{1/2}, pair sum, nu, new] of the pooled matrices,
+    from their [tr P^{1/2}, pair sum] (sums, Tensor[2, L]) and the folds' (ls, nu, first):
+    nu the pool's degrees of freedom (NaN where the covariance was not finite), new 1.0
+    where the pool has no pair yet. ``pooled_correct`` turns them into values (the share
+    vector carries them raw: the read corrects them with the noise,
+    gns_kernels.distributed._share_vector.share_columns)."""
+    nu = torch.zeros(L, dtype=torch.float64, device=device)
+    new = torch.zeros(L, dtype=torch.bool, device=device)
+    for ls, nu_k, first_k in folds:
+        if len(ls) == L:
+            nu, new = nu_k.to(device), first_k.to(device)
+        else:
+            nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
+            new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
+    return torch.cat([sums.to(device=device, dtype=torch.float64), torch.stack([nu, new.to(torch.float64)])])
+
+
+def pool_nu(nu: Tensor) -> Tensor:
+    """The pool's nu as the correction takes it (1 where there is none yet: nu <= 0)."""
+    return torch.where(nu > 0, nu, 1.0)
+
+
+def pooled_correct(corrected: Tensor, nu: Tensor, new: Tensor, own: Tensor) -> Tensor:
+    """The pooled values from the pooled tr P^{1/2} corrected for pool_nu(nu)
+    (``corrected``): ``own`` (the measurement's own corrected noise, or 0) where new > 0.5
+    (no pair yet), NaN where nu is NaN (a covariance that was not finite)."""
+    return torch.where(new > 0.5, own, torch.where(torch.isnan(nu), math.nan, corrected))
+
+
+def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
+                       shapes: Sequence[tuple], num_samples: int, grad_scale: float,
+                       method: str = "auto", hints=None, raw: bool = False) -> Tensor:
+    """Fold each covariance into the pool under its key, then the pooled, corrected
+    tr(P^{1/2}) per matrix: float64 Tensor[2, L] rows [pooled value, new] (``pooled_values``;
+    new = 1.0 where the pool has no pair yet: the caller uses the measurement's own
+    corrected noise there; the value is then 0), NaN values where a covariance is not
+    finite; raw: the uncorrected Tensor[4, L] of ``pooled_sums`` instead. The sqrt-traces and
+    pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
+    in one call, of their positive parts; no host synchronization. (The hooks' Newton path
+    folds inside the noise solve instead: ``pool_folder``.)"""
+    L = len(covs)
+    dev = covs[0].device
+    fold, folds = pool_folder(pool, keys, num_samples, grad_scale)
+    by_k: dict = {}
+    for l, C in enumerate(covs):
+        by_k.setdefault(C.shape[-1], []).append(l)
+    Ps: list = [None] * L
+    for k, ls in by_k.items():
+        P = fold(ls, torch.stack([covs[l] for l in ls]))
+        for j, l in enumerate(ls):
+            Ps[l] = P[j]
+    zeros = [torch.zeros_like(P) for P in Ps]
+    _, _, _, sums = nuclear_stats_from_grams_select(
+        Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
+        eig_hints=hints, record_hints=False, return_sums=True, project=True)
+    rows = pooled_sums(sums[:2], folds, L, dev)
+    return rows if raw else pooled_values(rows)
+
+
+def pooled_values(rows: Tensor) -> Tensor:
+    """float64 Tensor[2, L] rows [pooled value, new] of ``pooled_sums``'s rows: tr P^{1/2}
+    corrected for the pool's nu degrees of freedom, 0 where new (no pair yet), NaN where
+    the covariance was not finite."""
+    tr, pair, nu, new = rows
+    value = pooled_correct(corrected_sqrt_trace(tr, pair, pool_nu(nu)), nu, new, torch.zeros_like(tr))
+    return torch.stack([value, new])
