@@ -62,10 +62,9 @@ class NuclearRequest:
                 raise ValueError("select: expected (noise_mask, signal_mask), two sequences of bools")
             masks = []
             for name, mask in zip(("noise_mask", "signal_mask"), sel):
-                mask = tuple(mask)
-                if not all(isinstance(b, bool) for b in mask):
-                    raise ValueError(f"select: expected {name} as bools (one per layer), got {list(mask)!r}")
-                masks.append(mask)
+                if not isinstance(mask, (tuple, list)) or not all(isinstance(b, bool) for b in mask):
+                    raise ValueError(f"select: expected {name} as a sequence of bools (one per layer), got {mask!r}")
+                masks.append(tuple(mask))
             object.__setattr__(self, "select", (masks[0], masks[1]))
         for name in ("record_hints", "sums", "covariances"):
             if not isinstance(getattr(self, name), bool):
