@@ -48,7 +48,7 @@ import torch
 
 import gns_kernels as gk
 from gns_kernels import spectral as sp
-from gns_kernels.spectral.grams import _GRAM_BLOCK
+from gns_kernels.spectral.grams import GRAM_BLOCK
 
 SHAPES_160M = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
 H100_FP32 = 60e12  # FLOP/s, fp32 without tensor cores: the estimated H100 times below
@@ -193,7 +193,7 @@ def flops(layers: int, R: int) -> dict:
     gram_full = sum(2 * min(s) ** 2 * max(s) for s in SHAPES_160M) * layers  # one set of Grams
     k = 768
     n_mats = 2 * len(SHAPES_160M) * layers  # noise + signal
-    nb = -(-k // _GRAM_BLOCK)
+    nb = -(-k // GRAM_BLOCK)
     tri_cpu = nb * (nb + 1) / 2 / nb**2
     T = -(-k // 64)
     tri_gpu = (T + 1) / (2 * T)

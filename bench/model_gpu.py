@@ -116,7 +116,7 @@ def solver_counts(precision: str = "float64") -> dict:
     from gns_kernels.spectral import precision as P
     from gns_kernels.spectral.newton import check_newton_args
     from gns_kernels.spectral.nuclear import NOISE_NEWTON
-    from gns_kernels.spectral.pairsum import _pair_impl
+    from gns_kernels.spectral.pairsum import pair_impl
 
     it, ep = NOISE_NEWTON if precision == "float64" else check_newton_args(None, None, precision)
     A = (torch.eye(4, dtype=torch.float64) + 0.1).expand(2, 4, 4).contiguous()
@@ -134,7 +134,7 @@ def solver_counts(precision: str = "float64") -> dict:
     out = {}
     for rows, proj in ((0, -1), (2, -1), (0, 0)):
         with P.record_matmuls() as log, _Launches() as mode:
-            _pair_impl(A, it, ep, None, True, precision, "float64", rows, proj)
+            pair_impl(A, it, ep, None, True, precision, "float64", rows, proj)
         out[rows, proj] = (len(log), mode.n)
     res = {"trace": out[0, -1][0], "pair": out[2, -1][0] - out[0, -1][0], "launches": out[0, -1][1],
            "launches_pair": out[2, -1][1], "iters": it,
@@ -181,9 +181,9 @@ def newton_flops(m: int, s: Solver) -> int:
 
 def _package_chunk_elems() -> int:
     """spectral.newton's workspace per chain chunk (chunk_size(m) = this // m^2)."""
-    from gns_kernels.spectral.newton import _CHUNK_ELEMS
+    from gns_kernels.spectral.newton import CHUNK_ELEMS
 
-    return _CHUNK_ELEMS
+    return CHUNK_ELEMS
 
 
 def chunk_size(m: int, s: Solver) -> int:

@@ -9,8 +9,9 @@ imports ``_pair_sum`` from it; import from ``gns_kernels.stats`` instead.
 """
 from __future__ import annotations
 
-from .stats.bias import _corrected, _pair_sum  # noqa: F401  (imported from here before)
 from .stats.bias import (
+    corrected_sqrt_trace,
+    pair_sum,
     c4,
     c4_tensor,
     l1_noise_factor,
@@ -33,3 +34,7 @@ __all__ = [
     "NUCLEAR_DOF_MODES",
     "resolve_nuclear_dof",
 ]
+
+# the private names spectral.nuclear and distributed._share imported from here before
+_pair_sum = pair_sum
+_corrected = corrected_sqrt_trace

@@ -76,7 +76,7 @@ class CoordinatorConfig:
         if self.max_batch_size is not None:
             check_int("max_batch_size", self.max_batch_size, 1)
         if self.beta_noise is not None:
-            from ..pooling import check_pool_beta
+            from ..stats.pool_state import check_pool_beta
             object.__setattr__(self, "beta_noise",
                                check_pool_beta(self.beta_noise, name="beta_noise", allow_none=False))
         check_signal(self.signal, allow_none=True)

@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from ..estimators import GNSEstimate
+from ..stats.gns import GNSEstimate
 
 __all__ = ["controller_estimate", "step_row", "loss_scale"]
 

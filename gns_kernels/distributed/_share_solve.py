@@ -23,7 +23,7 @@ import torch
 
 from .._validation import warn_user as _warn_user
 from ..spectral.grams import grams64_on_sides, grams_on_sides
-from ..spectral.nuclear import nuclear_stats_from_grams_select
+from ..spectral.nuclear import NuclearRequest, nuclear_stats
 from ..spectral.trace import NEWTON_METHODS, resolve_method
 from ..stats.pool import NoisePool
 from ..stats.pooled import pool_folder, pooled_sqrt_traces, pooled_sums
@@ -71,7 +71,7 @@ def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool
     float64 Tensor[len(rows), L_part].
 
     solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
-    selected sqrt-traces (spectral.nuclear_stats_select / nuclear_stats_from_grams_select
+    selected sqrt-traces (spectral.nuclear_stats with a NuclearRequest
     with record_hints=False; with return_sums=True when rows has 'pair'). inputs: the
     tensors the owned solves read (checked for finiteness on the device). rows: share_rows
     (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
@@ -160,7 +160,7 @@ class ShareSolver:
         """Solver arguments common to every part."""
         return dict(scale=self.scale, bias_correction=self.bias_correction,
                     num_samples=self.num_samples, batch_size=self.batch_size,
-                    method=self.method, eig_hints=self.hints, record_hints=False)
+                    method=self.method, eig_hints=self.hints)
 
     def newton(self, device) -> bool:
         """Whether this share's method resolves to the Newton path on ``device``."""
@@ -257,10 +257,16 @@ class ShareSolver:
 
         def solve(select, cov_out=None, signal="raw"):
             raw = signal == "raw"
-            return nuclear_stats_from_grams_select(
-                grams, mats[0], signal_grams=mats[1], shapes=shapes, select=select, signal=signal,
-                return_sums=self.gauss and raw, cov_out=None if chain is not None else cov_out,
-                pool_fold=chain if raw else None, **self.kw())
+            sums = self.gauss and raw
+            req = NuclearRequest(select=select, record_hints=False, sums=sums,
+                                 covariances=cov_out is not None and chain is None,
+                                 pool_fold=chain if raw else None)
+            res = nuclear_stats(grams, None, mean_grad_grams=mats[0], signal_grams=mats[1], shapes=shapes,
+                                signal=signal, request=req, **self.kw())
+            if req.covariances:
+                cov_out.extend(res.covariances)
+            return (res.noise, res.signal, res.used64) + ((res.sums,) if sums else ()) + (
+                (res.pooled,) if req.pool_fold is not None else ())
 
         def run() -> Tensor:
             if n:

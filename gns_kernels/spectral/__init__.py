@@ -9,9 +9,16 @@ Public functions (gram / sqrt_trace / nuclear_stats are re-exported as gns_kerne
   fallback chosen by an a-posteriori error bound) or "newton" (newton.py: positive part by
   the Newton-Schulz sign iteration, then coupled Newton-Schulz with a relative shift; no
   host synchronization) (trace.py).
-- ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])`` and
-  ``nuclear_stats_from_grams(mean_grams, mean_grad_grams, scale, ...)`` for FSDP2, where
-  only the Gram of the mean gradient exists (nuclear.py).
+- ``EighConfig(tol=)`` / ``NewtonConfig(iters=, eps=, precision=)``: the typed solver
+  configs (one frozen dataclass per route, checked once; solver.py), which ``method=`` of
+  sqrt_trace and nuclear_stats takes besides the strings "auto" | "eigh" | "newton" |
+  "newton-tf32".
+- ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])``, or with
+  ``mean_grad_grams=`` for FSDP2, where only the Gram of the mean gradient exists
+  (nuclear.py; checks in nuclear_args.py, the solve in nuclear_solve.py);
+  ``request=NuclearRequest(...)`` solves a subset and returns a ``NuclearResult`` with the
+  solver report, the sums a later correction needs and the covariances.
+  ``nuclear_stats_from_grams`` is a deprecated alias (one release).
 - ``EigHints``: the per-shape float64 cost hint of the eigenvalue path (hints.py).
 - ``psd_eigvalsh(A)``: float64 eigenvalues accurate enough for sqrt-traces (eigh.py).
 - ``sqrt_trace_pair_sum(A) -> (trace, pair)``: the Newton sqrt-trace and the pair sum
@@ -33,9 +40,11 @@ from .hints import EigHints, shape_key
 from .newton import NEWTON_EPS, NEWTON_EPS_BY_PRECISION, NEWTON_MAX_ITERS, NEWTON_PRECISIONS, newton_min_iters, sign_iters
 from .pairsum import sqrt_trace_pair_sum
 from .precision import record_matmuls
-from .nuclear import nuclear_stats, nuclear_stats_from_grams
+from .nuclear import NuclearRequest, NuclearResult, nuclear_stats, nuclear_stats_from_grams
+from .solver import EighConfig, NewtonConfig, SolverConfig
 from .trace import sqrt_trace
 
 # the public ops; the solver internals and tuning constants imported above stay reachable
 # as gns_kernels.spectral.<name> for tests and benchmarks, but are not API
-__all__ = ["gram", "sqrt_trace", "nuclear_stats", "nuclear_stats_from_grams", "EigHints"]
+__all__ = ["gram", "sqrt_trace", "nuclear_stats", "nuclear_stats_from_grams", "EigHints", "EighConfig",
+           "NewtonConfig", "SolverConfig", "NuclearRequest", "NuclearResult"]

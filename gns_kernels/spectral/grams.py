@@ -14,7 +14,7 @@ from .precision import bmm as _bmm_in, fp32_matmul_flag
 
 Tensor = torch.Tensor
 
-_GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
+GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
 _CPU_ALIGN = 64  # bytes: torch's CPU allocator aligns every new tensor to this (c10 gAlignment)
 _SIDES = ("auto", "row", "col")
 
@@ -35,14 +35,14 @@ def resolve_side(shape: Sequence[int], side: str) -> str:
 def _gram_blocked_into(x: Tensor, out: Tensor) -> Tensor:
     """out (k, k) <- x x^T for x (k, n) float32 (any strides); returns out.
 
-    Row strips of about _GRAM_BLOCK rows: strip i is one GEMM x[rows_i] @ x[rows_i.start:]^T
+    Row strips of about GRAM_BLOCK rows: strip i is one GEMM x[rows_i] @ x[rows_i.start:]^T
     written straight into out[rows_i, rows_i.start:] (the diagonal block and everything to
     its right: (nb + 1) / (2 nb) of the full product's FLOPs for nb strips). The part left
     of the diagonal is copied, transposed, from the strips above, and each diagonal block
     is replaced by (blk + blk^T) / 2, so the result is exactly symmetric.
     """
     k = x.shape[0]
-    nb = max(1, -(-k // _GRAM_BLOCK))
+    nb = max(1, -(-k // GRAM_BLOCK))
     e = [i * k // nb for i in range(nb + 1)]
     # a process flag that lowers float32 matmuls (set_float32_matmul_precision("medium")
     # makes oneDNN use bf16 here) must not reach the Gram: C is a difference of Grams

@@ -171,7 +171,7 @@ _Q_COEFFS = (1.0, -1 / 2, -1 / 8, -1 / 16, -5 / 128, -7 / 256)
 _Q_COEFFS = _Q_COEFFS + (-sum(_Q_COEFFS),)
 
 
-def _poly(W: Tensor, coeffs: tuple, eye: Tensor, prec: str) -> Tensor:
+def matrix_poly(W: Tensor, coeffs: tuple, eye: Tensor, prec: str) -> Tensor:
     """sum_k coeffs[k] W^k by Horner (len(coeffs) - 2 matmuls, each with its added
     constant in the same launch: c I + W Q)."""
     Q = torch.add(coeffs[-2] * eye, W, alpha=coeffs[-1])
@@ -180,17 +180,17 @@ def _poly(W: Tensor, coeffs: tuple, eye: Tensor, prec: str) -> Tensor:
     return Q
 
 
-def _shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor, prec: str = "ieee",
+def shift_correction(Y: Tensor, Z: Tensor, e: Tensor, eye: Tensor, prec: str = "ieee",
                       W: Tensor | None = None) -> Tensor:
     """tr(Y q(W)), W = e Z^2 (module docstring, step 4); Horner in W. Shape (B,).
     W: that matrix when the caller formed it already."""
     if W is None:
-        W = _shift_w(Z, e, prec)
-    Q = _poly(W, _Q_COEFFS, eye, prec)
+        W = shift_w(Z, e, prec)
+    Q = matrix_poly(W, _Q_COEFFS, eye, prec)
     return (Y * Q.mT).sum((-2, -1))
 
 
-def _shift_w(Z: Tensor, e: Tensor, prec: str) -> Tensor:
+def shift_w(Z: Tensor, e: Tensor, prec: str) -> Tensor:
     """W = e Z^2 (e per matrix, (B, 1, 1))."""
     return bmm(Z, Z, prec).mul_(e)
 
@@ -255,7 +255,7 @@ def _coupled_lean(x: Tensor, e: Tensor, eye: Tensor, iters: int, eps: float, pre
     return Y, Z
 
 
-def _newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
+def newton_iterate(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
                     prec: str, project_rows: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(Y, Z, e, c, eye) of the coupled iteration on x_+ + e I, x = A / c (module steps 1-3),
     matmuls in ``prec``; Y, Z float32 ("ieee") or float64 ("float64"). project_rows >= 0
@@ -345,19 +345,19 @@ def _newton_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = No
     Frobenius norm the rounding noise of A is relative to (e.g. the operands of the
     subtraction that formed A); the shift becomes eps * max(ref_norm, ||A||_F), i.e. the
     relative shift eps * ref_norm / ||A||_F clamped to [eps, 1]. Returns shape (B,)."""
-    Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec)
-    out = _shift_correction(Y, Z, e, eye, prec).double() * c.reshape(-1).sqrt()
+    Y, Z, e, c, eye = newton_iterate(A, iters, eps, ref_norm, project, prec)
+    out = shift_correction(Y, Z, e, eye, prec).double() * c.reshape(-1).sqrt()
     return out if A.dtype == torch.float64 else out.float()
 
 
 # matrices per batched iteration: as many as keep the workspace (~8 iterates of the chunk)
 # within that of 16 matrices of side 768 (all of a small model's matrices in one chain)
-_CHUNK_ELEMS = 16 * 768 * 768
+CHUNK_ELEMS = 16 * 768 * 768
 
 
 def chunk_size(m: int) -> int:
     """Matrices of side m per batched Newton chain: max(1, 16 x 768^2 // m^2)."""
-    return max(1, _CHUNK_ELEMS // max(1, m * m))
+    return max(1, CHUNK_ELEMS // max(1, m * m))
 
 
 @torch.library.custom_op("gns_kernels::newton_sqrt_trace", mutates_args=())

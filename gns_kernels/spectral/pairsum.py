@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from .newton import NEWTON_PRECISIONS, _newton_iterate, _poly, _shift_correction, _shift_w, chunk_size
+from .newton import NEWTON_PRECISIONS, chunk_size, matrix_poly, newton_iterate, shift_correction, shift_w
 from .precision import bmm, bmm_add, check_precision
 
 Tensor = torch.Tensor
@@ -105,20 +105,20 @@ def _pair_sum_normalized(S: Tensor, K: int, prec: str = "float64", eye: Tensor |
     return total + (g * g * w).sum(-1)
 
 
-def _pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
+def pair_impl(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None, project: bool,
                prec: str, pair_prec: str, pair_rows: int = -1, project_rows: int = -1) -> tuple[Tensor, Tensor]:
     """(trace (B,), pair (B,)) of A (B, m, m); the pair sum only for the first pair_rows
     matrices (-1: all), 0 for the others (the chain shared by matrices that need it and
     matrices that do not: one chain, the pair's products only where used)."""
-    Y, Z, e, c, eye = _newton_iterate(A, iters, eps, ref_norm, project, prec, project_rows)
+    Y, Z, e, c, eye = newton_iterate(A, iters, eps, ref_norm, project, prec, project_rows)
     sc = c.reshape(-1).sqrt()
-    W = _shift_w(Z, e, prec)
-    trace = _shift_correction(Y, Z, e, eye, prec, W).double() * sc
+    W = shift_w(Z, e, prec)
+    trace = shift_correction(Y, Z, e, eye, prec, W).double() * sc
     B = A.shape[0]
     n = B if pair_rows < 0 else min(pair_rows, B)
     pair = torch.zeros_like(trace)
     if n:
-        S = bmm(Y[:n], _poly(W[:n], _QHAT_COEFFS, eye[:n], prec), prec)
+        S = bmm(Y[:n], matrix_poly(W[:n], _QHAT_COEFFS, eye[:n], prec), prec)
         p = _pair_sum_normalized(S, pair_nodes(eps), pair_prec, eye[:n]).double() * sc[:n]
         pair = p if n == B else torch.cat([p, pair[n:]])
     return trace, pair
@@ -134,7 +134,7 @@ def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, 
     squarings in ``pair_precision``), each of shape (...), float64 for float64 A, else
     float32. pair_rows >= 0: the pair sum of the first pair_rows matrices (of the
     flattened batch) only, 0 for the rest. project_rows >= 0 (with project): only the first
-    project_rows matrices take the positive-part step (newton._newton_iterate). m = 0 gives
+    project_rows matrices take the positive-part step (newton.newton_iterate). m = 0 gives
     zeros."""
     check_precision(precision, "precision", NEWTON_PRECISIONS if pair_rows == 0 else PAIR_PRECISIONS)
     check_precision(pair_precision, "pair_precision", ("ieee", "float64"))
@@ -149,7 +149,7 @@ def _pair_op(A: Tensor, iters: int, eps: float, ref_norm: Tensor | None = None, 
     nb = flat.shape[0]
     npair = nb if pair_rows < 0 else min(int(pair_rows), nb)
     nproj = nb if project_rows < 0 else min(int(project_rows), nb)
-    res = [_pair_impl(flat[i:i + ch], iters, eps, None if refs is None else refs[i:i + ch], project,
+    res = [pair_impl(flat[i:i + ch], iters, eps, None if refs is None else refs[i:i + ch], project,
                       precision, pair_precision, max(0, min(ch, npair - i)), max(0, min(ch, nproj - i)))
            for i in range(0, nb, ch)]
     tr = res[0][0] if len(res) == 1 else torch.cat([r[0] for r in res])

@@ -5,36 +5,43 @@ import torch
 
 from ._checks import check_square, validate_requested, validate_symmetric
 from .eigh import EIGH_TOL
-from .newton import NEWTON_PRECISIONS, check_newton_args
+from .newton import NEWTON_PRECISIONS
 from .precision import check_precision
+# METHODS, NEWTON_METHODS and resolve_method live in solver.py; they are named here too
+# because the hooks import them from this module (distributed.config, distributed._share)
+from .solver import METHODS, NEWTON_METHODS, EighConfig, NewtonConfig, SolverConfig, check_solver, resolve_method
 
 Tensor = torch.Tensor
 
-# "newton-tf32": the Newton path with TF32 products (operands rounded to nearest), opt in
-# (newton.NEWTON_PRECISIONS) of sqrt_trace / nuclear_stats; the hook states refuse it
-# (distributed.state.check_hook_method: it left the hooks' signal 18% low in emulation)
-METHODS = ("auto", "eigh", "newton", "newton-tf32")
-NEWTON_METHODS = ("newton", "newton-tf32")
+__all__ = ["sqrt_trace", "trace_solver", "METHODS", "NEWTON_METHODS", "resolve_method"]
 
 
-def newton_precision(method: str) -> str:
-    """The Newton chain's matmul precision of a resolved method of the nuclear solves:
-    "tf32" for 'newton-tf32', else "float64" (the noise chain, NOISE_NEWTON)."""
-    return "tf32" if method == "newton-tf32" else "float64"
-
-
-def resolve_method(method: str, device: torch.device) -> str:
-    """'auto' -> 'eigh' on CPU, 'newton' elsewhere (docs/spectral.md); others validated."""
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
-    if method != "auto":
+def trace_solver(method, device: torch.device, *, iters: int | None = None, eps: float | None = None,
+                 tol: float = EIGH_TOL, precision: str = "ieee") -> SolverConfig:
+    """The solver config sqrt_trace runs: ``method`` itself when it is an EighConfig /
+    NewtonConfig (then the loose keywords must keep their defaults: ValueError naming the
+    first that does not), else the method string with the loose keywords of its route:
+    'eigh' -> EighConfig(tol=tol), 'newton' -> NewtonConfig(iters=iters, eps=eps,
+    precision=precision), 'newton-tf32' -> the same with precision "tf32", 'auto' by
+    device (solver.resolve_method). The keywords of the other route are not read
+    (``precision`` is checked whatever the route)."""
+    if isinstance(check_solver(method), SolverConfig):
+        for name, value, default in (("iters", iters, None), ("eps", eps, None), ("tol", tol, EIGH_TOL),
+                                     ("precision", precision, "ieee")):
+            if value != default:
+                raise ValueError(f"{name}: set it in the solver config passed as method "
+                                 f"({type(method).__name__}), not beside it")
         return method
-    return "eigh" if device.type == "cpu" else "newton"
+    check_precision(precision, "precision", NEWTON_PRECISIONS)
+    meth = resolve_method(method, device)
+    if meth == "eigh":
+        return EighConfig(tol=tol)
+    return NewtonConfig(iters=iters, eps=eps, precision="tf32" if meth == "newton-tf32" else precision)
 
 
 def sqrt_trace(
     A: Tensor,
-    method: str = "auto",
+    method: str | SolverConfig = "auto",
     *,
     iters: int | None = None,
     eps: float | None = None,
@@ -46,7 +53,11 @@ def sqrt_trace(
 
     A is symmetrized as (A + A^T)/2; negative eigenvalues count as 0 (A_+ is the positive
     part of A) with either method.
-    method:
+    method: an EighConfig / NewtonConfig (gns_kernels.spectral.solver; then leave iters,
+      eps, tol and precision at their defaults), or a string that stands for one
+      (trace_solver): 'eigh' -> EighConfig(tol=tol), 'newton' -> NewtonConfig(iters=iters,
+      eps=eps, precision=precision), 'newton-tf32' -> NewtonConfig(iters=iters, eps=eps,
+      precision="tf32"), 'auto' -> by device. The routes:
       'eigh'   float32 eigvalsh of A / 2^e (2^e near max|A_ij|), recomputed in float64 for
                each matrix whose a-posteriori error bound exceeds ``tol`` (relative).
                Within 1e-3 of float64 eigvalsh of the same input.
@@ -64,6 +75,7 @@ def sqrt_trace(
       'newton-tf32'  'newton' with precision "tf32" (opt in; trace within
                newton.TF32_TRACE_BUDGET = 5e-4 in emulation, not measured on a GPU).
       'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
+    iters, eps ('newton'): see NewtonConfig; tol ('eigh'): see EighConfig.
     precision ('newton'): the precision of its matmuls, "ieee" (float32, default),
       "tf32" (operands rounded to nearest to TF32, float32 sums; opt in) or
       "float64" (default shift 1e-12), delivered per call whatever
@@ -73,17 +85,14 @@ def sqrt_trace(
     checks finiteness and symmetry first (host sync).
     """
     check_square(A, "A")
-    check_precision(precision, "precision", NEWTON_PRECISIONS)
-    meth = resolve_method(method, A.device)
+    solver = trace_solver(method, A.device, iters=iters, eps=eps, tol=tol, precision=precision)
     if validate_requested(validate):
         validate_symmetric(A, "A")
     out_dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
     if A.numel() == 0:
         return A.new_zeros(A.shape[:-2], dtype=out_dtype)
-    if meth == "eigh":
-        lam = torch.ops.gns_kernels.psd_eigvalsh(A, float(tol))
+    if isinstance(solver, EighConfig):
+        lam = torch.ops.gns_kernels.psd_eigvalsh(A, solver.tol)
         return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
-    if meth == "newton-tf32":
-        precision = "tf32"
-    it, ep = check_newton_args(iters, eps, precision)
-    return torch.ops.gns_kernels.newton_sqrt_trace(A, it, ep, None, True, precision).to(out_dtype)
+    return torch.ops.gns_kernels.newton_sqrt_trace(A, solver.iters, solver.eps, None, True,
+                                                   solver.precision).to(out_dtype)

@@ -198,8 +198,3 @@ def nuclear_sqrt_trace_corrected_from_sums(
     raw = sqrt_trace.detach().to(torch.float64)
     return corrected_sqrt_trace(raw, pair_sum.detach().to(torch.float64), nu).to(sqrt_trace.dtype)
 
-
-# the names these functions had in gns_kernels.bias before issue 42 (spectral.nuclear and
-# distributed._share imported them there); kept for one release
-_pair_sum = pair_sum
-_corrected = corrected_sqrt_trace

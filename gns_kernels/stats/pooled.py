@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..spectral.nuclear import _scatter_cols, nuclear_stats_from_grams_select
+from ..spectral.nuclear import NuclearRequest, nuclear_stats
+from ..spectral.nuclear_solve import scatter_cols
 from .bias import corrected_sqrt_trace
 from .pool import NoisePool
 
@@ -32,7 +33,7 @@ def pool_folder(pool: NoisePool, keys: Sequence, num_samples: int, grad_scale: f
     """(fold, folds): fold(ls, C) folds the covariances C (n, k, k) of the matrices ls
     (indices into keys) into the pool (NoisePool.fold_covariances, one call per Gram size)
     and returns their pooled matrices P; each call appends (ls, nu, first) to folds. The
-    ``pool_fold`` of spectral's nuclear_stats_from_grams_select (the pooled matrices join
+    ``pool_fold`` of spectral's nuclear_stats (NuclearRequest) (the pooled matrices join
     the noise matrices' Newton chain)."""
     folds: list = []
 
@@ -57,8 +58,8 @@ def pooled_sums(sums: Tensor, folds: list, L: int, device) -> Tensor:
         if len(ls) == L:
             nu, new = nu_k.to(device), first_k.to(device)
         else:
-            nu = nu + _scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
-            new = new | _scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
+            nu = nu + scatter_cols(nu_k.to(device).view(1, -1), ls, L)[0]
+            new = new | scatter_cols(first_k.to(device).view(1, -1), ls, L)[0]
     return torch.cat([sums.to(device=device, dtype=torch.float64), torch.stack([nu, new.to(torch.float64)])])
 
 
@@ -97,9 +98,9 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
         for j, l in enumerate(ls):
             Ps[l] = P[j]
     zeros = [torch.zeros_like(P) for P in Ps]
-    _, _, _, sums = nuclear_stats_from_grams_select(
-        Ps, zeros, 1.0, shapes=shapes, select=([True] * L, [False] * L), method=method,
-        eig_hints=hints, record_hints=False, return_sums=True, project=True)
+    sums = nuclear_stats(Ps, None, 1.0, mean_grad_grams=zeros, shapes=shapes, method=method, eig_hints=hints,
+                         request=NuclearRequest(select=([True] * L, [False] * L), record_hints=False,
+                                                sums=True)).sums
     rows = pooled_sums(sums[:2], folds, L, dev)
     return rows if raw else pooled_values(rows)
 

@@ -70,10 +70,10 @@ def test_nuclear_stats_eig_hints_record_and_use(gen):
     hints.apply()
     n64, _ = gk.nuclear_stats([A0], [D0], scale=8.0, eig_hints=hints)
     assert torch.equal(n64, n[:1])
-    # the FSDP2 entry point, keyed by the shapes passed
+    # the Gram form (FSDP2), keyed by the shapes passed
     h2 = sp.EigHints()
-    sp.nuclear_stats_from_grams([A0, A1], gk.gram([D0, D1]), scale=8.0, shapes=[(256, 256), (40, 120)],
-                                eig_hints=h2)
+    gk.nuclear_stats([A0, A1], mean_grad_grams=gk.gram([D0, D1]), scale=8.0, shapes=[(256, 256), (40, 120)],
+                     eig_hints=h2)
     h2.apply()
     assert h2.state_dict() == {"256x256": True, "40x120": False}
 
