@@ -303,9 +303,9 @@ def _triton_registered(op_name: str) -> bool:
     """True when gns_kernels.triton registered its launcher as the op's CUDA kernel."""
     if not _TRITON_REGISTERED:
         return False
-    from .triton import _REGISTERED
+    from .triton import registered
 
-    return op_name in _REGISTERED
+    return registered(op_name)
 
 
 def _device_of(t) -> Optional[torch.device]:

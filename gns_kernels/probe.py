@@ -43,7 +43,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .controller import _LR_SCALINGS, lr_omega
+from .controller import LR_SCALINGS, lr_omega
 
 __all__ = ["samples_to_target", "CriticalBatch", "critical_batch", "theta_for", "summarize",
            "run_branch", "run_probe", "measure_gns", "controller_lr_rule"]
@@ -171,7 +171,7 @@ def controller_lr_rule(schedule: Optional[Callable[[int], float]], samples_at_st
     factor(n, B) = schedule(samples_at_start + n) x omega(B), with omega = sqrt(B / B_0)
     ("sqrt"), B / B_0 ("linear") or 1 ("none"); schedule None counts as 1. n is the examples
     the branch has seen before the step."""
-    if lr_scaling not in _LR_SCALINGS:
+    if lr_scaling not in LR_SCALINGS:
         raise ValueError(f"controller_lr_rule: lr_scaling must be 'sqrt', 'linear' or 'none', got {lr_scaling!r}")
 
     def rule(n: int, B: int) -> float:

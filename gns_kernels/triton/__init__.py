@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["available", "register_cuda_kernels", "OPS"]
+__all__ = ["available", "register_cuda_kernels", "registered", "OPS"]
 
 # torch op name -> name of the launcher in gns_kernels.triton.fused (same signature).
 OPS = ("variance_norms", "variance_norms_multi", "square_pack", "accumulate_sq", "accumulate_sq_multi",
@@ -31,6 +31,12 @@ OPS = ("variance_norms", "variance_norms_multi", "square_pack", "accumulate_sq",
 
 _LIB = None  # torch.library.Library holding our registrations (kept alive here)
 _REGISTERED: list[str] = []
+
+
+def registered(op_name: str) -> bool:
+    """Whether this package registered its Triton launcher as the CUDA kernel of op
+    ``op_name`` (``register_cuda_kernels``)."""
+    return op_name in _REGISTERED
 
 
 def available() -> bool:
