@@ -21,7 +21,7 @@ import math
 import torch
 
 import gns_kernels as gk
-from gns_kernels import bias
+from gns_kernels import stats
 from gns_kernels.demo import synthetic as syn
 
 
@@ -40,12 +40,12 @@ def matrix_rows(problem, name: str, b: int, draws: int, seed: int):
         C = B / (R * (R - 1)) * (dev @ dev.mT).sum(dim=1)
         ev = torch.linalg.eigvalsh(C)
         raw = ev.clamp_min(0).sqrt().sum(-1)
-        col = bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
-        r1 = bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n, dof_model="rank_one")
-        data = (bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1))
+        col = stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
+        r1 = stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n, dof_model="rank_one")
+        data = (stats.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=stats.nuclear_dof_from_samples(G) / (R - 1))
                 if R >= 4 else None)
         T1, TN = problem.sigma_l1(), problem.sqrt_trace()
-        rows.append((name, b, R, _ms(l1, T1), _ms(l1 / bias.c4(R), T1), _ms(raw, TN), _ms(col, TN), _ms(r1, TN),
+        rows.append((name, b, R, _ms(l1, T1), _ms(l1 / stats.c4(R), T1), _ms(raw, TN), _ms(col, TN), _ms(r1, TN),
                      _ms(data, TN) if data is not None else None))
     return rows
 
@@ -94,7 +94,7 @@ def speed() -> None:
             ev = torch.linalg.eigvalsh(C)
             best_e = min(best_e, time.perf_counter() - t)
             t = time.perf_counter()
-            bias.nuclear_sqrt_trace_corrected(ev, 4, 64, other_dim=2 * m)
+            stats.nuclear_sqrt_trace_corrected(ev, 4, 64, other_dim=2 * m)
             best_c = min(best_c, time.perf_counter() - t)
         print(f"| {m} | {L} | {best_e:.4f} | {best_c:.4f} | {best_c / best_e:.3f} |")
 
@@ -151,8 +151,8 @@ def extra(draws: int, seed: int) -> None:
             ev = torch.linalg.eigvalsh(C)
             T = p.truth(b)
             raw = _ms(ev.clamp_min(0).sqrt().sum(-1), T)
-            col = _ms(bias.nuclear_sqrt_trace_corrected(ev, R, other_dim=p.n), T)
-            data = (_ms(bias.nuclear_sqrt_trace_corrected(ev, R, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1)), T)
+            col = _ms(stats.nuclear_sqrt_trace_corrected(ev, R, other_dim=p.n), T)
+            data = (_ms(stats.nuclear_sqrt_trace_corrected(ev, R, dof_per_sample=stats.nuclear_dof_from_samples(G) / (R - 1)), T)
                     if R >= 4 else None)
             print(f"| {kind} | {b} | {R} | {_fmt(raw)} | {_fmt(col)} ({_removed(raw, col)}) | {_fmt(data)} ({_removed(raw, data)}) |")
 

@@ -251,7 +251,7 @@ class Ranks:
     ``buckets``: the matrices are added in that many consecutive groups (DDP buckets)."""
 
     def __init__(self, R: int, B: int, scale: float, pooled: bool, method: str = "auto", buckets: int = 1):
-        from gns_kernels.pooling import NoisePool
+        from gns_kernels.stats import NoisePool
 
         self.R, self.B, self.scale, self.method, self.buckets = R, B, scale, method, buckets
         self.owners = {} if pooled else None
@@ -582,7 +582,7 @@ def s1(dev: str, tiny: bool, R: int, reps: int) -> int:
     what = "share alone per rank (one part, as the first H100 run), pool on"
     try:
         from gns_kernels.distributed._share import SolveShare  # noqa: F401
-        from gns_kernels.pooling import NoisePool  # noqa: F401
+        from gns_kernels.stats import NoisePool  # noqa: F401
     except ImportError as exc:
         skip("S1", what, f"the hooks' SolveShare is not importable ({exc})")
         return 0

@@ -91,8 +91,7 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import gns_kernels as gk  # noqa: E402
-from gns_kernels import bias as gkb  # noqa: E402
-from gns_kernels import nuclear_dof as nd  # noqa: E402
+from gns_kernels import stats  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # data and models
@@ -431,26 +430,26 @@ def run_chunk(x, layout, R, b, check: int):
     s2 = b * ssq / (R - 1)  # == B/(R-1) (mean_j x^2 - g^2)
     out["l2"] = s2.sum(1)
     out["l1:raw"] = s2.sqrt().sum(1)
-    out["l1:c4"] = out["l1:raw"] / gkb.c4(R)
+    out["l1:c4"] = out["l1:raw"] / stats.c4(R)
     # pool8: per-coordinate s2 averaged over 8 independent measurements (8 (R-1) dof)
-    out["l1:pool8"] = (sum(torch.roll(s2, k, dims=0) for k in range(8)) / 8).sqrt().sum(1) / gkb.c4(8 * (R - 1) + 1)
+    out["l1:pool8"] = (sum(torch.roll(s2, k, dims=0) for k in range(8)) / 8).sqrt().sum(1) / stats.c4(8 * (R - 1) + 1)
     if R >= 3:
-        loo = torch.stack([nd.loo_sum_sq(ssq, dev[:, j], R) for j in range(R)], 1)  # (T, R, P)
+        loo = torch.stack([stats.loo_sum_sq(ssq, dev[:, j], R) for j in range(R)], 1)  # (T, R, P)
         loo_s = (b * loo.clamp_min(0) / (R - 2)).sqrt().sum(2).mean(1)
-        out["l1:jk"] = nd.jackknife(out["l1:raw"], loo_s, R)
-        out["l1:jk-c4"] = nd.jackknife(out["l1:c4"], loo_s / gkb.c4(R - 1), R)
+        out["l1:jk"] = stats.jackknife(out["l1:raw"], loo_s, R)
+        out["l1:jk-c4"] = stats.jackknife(out["l1:c4"], loo_s / stats.c4(R - 1), R)
         del loo
     out["sig:l2:raw"] = (g * g).sum(1)
     out["sig:l1:raw"] = g.abs().sum(1)
-    out["sig:l1:deb"] = torch.stack([nd.l1_signal_debiased(g[t], s2[t], B) for t in range(T)])
-    out["sig:l1:fold"] = torch.stack([nd.l1_signal_folded(g[t], s2[t], B) for t in range(T)])
+    out["sig:l1:deb"] = torch.stack([stats.l1_signal_debiased(g[t], s2[t], B) for t in range(T)])
+    out["sig:l1:fold"] = torch.stack([stats.l1_signal_folded(g[t], s2[t], B) for t in range(T)])
     acc = {k: torch.zeros(T, dtype=torch.float64) for k in NUCLEAR_KINDS}
     acc["sig:raw"] = torch.zeros(T, dtype=torch.float64)
     acc["sig:deb"] = torch.zeros(T, dtype=torch.float64)
     nus = {k: [] for k in ("columns", "data", "gauss-sums", "pair", "pair8")}
 
     def corrected(ev, nu, Rr, Bb):
-        return gkb.nuclear_sqrt_trace_corrected(ev, Rr, Bb, dof_per_sample=nu / (Rr - 1))
+        return stats.nuclear_sqrt_trace_corrected(ev, Rr, Bb, dof_per_sample=nu / (Rr - 1))
 
     for k, shape, off, num, mat in layout:
         if mat is None:
@@ -465,40 +464,40 @@ def run_chunk(x, layout, R, b, check: int):
         C = B / (R * (R - 1)) * Msum
         ev = torch.linalg.eigvalsh(C)
         acc["raw"] += sqrt_trace(ev)
-        acc["columns"] += gkb.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n)
+        acc["columns"] += stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n)
         nus["columns"].append(torch.full((T,), float((R - 1) * n), dtype=torch.float64))
         if R >= 4:
-            nu = gkb.nuclear_dof_from_samples(xs)
+            nu = stats.nuclear_dof_from_samples(xs)
             acc["data"] += corrected(ev, nu, R, B)
             nus["data"].append(nu)
         if R >= 3:
-            nu = nd.dof_from_samples_gaussian(xs)
+            nu = stats.dof_from_samples_gaussian(xs)
             acc["gauss-sums"] += corrected(ev, nu, R, B)
             nus["gauss-sums"].append(nu)
-            Mloo = torch.stack([nd.loo_gram(Msum, d[:, j], R) for j in range(R)], 1)  # (T, R, m, m)
+            Mloo = torch.stack([stats.loo_gram(Msum, d[:, j], R) for j in range(R)], 1)  # (T, R, m, m)
             evl = torch.linalg.eigvalsh(b / (R - 2) * Mloo)
-            acc["jk"] += nd.jackknife(sqrt_trace(ev), sqrt_trace(evl).mean(1), R)
-            col_loo = gkb.nuclear_sqrt_trace_corrected(evl, R - 1, (R - 1) * b, other_dim=n).mean(1)
-            acc["jk-columns"] += nd.jackknife(gkb.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n), col_loo, R)
+            acc["jk"] += stats.jackknife(sqrt_trace(ev), sqrt_trace(evl).mean(1), R)
+            col_loo = stats.nuclear_sqrt_trace_corrected(evl, R - 1, (R - 1) * b, other_dim=n).mean(1)
+            acc["jk-columns"] += stats.jackknife(stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n), col_loo, R)
         # pair: the previous independent trial of the chunk (cyclic)
-        num1, var1 = nd.gram_pair_moments(C, torch.roll(C, 1, dims=0))
-        nu = nd.dof_from_moments(num1, var1)
+        num1, var1 = stats.gram_pair_moments(C, torch.roll(C, 1, dims=0))
+        nu = stats.dof_from_moments(num1, var1)
         acc["pair"] += corrected(ev, nu, R, B)
         nus["pair"].append(nu)
         nk, vk = torch.zeros_like(num1), torch.zeros_like(var1)
         for sft in range(8):  # pairs (t-s, t-s-1), s = 0..7: the current and 7 earlier pairs
-            a, v = nd.gram_pair_moments(torch.roll(C, sft, dims=0), torch.roll(C, sft + 1, dims=0))
+            a, v = stats.gram_pair_moments(torch.roll(C, sft, dims=0), torch.roll(C, sft + 1, dims=0))
             nk, vk = nk + a, vk + v
-        nu = nd.dof_from_moments(nk, vk)
+        nu = stats.dof_from_moments(nk, vk)
         acc["pair8"] += corrected(ev, nu, R, B)
         nus["pair8"].append(nu)
         # pool8: the covariance averaged over the same 8 measurements, then the sqrt-trace
         # (its dof is 8 nu); what a hook keeping a running mean of C would report
         Cp = sum(torch.roll(C, sft, dims=0) for sft in range(8)) / 8
-        acc["pool8"] += gkb.nuclear_sqrt_trace_corrected(torch.linalg.eigvalsh(Cp), R, B, dof_per_sample=8 * nu / (R - 1))
+        acc["pool8"] += stats.nuclear_sqrt_trace_corrected(torch.linalg.eigvalsh(Cp), R, B, dof_per_sample=8 * nu / (R - 1))
         G = xs.mean(1)
         acc["sig:raw"] += torch.linalg.svdvals(G).sum(-1)
-        acc["sig:deb"] += nd.nuclear_signal_debiased(G, C, B)
+        acc["sig:deb"] += stats.nuclear_signal_debiased(G, C, B)
     for k, v in acc.items():
         if k.startswith("sig:"):
             out["sig:nuc:" + k[4:]] = v
@@ -593,20 +592,20 @@ def drift(arch, R, b, trials, snapshots, every, steps, seed):
         C_last, n = Cs[-1][li]
         ev = torch.linalg.eigvalsh(C_last)
         res["nuc:raw"] = res["nuc:raw"] + sqrt_trace(ev)
-        res["nuc:columns"] = res["nuc:columns"] + gkb.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n)
+        res["nuc:columns"] = res["nuc:columns"] + stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=n)
         nk, vk = 0.0, 0.0
         for sn in range(1, K):
-            a, v = nd.gram_pair_moments(Cs[sn][li][0], Cs[sn - 1][li][0])
+            a, v = stats.gram_pair_moments(Cs[sn][li][0], Cs[sn - 1][li][0])
             nk, vk = nk + a, vk + v
-        nu = nd.dof_from_moments(nk, vk)
-        a1, v1 = nd.gram_pair_moments(Cs[-1][li][0], Cs[-2][li][0])
-        res["nuc:pair"] = res["nuc:pair"] + gkb.nuclear_sqrt_trace_corrected(
-            ev, R, B, dof_per_sample=nd.dof_from_moments(a1, v1) / (R - 1))
+        nu = stats.dof_from_moments(nk, vk)
+        a1, v1 = stats.gram_pair_moments(Cs[-1][li][0], Cs[-2][li][0])
+        res["nuc:pair"] = res["nuc:pair"] + stats.nuclear_sqrt_trace_corrected(
+            ev, R, B, dof_per_sample=stats.dof_from_moments(a1, v1) / (R - 1))
         Cp = sum(c[li][0] for c in Cs) / K
-        res[f"nuc:pool{K}"] = res[f"nuc:pool{K}"] + gkb.nuclear_sqrt_trace_corrected(
+        res[f"nuc:pool{K}"] = res[f"nuc:pool{K}"] + stats.nuclear_sqrt_trace_corrected(
             torch.linalg.eigvalsh(Cp), R, B, dof_per_sample=K * nu / (R - 1))
-    res["l1:c4"] = s2s[-1].sqrt().sum(1) / gkb.c4(R)
-    res[f"l1:pool{K}"] = (sum(s2s) / K).sqrt().sum(1) / gkb.c4(K * (R - 1) + 1)
+    res["l1:c4"] = s2s[-1].sqrt().sum(1) / stats.c4(R)
+    res[f"l1:pool{K}"] = (sum(s2s) / K).sqrt().sum(1) / stats.c4(K * (R - 1) + 1)
     print(f"\n### Drift: {arch}, R = {R}, b = {b}, {K} snapshots {every} SGD steps apart (steps {steps}.."
           f"{steps + every * (K - 1)}), {trials} trials\n")
     print("truth per snapshot (nuclear, l1): " + ", ".join(f"{t['nuclear']:.4g}/{t['l1']:.4g}" for t in truths))
@@ -646,7 +645,7 @@ def fold_measurement(npool, x, layout, R, b, method="eigh"):
     """One measurement (rank means x, (R, P) float64) folded into a NoisePool through the
     hooks' calls: (pooled l1 ||s||_1 total, pooled_sqrt_traces rows [value, new] per matrix,
     the pooled matrices solved by `method`: 'eigh', or 'newton', the GPU path's)."""
-    from gns_kernels.distributed._share import pooled_sqrt_traces
+    from gns_kernels.stats import pooled_sqrt_traces
 
     B = R * b
     mean, msq = x.mean(0).float(), (x * x).mean(0).float()  # the reduced halves, float32
@@ -677,7 +676,7 @@ class _TwoBeta:
     r + (r - r2) U / (U2 - U) (0 while U2 <= U)."""
 
     def __init__(self, beta2):
-        from gns_kernels.pooling import NoisePool
+        from gns_kernels.stats import NoisePool
 
         self.pool, self.n, self.last = NoisePool(beta2), 0, None
 
@@ -701,7 +700,7 @@ class _SplitHalves:
     k = U / (U_half - U) clamped to [0, 2] (0 until both halves hold a measurement)."""
 
     def __init__(self, beta):
-        from gns_kernels.pooling import NoisePool
+        from gns_kernels.stats import NoisePool
 
         self.halves = [NoisePool(beta * beta), NoisePool(beta * beta)]
         self.t = 0
@@ -741,7 +740,7 @@ def pooled_run(pool, layout, R, b, seqs, seed, beta2=None, beta=0.9, pool_at=Non
     a twin pool fed the same covariances (the same state): ("nuc/" + m, t) the ratio of its
     pooled corrected sum_l tr(P_l^{1/2}) to methods[0]'s after t >= 2 measurements, and
     ("nuc/" + m, "all") that ratio after every measurement 2..POOL_AT[-1]."""
-    from gns_kernels.pooling import NoisePool
+    from gns_kernels.stats import NoisePool
 
     pool_at = pool_at or POOL_AT
     gen = torch.Generator().manual_seed(seed)
@@ -789,7 +788,7 @@ def drift_pooled(arch, R, b, seqs, snapshots, every, steps, seed, beta=0.9, beta
     at the last snapshot and against the EMA of the truths with the pool's weights (what
     the controller's noise EMA targets), beside the EMA of the per-measurement default
     estimates (what the controller averages without a pool)."""
-    from gns_kernels.pooling import NoisePool
+    from gns_kernels.stats import NoisePool
 
     model, X, Y, loss_fn, lr = make_arch(arch, seed)
     train(model, X, Y, loss_fn, lr, steps, 64, seed)

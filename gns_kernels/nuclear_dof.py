@@ -2,7 +2,7 @@
 and the bias-reduced signals; they live in gns_kernels.stats since issue 42:
 ``stats.fourth_moments`` (per_sample_quartic_sums, sample_sums_moments,
 dof_from_sample_sums, dof_from_samples_gaussian), ``stats.dof`` (gram_pair_moments,
-dof_from_moments, dof_from_gram_pair, pooled_dof), ``stats.jackknife`` (loo_gram,
+dof_from_moments, dof_from_gram_pair, pooled_dof), ``stats.leave_one_out`` (loo_gram,
 loo_sum_sq, jackknife) and ``stats.signal`` (l1_signal_debiased, l1_signal_folded,
 nuclear_signal_debiased).
 
@@ -22,7 +22,7 @@ from .stats.fourth_moments import (
     per_sample_quartic_sums,
     sample_sums_moments,
 )
-from .stats.jackknife import jackknife, loo_gram, loo_sum_sq
+from .stats.leave_one_out import jackknife, loo_gram, loo_sum_sq
 from .stats.signal import l1_signal_debiased, l1_signal_folded, nuclear_signal_debiased
 
 __all__ = [

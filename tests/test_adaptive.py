@@ -17,7 +17,7 @@ from gns_kernels.adaptive import AdaptiveBatching
 from gns_kernels.controller import AdaptiveBatchSize
 from gns_kernels.data import MicroBatchSampler
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS
-from gns_kernels.estimators import GNSEstimate
+from gns_kernels.stats import GNSEstimate
 from gns_kernels.lr import LRMultiplier
 
 

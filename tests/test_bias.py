@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels import bias
+from gns_kernels import stats
 from gns_kernels.demo.synthetic import GaussianMatrixNoise, LeastSquares
 
 M, N, LOCAL_B = 12, 32, 24
@@ -33,15 +33,15 @@ def _one_thread():
 
 
 def test_c4_closed_forms():
-    assert bias.c4(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-14)
-    assert bias.c4(3) == pytest.approx(math.sqrt(math.pi) / 2, rel=1e-14)
-    assert bias.c4(4) == pytest.approx(math.sqrt(2 / 3) * 2 / math.sqrt(math.pi), rel=1e-14)
+    assert stats.c4(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-14)
+    assert stats.c4(3) == pytest.approx(math.sqrt(math.pi) / 2, rel=1e-14)
+    assert stats.c4(4) == pytest.approx(math.sqrt(2 / 3) * 2 / math.sqrt(math.pi), rel=1e-14)
     # asymptotic expansion 1 - 1/(4N) - 7/(32 N^2) + O(N^-3)
     n = 400
-    assert bias.c4(n) == pytest.approx(1 - 1 / (4 * n) - 7 / (32 * n * n), abs=1e-7)
-    assert bias.l1_noise_factor(2) ** 2 == pytest.approx(math.pi / 2, rel=1e-14)
-    t = bias.c4_tensor(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64))
-    assert torch.allclose(t, torch.tensor([bias.c4(2), bias.c4(3), bias.c4(4)], dtype=torch.float64))
+    assert stats.c4(n) == pytest.approx(1 - 1 / (4 * n) - 7 / (32 * n * n), abs=1e-7)
+    assert stats.l1_noise_factor(2) ** 2 == pytest.approx(math.pi / 2, rel=1e-14)
+    t = stats.c4_tensor(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64))
+    assert torch.allclose(t, torch.tensor([stats.c4(2), stats.c4(3), stats.c4(4)], dtype=torch.float64))
 
 
 def test_c4_monte_carlo():
@@ -51,18 +51,18 @@ def test_c4_monte_carlo():
         x = torch.randn(200_000, R, generator=g, dtype=torch.float64) * 3.0
         sd = x.std(dim=1)
         mean, se = float(sd.mean()), float(sd.std() / math.sqrt(sd.numel()))
-        assert abs(mean - 3.0 * bias.c4(R)) < 4 * se
+        assert abs(mean - 3.0 * stats.c4(R)) < 4 * se
 
 
 @pytest.mark.parametrize("R", [2, 3, 9])
 def test_bad_R(R):
     with pytest.raises(ValueError, match="R"):
-        bias.c4(1)
+        stats.c4(1)
     with pytest.raises(ValueError, match="R"):
-        bias.l1_noise_factor(1.5)
+        stats.l1_noise_factor(1.5)
     with pytest.raises(ValueError, match="num_samples"):
-        bias.nuclear_sqrt_trace_corrected(torch.ones(3), 1)
-    assert bias.l1_noise_factor(R) == pytest.approx(1 / bias.c4(R))
+        stats.nuclear_sqrt_trace_corrected(torch.ones(3), 1)
+    assert stats.l1_noise_factor(R) == pytest.approx(1 / stats.c4(R))
 
 
 def _beta_loop(lam, nu):
@@ -84,26 +84,26 @@ def test_nuclear_correction_formula():
     nu = (R - 1) * other
     raw = float(lam.sqrt().sum())
     k = 4 * nu * _beta_loop(lam.tolist(), nu) / raw
-    expect = raw / bias.c4(nu / k + 1)
-    got = bias.nuclear_sqrt_trace_corrected(lam, R, other_dim=other)
+    expect = raw / stats.c4(nu / k + 1)
+    got = stats.nuclear_sqrt_trace_corrected(lam, R, other_dim=other)
     assert float(got) == pytest.approx(expect, rel=1e-12)
     # 'rank_one' model: d = n b / (n + b)
     B = 3 * 5
     d = other * 5 / (other + 5)
     nu = (R - 1) * d
     k = 4 * nu * _beta_loop(lam.tolist(), nu) / raw
-    got = bias.nuclear_sqrt_trace_corrected(lam, R, B, other_dim=other, dof_model="rank_one")
-    assert float(got) == pytest.approx(raw / bias.c4(nu / k + 1), rel=1e-12)
+    got = stats.nuclear_sqrt_trace_corrected(lam, R, B, other_dim=other, dof_model="rank_one")
+    assert float(got) == pytest.approx(raw / stats.c4(nu / k + 1), rel=1e-12)
 
 
 def test_nuclear_correction_blocked(monkeypatch):
     g = torch.Generator().manual_seed(4)
     lam = torch.rand(3, 50, generator=g, dtype=torch.float64)
-    whole = bias.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
-    monkeypatch.setattr(bias, "_PAIR_BLOCK_ELEMS", 7 * 3 * 50)  # 7-row blocks
-    blocked = bias.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
+    whole = stats.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
+    monkeypatch.setattr(stats.bias, "_PAIR_BLOCK_ELEMS", 7 * 3 * 50)  # 7-row blocks
+    blocked = stats.nuclear_sqrt_trace_corrected(lam, 5, other_dim=60)
     assert torch.allclose(blocked, whole, rtol=1e-13, atol=0)
-    loop = [lam[b].sqrt().sum() / bias.c4(4 * 60 / (_beta_loop(lam[b].tolist(), 1.0) * 4 / float(lam[b].sqrt().sum())) + 1)
+    loop = [lam[b].sqrt().sum() / stats.c4(4 * 60 / (_beta_loop(lam[b].tolist(), 1.0) * 4 / float(lam[b].sqrt().sum())) + 1)
             for b in range(3)]
     assert torch.allclose(blocked, torch.stack(loop), rtol=1e-12)
 
@@ -111,43 +111,43 @@ def test_nuclear_correction_blocked(monkeypatch):
 def test_nuclear_correction_m1_is_c4():
     # one eigen-direction: exactly the c4 correction with nu = (R-1) d degrees of freedom
     for R, d in [(2, 1), (4, 3), (8, 32)]:
-        got = bias.nuclear_sqrt_trace_corrected(torch.tensor([9.0], dtype=torch.float64), R, dof_per_sample=d)
-        assert float(got) == pytest.approx(3.0 / bias.c4((R - 1) * d + 1), rel=1e-12)
+        got = stats.nuclear_sqrt_trace_corrected(torch.tensor([9.0], dtype=torch.float64), R, dof_per_sample=d)
+        assert float(got) == pytest.approx(3.0 / stats.c4((R - 1) * d + 1), rel=1e-12)
 
 
 def test_nuclear_correction_properties():
     g = torch.Generator().manual_seed(2)
     lam = torch.rand(4, 3, 9, generator=g, dtype=torch.float64)
-    out = bias.nuclear_sqrt_trace_corrected(lam, 4, 64, other_dim=20)
+    out = stats.nuclear_sqrt_trace_corrected(lam, 4, 64, other_dim=20)
     assert out.shape == (4, 3)
-    loop = torch.stack([torch.stack([bias.nuclear_sqrt_trace_corrected(lam[i, j], 4, 64, other_dim=20)
+    loop = torch.stack([torch.stack([stats.nuclear_sqrt_trace_corrected(lam[i, j], 4, 64, other_dim=20)
                                      for j in range(3)]) for i in range(4)])
     assert torch.allclose(out, loop, rtol=1e-13, atol=0)
     raw = lam.sqrt().sum(-1)
     assert bool((out > raw).all())
     # homogeneous of degree 1/2 in the eigenvalues
-    assert torch.allclose(bias.nuclear_sqrt_trace_corrected(4.0 * lam, 4, 64, other_dim=20), 2.0 * out, rtol=1e-12)
+    assert torch.allclose(stats.nuclear_sqrt_trace_corrected(4.0 * lam, 4, 64, other_dim=20), 2.0 * out, rtol=1e-12)
     # many degrees of freedom: no correction
-    big = bias.nuclear_sqrt_trace_corrected(lam, 4, dof_per_sample=1e12)
+    big = stats.nuclear_sqrt_trace_corrected(lam, 4, dof_per_sample=1e12)
     assert torch.allclose(big, raw, rtol=1e-9)
     # float32 in, float32 out, close to the float64 result
-    o32 = bias.nuclear_sqrt_trace_corrected(lam.float(), 4, 64, other_dim=20)
+    o32 = stats.nuclear_sqrt_trace_corrected(lam.float(), 4, 64, other_dim=20)
     assert o32.dtype == torch.float32 and torch.allclose(o32.double(), out, rtol=1e-5)
     # negative rounding eigenvalues are clamped; zero matrix -> 0; NaN propagates
     neg = lam[0, 0].clone()
     neg[0] = -1e-9
     pos = neg.clamp_min(0)
-    assert float(bias.nuclear_sqrt_trace_corrected(neg, 3)) == float(bias.nuclear_sqrt_trace_corrected(pos, 3))
-    assert float(bias.nuclear_sqrt_trace_corrected(torch.zeros(5), 3)) == 0.0
+    assert float(stats.nuclear_sqrt_trace_corrected(neg, 3)) == float(stats.nuclear_sqrt_trace_corrected(pos, 3))
+    assert float(stats.nuclear_sqrt_trace_corrected(torch.zeros(5), 3)) == 0.0
     bad = lam[0, 0].clone()
     bad[2] = float("nan")
-    assert math.isnan(float(bias.nuclear_sqrt_trace_corrected(bad, 3)))
+    assert math.isnan(float(stats.nuclear_sqrt_trace_corrected(bad, 3)))
     with pytest.raises(ValueError, match="dof_model"):
-        bias.nuclear_sqrt_trace_corrected(lam, 3, dof_model="magic")
+        stats.nuclear_sqrt_trace_corrected(lam, 3, dof_model="magic")
     with pytest.raises(ValueError, match="batch_size"):
-        bias.nuclear_sqrt_trace_corrected(lam, 3, dof_model="rank_one")
+        stats.nuclear_sqrt_trace_corrected(lam, 3, dof_model="rank_one")
     with pytest.raises(ValueError, match="dof_per_sample"):
-        bias.nuclear_sqrt_trace_corrected(lam, 3, dof_per_sample=0)
+        stats.nuclear_sqrt_trace_corrected(lam, 3, dof_per_sample=0)
 
 
 # --------------------------------------------------------------------- statistical tests
@@ -164,7 +164,7 @@ def test_frobenius_variance_unbiased(name):
     C_hat = (dev @ dev.mT).sum(dim=1) / (R - 1)
     C = problem.C / b  # second moment of one sample's noise (a mean of b examples)
     direct = ((C_hat - C) ** 2).sum(dim=(-2, -1))
-    est = bias.nuclear_frobenius_variance(G)
+    est = stats.nuclear_frobenius_variance(G)
     diff = est - direct
     m, se = _mean_se(diff)
     assert abs(m) <= 4 * se, (m, se, float(direct.mean()))
@@ -174,13 +174,13 @@ def test_frobenius_variance_unbiased(name):
         me, see = _mean_se(est)
         assert abs(me - exact) <= 4 * see
     # shift invariance, batching and the R >= 4 requirement
-    assert torch.allclose(bias.nuclear_frobenius_variance(G[:3] + 5.0), est[:3], rtol=1e-9)
+    assert torch.allclose(stats.nuclear_frobenius_variance(G[:3] + 5.0), est[:3], rtol=1e-9)
     with pytest.raises(ValueError, match="R >= 4"):
-        bias.nuclear_dof_from_samples(G[:, :3])
+        stats.nuclear_dof_from_samples(G[:, :3])
     nan = G[:2].clone()
     nan[0, 1, 0, 0] = float("nan")
-    assert torch.isnan(bias.nuclear_dof_from_samples(nan)[0])
-    assert torch.isfinite(bias.nuclear_dof_from_samples(nan)[1])
+    assert torch.isnan(stats.nuclear_dof_from_samples(nan)[0])
+    assert torch.isfinite(stats.nuclear_dof_from_samples(nan)[1])
 
 
 def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.Tensor]:
@@ -198,14 +198,14 @@ def _measure(problem, R: int, b: int, draws: int, seed: int) -> dict[str, torch.
     l1_raw = s2.sqrt().sum(dim=(-2, -1))
     C = B / (R * (R - 1)) * (dev @ dev.mT).sum(dim=1)
     ev = torch.linalg.eigvalsh(C)
-    columns = bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
+    columns = stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=problem.n)
     if R >= 4:  # nuclear_dof='data': the data's own fourth moments
-        nuc = bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=bias.nuclear_dof_from_samples(G) / (R - 1))
+        nuc = stats.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=stats.nuclear_dof_from_samples(G) / (R - 1))
     else:
         nuc = columns
     return {
         "l1_raw": l1_raw,
-        "l1": l1_raw * bias.l1_noise_factor(R),
+        "l1": l1_raw * stats.l1_noise_factor(R),
         "nuc_raw": ev.clamp_min(0).sqrt().sum(-1),
         "nuc": nuc,
         "nuc_columns": columns,
@@ -254,7 +254,7 @@ def test_corrected_noise_unbiased(name, R):
     assert abs(mean / truth - 1) + 4 * se / truth <= 0.03, (mean / truth, se / truth)
     # ... while the raw one is biased by c4(R) (checks the test can fail)
     mean_raw, se_raw = _mean_se(d["l1_raw"])
-    assert abs(mean_raw / truth - bias.c4(R)) + 4 * se_raw / truth <= 0.03
+    assert abs(mean_raw / truth - stats.c4(R)) + 4 * se_raw / truth <= 0.03
 
     # l2: unbiased, no correction
     truth2 = problem.trace()

@@ -12,7 +12,7 @@ import pytest
 
 from gns_kernels import controller
 from gns_kernels.controller import AdaptiveBatchSize, ControllerConfig
-from gns_kernels.estimators import GNSEstimate
+from gns_kernels.stats import GNSEstimate
 from gns_kernels.schedule import Schedule
 
 

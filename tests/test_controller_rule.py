@@ -10,7 +10,7 @@ import pytest
 from gns_kernels.controller_config import ControllerConfig
 from gns_kernels.controller_rule import (STATE_VERSION, Trajectory, ceil_tolerant, decide_batch, ema,
                                          invalid_reason, lr_omega, read_state_dict, target_batch)
-from gns_kernels.estimators import GNSEstimate
+from gns_kernels.stats import GNSEstimate
 
 INF = math.inf
 

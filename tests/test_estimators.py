@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels import bias, reference
-from gns_kernels.estimators import estimate_from_stats
+from gns_kernels import reference, stats
+from gns_kernels.stats import estimate_from_stats
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -80,7 +80,7 @@ def test_corrections_relative_to_raw(R, seed):
     # l2 is unbiased: unchanged
     assert cor["l2"].noise == raw["l2"].noise and cor["l2"].signal == raw["l2"].signal
     # l1: noise x 1/c4(R)^2, signal unchanged
-    assert cor["l1"].noise == pytest.approx(raw["l1"].noise / bias.c4(R) ** 2, rel=1e-12)
+    assert cor["l1"].noise == pytest.approx(raw["l1"].noise / stats.c4(R) ** 2, rel=1e-12)
     assert cor["l1"].noise_raw == pytest.approx(raw["l1"].noise, rel=1e-12)
     assert cor["l1"].signal == raw["l1"].signal
     # nuclear: per-matrix corrected sqrt-traces, summed, squared. nuclear_dof='auto':
@@ -90,18 +90,18 @@ def test_corrections_relative_to_raw(R, seed):
     for p in mats:
         cov = reference.row_covariance([r[p] for r in rg], B)
         ev = torch.linalg.eigvalsh(cov)
-        col = float(bias.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=max(SHAPES[p])))
+        col = float(stats.nuclear_sqrt_trace_corrected(ev, R, B, other_dim=max(SHAPES[p])))
         tot_col += col
         x = torch.stack([r[p] for r in rg])
         x = x if SHAPES[p][0] <= SHAPES[p][1] else x.mT
         if R >= 3:
             nu = gauss_sums_dof_reference(x)
-            tot += float(bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1)))
+            tot += float(stats.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu / (R - 1)))
         else:
             tot += col
         if R >= 4:
-            nu_d = bias.nuclear_dof_from_samples(x)
-            tot_data += float(bias.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu_d / (R - 1)))
+            nu_d = stats.nuclear_dof_from_samples(x)
+            tot_data += float(stats.nuclear_sqrt_trace_corrected(ev, R, B, dof_per_sample=nu_d / (R - 1)))
     assert cor["nuclear"].noise == pytest.approx(tot**2, rel=1e-9)
     assert cor["nuclear"].nuclear_dof == ("gauss-sums" if R >= 3 else "columns")
     assert gk.estimate(rg, B, "nuclear", nuclear_dof="columns").noise == pytest.approx(tot_col**2, rel=1e-9)
@@ -275,7 +275,7 @@ def test_bad_input():
 
 def test_estimate_from_stats():
     e = estimate_from_stats("l1", torch.tensor(3.0), 2.0, 4, 16, True)
-    assert e.noise == pytest.approx((3.0 / bias.c4(4)) ** 2, rel=1e-14)
+    assert e.noise == pytest.approx((3.0 / stats.c4(4)) ** 2, rel=1e-14)
     assert e.signal == 4.0 and e.noise_raw == 9.0 and e.valid
     e = estimate_from_stats("l1", 3.0, 2.0, 4, 16, False)
     assert e.noise == 9.0 and e.gns == 9.0 / 4.0

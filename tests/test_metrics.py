@@ -12,7 +12,7 @@ import torch
 
 from gns_kernels.adaptive import AdaptiveBatching
 from gns_kernels.distributed import GNSHookState
-from gns_kernels.estimators import GNSEstimate
+from gns_kernels.stats import GNSEstimate
 from gns_kernels.metrics import CSVWriter, tensorboard_writer, to_tensorboard
 
 

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from gns_kernels import bias, reference
-from gns_kernels import nuclear_dof as nd
+from gns_kernels import reference, stats
 
 f64 = torch.float64
 
@@ -24,7 +23,7 @@ def _gen(seed):
 @pytest.mark.parametrize("shape", [(5, 11), (11, 5), (7, 7)])
 def test_per_sample_quartic_sums_match_direct_formulas(shape):
     d = torch.randn(4, *shape, generator=_gen(1), dtype=f64)
-    q, a = nd.per_sample_quartic_sums(d)
+    q, a = stats.per_sample_quartic_sums(d)
     for j in range(4):
         # the other Gram side gives the same Frobenius norm
         other = d[j].mT @ d[j]
@@ -41,15 +40,15 @@ def test_hook_sums_equal_all_samples_at_once():
     G = x.mean(0)
     sq, sa = 0.0, 0.0
     for j in range(R):  # what sample j computes once the mean is known
-        q, a = nd.per_sample_quartic_sums(x[j] - G)
+        q, a = stats.per_sample_quartic_sums(x[j] - G)
         sq, sa = sq + q, sa + a
     C = reference.row_covariance(list(x), B)  # B/(R-1) (mean_j G^j G^jT - G G^T)
     M = R * (R - 1) / B * C
-    nu_hook = nd.dof_from_sample_sums(sq, sa, torch.trace(M), (M * M).sum(), R)
-    nu_all = nd.dof_from_samples_gaussian(x[None])[0]
+    nu_hook = stats.dof_from_sample_sums(sq, sa, torch.trace(M), (M * M).sum(), R)
+    nu_all = stats.dof_from_samples_gaussian(x[None])[0]
     assert nu_hook.item() == pytest.approx(nu_all.item(), rel=1e-10)
     # transposed input (m > n) uses the smaller side and gives the same value
-    assert nd.dof_from_samples_gaussian(x.mT[None])[0].item() == pytest.approx(nu_all.item(), rel=1e-10)
+    assert stats.dof_from_samples_gaussian(x.mT[None])[0].item() == pytest.approx(nu_all.item(), rel=1e-10)
 
 
 def test_loo_gram_and_sum_sq_equal_recomputation():
@@ -61,47 +60,47 @@ def test_loo_gram_and_sum_sq_equal_recomputation():
     for j in range(R):
         rest = torch.cat([x[:j], x[j + 1:]])
         e = rest - rest.mean(0)
-        assert torch.allclose(nd.loo_gram(M, d[j], R), (e @ e.mT).sum(0), rtol=1e-12, atol=1e-12)
-        assert torch.allclose(nd.loo_gram(M, d[j].mT, R), (e @ e.mT).sum(0), rtol=1e-12, atol=1e-12)
-        assert torch.allclose(nd.loo_sum_sq(ssq, d[j], R), (e * e).sum(0), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(stats.loo_gram(M, d[j], R), (e @ e.mT).sum(0), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(stats.loo_gram(M, d[j].mT, R), (e @ e.mT).sum(0), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(stats.loo_sum_sq(ssq, d[j], R), (e * e).sum(0), rtol=1e-12, atol=1e-12)
 
 
 def test_gram_pair_moments_algebra():
     a = torch.randn(3, 5, 5, generator=_gen(4), dtype=f64)
     b = torch.randn(3, 5, 5, generator=_gen(5), dtype=f64)
     a, b = a @ a.mT, b @ b.mT
-    num, var = nd.gram_pair_moments(a, b)
+    num, var = stats.gram_pair_moments(a, b)
     for i in range(3):
         want_num = torch.trace(a[i]) * torch.trace(b[i]) + torch.trace(a[i] @ b[i])
         want_var = 0.5 * (torch.trace(a[i] @ a[i]) + torch.trace(b[i] @ b[i])) - torch.trace(a[i] @ b[i])
         assert num[i].item() == pytest.approx(want_num.item(), rel=1e-12)
         assert var[i].item() == pytest.approx(want_var.item(), rel=1e-10)
-    nu = nd.dof_from_gram_pair(a, b)
+    nu = stats.dof_from_gram_pair(a, b)
     assert torch.allclose(nu, num / var, rtol=1e-12)
-    assert nd.dof_from_gram_pair(a, a).isinf().all()  # identical estimates: no correction
+    assert stats.dof_from_gram_pair(a, a).isinf().all()  # identical estimates: no correction
 
 
 def test_jackknife_combination():
-    assert nd.jackknife(2.0, 3.0, 4) == pytest.approx(3 * 2.0 - 2 * 3.0)
+    assert stats.jackknife(2.0, 3.0, 4) == pytest.approx(3 * 2.0 - 2 * 3.0)
     # an estimator with bias exactly a/(R-1) becomes unbiased
     theta, a, R = 1.7, -0.3, 5
-    assert nd.jackknife(theta + a / (R - 1), theta + a / (R - 2), R) == pytest.approx(theta, rel=1e-14)
+    assert stats.jackknife(theta + a / (R - 1), theta + a / (R - 2), R) == pytest.approx(theta, rel=1e-14)
 
 
 def test_nuclear_signal_debiased_closed_forms():
     g = torch.randn(1, 17, generator=_gen(6), dtype=f64)  # m = 1: sqrt(max(||g||^2 - C/B, 0))
     C = torch.tensor([[3.0]], dtype=f64)
     want = math.sqrt(max(float((g * g).sum()) - 3.0 / 8, 0.0))
-    assert nd.nuclear_signal_debiased(g, C, 8).item() == pytest.approx(want, rel=1e-12)
+    assert stats.nuclear_signal_debiased(g, C, 8).item() == pytest.approx(want, rel=1e-12)
     G = torch.randn(4, 9, generator=_gen(7), dtype=f64)
     Cs = torch.eye(4, dtype=f64) * 0.1
     A = G @ G.mT - Cs / 5
     assert torch.linalg.eigvalsh(A).min() > 0
-    assert nd.nuclear_signal_debiased(G, Cs, 5).item() == pytest.approx(reference.sqrt_trace(A).item(), rel=1e-10)
+    assert stats.nuclear_signal_debiased(G, Cs, 5).item() == pytest.approx(reference.sqrt_trace(A).item(), rel=1e-10)
     # m > n: the column side
-    assert nd.nuclear_signal_debiased(G.mT, Cs, 5).item() == pytest.approx(reference.sqrt_trace(A).item(), rel=1e-10)
+    assert stats.nuclear_signal_debiased(G.mT, Cs, 5).item() == pytest.approx(reference.sqrt_trace(A).item(), rel=1e-10)
     # zero noise: the nuclear norm
-    assert nd.nuclear_signal_debiased(G, torch.zeros(4, 4, dtype=f64), 5).item() == pytest.approx(
+    assert stats.nuclear_signal_debiased(G, torch.zeros(4, 4, dtype=f64), 5).item() == pytest.approx(
         reference.nuclear_norm(G).item(), rel=1e-10)
 
 
@@ -110,12 +109,12 @@ def test_l1_signals_closed_forms():
     s2 = torch.tensor([4.0, 4.0, 1.0, 0.0, 1.0], dtype=f64)
     B = 4
     want = sum(math.sqrt(max(gi * gi - vi / B, 0.0)) for gi, vi in zip(g.tolist(), s2.tolist()))
-    assert nd.l1_signal_debiased(g, s2, B).item() == pytest.approx(want, rel=1e-14)
+    assert stats.l1_signal_debiased(g, s2, B).item() == pytest.approx(want, rel=1e-14)
     # folded: F(mu_hat) = |g| above the threshold tau sqrt(2/pi), 0 below, |g| when tau = 0
     tau = (s2 / B).sqrt()
     parts = []
     for gi, ti in zip(g.abs().tolist(), tau.tolist()):
-        parts.append(nd.l1_signal_folded(torch.tensor([gi], dtype=f64), torch.tensor([ti * ti * B], dtype=f64), B).item())
+        parts.append(stats.l1_signal_folded(torch.tensor([gi], dtype=f64), torch.tensor([ti * ti * B], dtype=f64), B).item())
     for gi, ti, mu in zip(g.abs().tolist(), tau.tolist(), parts):
         if ti == 0:
             assert mu == gi
@@ -125,51 +124,51 @@ def test_l1_signals_closed_forms():
             folded = ti * math.sqrt(2 / math.pi) * math.exp(-mu * mu / (2 * ti * ti)) + mu * math.erf(mu / (ti * math.sqrt(2)))
             assert folded == pytest.approx(gi, rel=1e-10)
             assert 0 < mu < gi
-    assert nd.l1_signal_folded(g, s2, B).item() == pytest.approx(sum(parts), rel=1e-12)
+    assert stats.l1_signal_folded(g, s2, B).item() == pytest.approx(sum(parts), rel=1e-12)
 
 
 def test_pooled_dof_ema_matches_empirical_variance():
     """K = (1 + beta)/(1 - beta): the variance of a long EMA of iid values is 1/K of one."""
-    assert nd.pooled_dof(3.0, count=8) == 24.0
+    assert stats.pooled_dof(3.0, count=8) == 24.0
     beta, n = 0.8, 4000
     v = torch.randn(n, 2000, generator=_gen(14), dtype=f64)
     ema = v[0].clone()
     for t in range(1, 200):
         ema = beta * ema + (1 - beta) * v[t]
-    K = nd.pooled_dof(1.0, beta=beta)
+    K = stats.pooled_dof(1.0, beta=beta)
     # variance of the EMA over 2000 independent chains against 1/K (relative SE ~ sqrt(2/2000))
     assert abs(ema.var().item() * K - 1.0) < 4 * math.sqrt(2 / 2000)
     with pytest.raises(ValueError, match="exactly one"):
-        nd.pooled_dof(1.0)
+        stats.pooled_dof(1.0)
     with pytest.raises(ValueError, match="beta"):
-        nd.pooled_dof(1.0, beta=1.0)
+        stats.pooled_dof(1.0, beta=1.0)
 
 
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="num_samples"):
-        nd.dof_from_sample_sums(1.0, 1.0, 1.0, 1.0, 2)
+        stats.dof_from_sample_sums(1.0, 1.0, 1.0, 1.0, 2)
     with pytest.raises(ValueError, match="num_samples"):
-        nd.jackknife(1.0, 1.0, 2)
+        stats.jackknife(1.0, 1.0, 2)
     with pytest.raises(ValueError, match="C_t, C_s"):
-        nd.gram_pair_moments(torch.eye(3), torch.eye(4))
+        stats.gram_pair_moments(torch.eye(3), torch.eye(4))
     with pytest.raises(ValueError, match="s2"):
-        nd.l1_signal_debiased(torch.zeros(3), torch.zeros(4), 2)
+        stats.l1_signal_debiased(torch.zeros(3), torch.zeros(4), 2)
     with pytest.raises(ValueError, match="batch_size"):
-        nd.l1_signal_folded(torch.zeros(3), torch.zeros(3), 0)
+        stats.l1_signal_folded(torch.zeros(3), torch.zeros(3), 0)
     with pytest.raises(ValueError, match="C"):
-        nd.nuclear_signal_debiased(torch.zeros(3, 5), torch.zeros(5, 5), 2)
+        stats.nuclear_signal_debiased(torch.zeros(3, 5), torch.zeros(5, 5), 2)
     with pytest.raises(ValueError, match="samples"):
-        nd.dof_from_samples_gaussian(torch.zeros(3, 4))
+        stats.dof_from_samples_gaussian(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="M"):
-        nd.loo_gram(torch.zeros(3, 3), torch.zeros(4, 5), 4)
+        stats.loo_gram(torch.zeros(3, 3), torch.zeros(4, 5), 4)
 
 
 def test_non_finite_gives_nan_not_a_finite_dof():
-    assert nd.dof_from_sample_sums(float("nan"), 1.0, 2.0, 3.0, 4).isnan()
-    assert nd.dof_from_moments(torch.tensor(1.0), torch.tensor(float("inf"))).isnan()
+    assert stats.dof_from_sample_sums(float("nan"), 1.0, 2.0, 3.0, 4).isnan()
+    assert stats.dof_from_moments(torch.tensor(1.0), torch.tensor(float("inf"))).isnan()
     x = torch.randn(1, 4, 3, 5, generator=_gen(8), dtype=f64)
     x[0, 1, 0, 0] = float("inf")
-    assert nd.dof_from_samples_gaussian(x).isnan().all()
+    assert stats.dof_from_samples_gaussian(x).isnan().all()
 
 
 # ------------------------------------------------------------------ statistics
@@ -191,9 +190,9 @@ def test_sample_sums_moments_unbiased_for_gaussian_with_correlated_columns():
     U, V = A @ A.mT, Bh @ Bh.mT
     x = _matrix_normal(draws, R, A, Bh, _gen(9))
     d = x - x.mean(1, keepdim=True)
-    q, a = nd.per_sample_quartic_sums(d)
+    q, a = stats.per_sample_quartic_sums(d)
     M = (d @ d.mT).sum(1)
-    num, var = nd.sample_sums_moments(q.sum(1), a.sum(1), torch.diagonal(M, dim1=-2, dim2=-1).sum(-1),
+    num, var = stats.sample_sums_moments(q.sum(1), a.sum(1), torch.diagonal(M, dim1=-2, dim2=-1).sum(-1),
                                       (M * M).sum((-2, -1)), R)
     trU, trU2 = torch.trace(U).item(), torch.trace(U @ U).item()
     trV, trV2 = torch.trace(V).item(), torch.trace(V @ V).item()
@@ -225,7 +224,7 @@ def test_gram_pair_var_f_unbiased_heavy_tailed():
     d = y - y.mean(2, keepdim=True)
     C = b * (d @ d.mT).sum(2) / (R - 1)  # single-example units; E C = E[r r^T] E[x^T x] = (n * 5/3) I
     C_true = n * 5.0 / 3.0 * torch.eye(m, dtype=f64)
-    num, var = nd.gram_pair_moments(C[0], C[1])
+    num, var = stats.gram_pair_moments(C[0], C[1])
     emp = 0.5 * (((C[0] - C_true) ** 2).sum((-2, -1)) + ((C[1] - C_true) ** 2).sum((-2, -1)))
     se = math.sqrt(var.var().item() / draws + emp.var().item() / draws)
     assert abs(var.mean().item() - emp.mean().item()) < 4 * se
@@ -243,13 +242,13 @@ def test_jackknife_l1_matches_closed_form_for_gaussian():
     d = x - x.mean(1, keepdim=True)
     ssq = (d * d).sum(1)
     full = (b * ssq / (R - 1)).sqrt().sum(1)
-    loo = torch.stack([(b * nd.loo_sum_sq(ssq, d[:, j], R).clamp_min(0) / (R - 2)).sqrt().sum(1)
+    loo = torch.stack([(b * stats.loo_sum_sq(ssq, d[:, j], R).clamp_min(0) / (R - 2)).sqrt().sum(1)
                        for j in range(R)], 1).mean(1)
-    jk = nd.jackknife(full, loo, R) / sigma.sum()
-    want = (R - 1) * bias.c4(R) - (R - 2) * bias.c4(R - 1)
+    jk = stats.jackknife(full, loo, R) / sigma.sum()
+    want = (R - 1) * stats.c4(R) - (R - 2) * stats.c4(R - 1)
     se = jk.std().item() / math.sqrt(draws)
     assert abs(jk.mean().item() - want) < 4 * se
-    assert abs(want - 1) < 0.25 * (1 - bias.c4(R))
+    assert abs(want - 1) < 0.25 * (1 - stats.c4(R))
 
 
 def test_debiased_signals_reduce_the_bias():
@@ -263,15 +262,15 @@ def test_debiased_signals_reduce_the_bias():
     g = mu + torch.randn(draws, P, generator=gen, dtype=f64) * 0.5
     raw = g.abs().sum(1).mean().item()
     # the signals sum over all elements: the mean over draws of per-draw sums is sum / draws
-    deb = nd.l1_signal_debiased(g, s2.expand_as(g), B).item() / draws
-    fold = nd.l1_signal_folded(g, s2.expand_as(g), B).item() / draws
+    deb = stats.l1_signal_debiased(g, s2.expand_as(g), B).item() / draws
+    fold = stats.l1_signal_folded(g, s2.expand_as(g), B).item() / draws
     truth = mu.abs().sum().item()
     # the raw bias is 4.8 here; both reduce it (debiased over-corrects near mu ~ tau)
     assert abs(deb - truth) < 0.8 * abs(raw - truth)
     assert abs(fold - truth) < 0.5 * abs(raw - truth)
     big = torch.full((P,), 3.0, dtype=f64)
     gb = big + torch.randn(1000, P, generator=gen, dtype=f64) * 0.5
-    fb = torch.stack([nd.l1_signal_folded(gb[i], s2, B) for i in range(1000)])
+    fb = torch.stack([stats.l1_signal_folded(gb[i], s2, B) for i in range(1000)])
     se = fb.std().item() / math.sqrt(1000)
     assert abs(fb.mean().item() - 3.0 * P) < 4 * se
     # nuclear: G = mu + noise with row covariance C/B (C = c I, noise columns iid)
@@ -282,5 +281,5 @@ def test_debiased_signals_reduce_the_bias():
     Gs = Mu + torch.randn(draws, m, n, generator=gen, dtype=f64) * math.sqrt(c / n / B)
     Cm = c * torch.eye(m, dtype=f64)
     raw_n = torch.linalg.svdvals(Gs).sum(-1).mean().item()
-    deb_n = nd.nuclear_signal_debiased(Gs, Cm.expand(draws, m, m), B).mean().item()
+    deb_n = stats.nuclear_signal_debiased(Gs, Cm.expand(draws, m, m), B).mean().item()
     assert abs(deb_n - 3.0) < 0.5 * abs(raw_n - 3.0)

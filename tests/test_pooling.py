@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import gns_kernels as gk
-from gns_kernels import bias, reference
+from gns_kernels import reference, stats
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS
-from gns_kernels.distributed._share import pooled_sqrt_traces
-from gns_kernels.pooling import NoisePool, check_pool_beta
+from gns_kernels.stats import pooled_sqrt_traces
+from gns_kernels.stats import NoisePool, check_pool_beta
 
 
 def _sequence(shapes, plan, seed=0, nan_at=None):
@@ -60,7 +60,7 @@ def test_fold_variance_matches_the_float64_pool(dtype):
     # the first measurement alone is the c4-corrected ||s||_1 of that measurement
     rg, B = meas[0]
     s2 = reference.coordinate_variance([r[0] for r in rg], B)
-    assert got[0][0] == pytest.approx(float(s2.sqrt().sum()) / bias.c4(3), rel=tol)
+    assert got[0][0] == pytest.approx(float(s2.sqrt().sum()) / stats.c4(3), rel=tol)
 
 
 def test_fold_variance_scaled_statistics():
@@ -407,7 +407,7 @@ def test_first_flag_is_not_inferred_from_nu():
     zero pair moment tr C tr P' + <C, P'> at its first pair, so its dof estimate sits at
     the floor of one per sample (nu = 1 / U); it has a pair, so its pooled value is
     reported, not the measurement's own."""
-    from gns_kernels.pooling import NU_S_MIN
+    from gns_kernels.stats import NU_S_MIN
 
     pool = NoisePool(0.9)
     zero, eye = torch.zeros(3, 3), torch.eye(3)
@@ -424,7 +424,7 @@ def test_nuclear_dof_floor_bounds_a_drifting_pool():
     """A covariance that shrinks tenfold from one measurement to the next (early training)
     makes ||C - P'||^2 large against the pair moment: the dof estimate is held at one per
     sample instead of collapsing towards 0 (which would apply the largest correction)."""
-    from gns_kernels.pooling import NU_S_MIN
+    from gns_kernels.stats import NU_S_MIN
 
     pool = NoisePool(0.9)
     eye = torch.eye(4)
@@ -438,7 +438,7 @@ def test_nuclear_dof_floor_bounds_a_drifting_pool():
 @pytest.mark.parametrize("scale", [-4.0, 0.0, float("nan"), float("inf")])
 def test_fold_variance_refuses_a_bad_scale_and_folds_nothing(scale):
     """NoisePool.fold_variance takes the same scale rule as variance_norms."""
-    from gns_kernels.pooling import NoisePool
+    from gns_kernels.stats import NoisePool
 
     pool = NoisePool(0.9)
     m, sq = torch.randn(7), torch.rand(7) + 1
@@ -471,7 +471,7 @@ def test_checkpoint_waits_for_the_fold_stream(monkeypatch):
     check with stand-in streams."""
     import torch
 
-    from gns_kernels.pooling import NoisePool
+    from gns_kernels.stats import NoisePool
 
     waits = []
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels import bias
+from gns_kernels import stats
 from gns_kernels.demo import synthetic as syn
 
 
@@ -94,7 +94,7 @@ def test_estimators_match_ground_truth(problem):
     m, se = _mean_se(vals["l1"])
     assert abs(m / T1 - 1) + 4 * se / T1 <= 0.03, (kind, m / T1)
     m, se = _mean_se(vals["l1_raw"])
-    assert abs(m / T1 - bias.c4(R)) + 4 * se / T1 <= 0.03, (kind, m / T1)
+    assert abs(m / T1 - stats.c4(R)) + 4 * se / T1 <= 0.03, (kind, m / T1)
 
     TN = math.sqrt(truth.noise("nuclear"))
     m, se = _mean_se(vals["nuc"])

@@ -168,7 +168,7 @@ class ShareSolver:
 
     def mean_grad_gram_op(self, device) -> Callable:
         """The Gram function of the mean gradients D D^T: float64 products on the Newton
-        path (as spectral.nuclear_stats_select forms them there), float32 Grams else."""
+        path (as spectral.nuclear_stats forms them there), float32 Grams else."""
         return grams64_on_sides if self.newton(device) else grams_on_sides
 
     def owned_grams(self, grads: list, ks: list, shapes: list, shifts: list,
@@ -203,7 +203,7 @@ class ShareSolver:
     def mean_grad_grams(self, kept: list, device) -> tuple[list, list]:
         """(D D^T, signal Gram) per kept matrix: the kept D's Grams formed here, one batch
         per (shape, side) (float64 products on the Newton path, as
-        spectral.nuclear_stats_select forms them there; float32 Grams on the eigenvalue
+        spectral.nuclear_stats forms them there; float32 Grams on the eigenvalue
         path), on the Gram's side ('row' for a square matrix)."""
         todo = [i for i, e in enumerate(kept) if e.dd is None]
         dd = [e.dd for e in kept]

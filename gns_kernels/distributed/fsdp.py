@@ -56,7 +56,7 @@ Measurement steps (k % F == 0), R ranks, B = state.batch_size, scale = B / (R - 
   mean-gradient Gram partials (two k x k float32 matrices per measured matrix,
   k = min(m, n)) gives every rank the reduced Grams; each rank then solves only its share
   of the group's sqrt-traces tr(C^{1/2}) and ||G||_S1 (``spectral.
-  nuclear_stats_from_grams_select``; which rank solves what is decided by cost, the same
+  nuclear_stats`` in its Gram form with a ``NuclearRequest``; which rank solves what is decided by cost, the same
   on every rank) and keeps 3 numbers per matrix, so the Grams of one param group (one
   layer) are alive at a time, not the whole model's (the paper's Table 10: O(m_l^2) per
   layer). After the last group one all-reduce of those numbers gives every rank all of

@@ -48,7 +48,7 @@ Pooling (any R; no extra collective; state: one m x m matrix per parameter matri
     the noise distribution changes little over the window (it then tracks the window's
     average noise, with the same lag as an EMA of the noise itself).
 
-The jackknife (gns_kernels.stats.jackknife) and the bias-reduced signals
+The jackknife (gns_kernels.stats.leave_one_out) and the bias-reduced signals
 (gns_kernels.stats.signal) need no nu.
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels import bias, reference as ref
-from gns_kernels.estimators import estimate_from_stats
+from gns_kernels import reference as ref, stats
+from gns_kernels.stats import estimate_from_stats
 
 GEOS = ["l2", "l1", "nuclear"]
 
@@ -197,36 +197,36 @@ def test_critical_batch_size_bad(bad, exc):
 @pytest.mark.parametrize("R", [1, 0, -3, 2.5, math.nan, math.inf, "4", None, True])
 def test_sample_counts_rejected(R):
     with pytest.raises(ValueError, match="R: expected"):
-        bias.l1_noise_factor(R)
+        stats.l1_noise_factor(R)
     with pytest.raises(ValueError, match="num_samples: expected"):
-        bias.nuclear_dof(R, 4)
+        stats.nuclear_dof(R, 4)
 
 
 @pytest.mark.parametrize("R", [1, 0.5, math.nan, math.inf, "4", None])
 def test_c4_rejected(R):
     with pytest.raises((TypeError, ValueError), match="^R: expected"):
-        bias.c4(R)
+        stats.c4(R)
 
 
 def test_c4_closed_forms():
-    assert bias.c4(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-15)
-    assert bias.c4(3) == pytest.approx(math.sqrt(math.pi) / 2, rel=1e-15)
-    assert bias.l1_noise_factor(4.0) == bias.l1_noise_factor(4)
+    assert stats.c4(2) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-15)
+    assert stats.c4(3) == pytest.approx(math.sqrt(math.pi) / 2, rel=1e-15)
+    assert stats.l1_noise_factor(4.0) == stats.l1_noise_factor(4)
 
 
 def test_nuclear_correction_edge_inputs():
     empty = torch.zeros(3, 0, dtype=torch.float64)
-    assert torch.equal(bias.nuclear_sqrt_trace_corrected(empty, 4, 8), torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(stats.nuclear_sqrt_trace_corrected(empty, 4, 8), torch.zeros(3, dtype=torch.float64))
     zero = torch.zeros(5, dtype=torch.float64)
-    assert float(bias.nuclear_sqrt_trace_corrected(zero, 4, 8)) == 0.0
+    assert float(stats.nuclear_sqrt_trace_corrected(zero, 4, 8)) == 0.0
     nan = torch.tensor([1.0, math.nan], dtype=torch.float64)
-    assert math.isnan(float(bias.nuclear_sqrt_trace_corrected(nan, 4, 8)))
+    assert math.isnan(float(stats.nuclear_sqrt_trace_corrected(nan, 4, 8)))
     with pytest.raises(ValueError, match="eigvals"):
-        bias.nuclear_sqrt_trace_corrected([1.0, 2.0], 4, 8)
+        stats.nuclear_sqrt_trace_corrected([1.0, 2.0], 4, 8)
     with pytest.raises(ValueError, match="dof_model"):
-        bias.nuclear_sqrt_trace_corrected(zero, 4, 8, dof_model="many")
+        stats.nuclear_sqrt_trace_corrected(zero, 4, 8, dof_model="many")
     with pytest.raises(ValueError, match="dof_per_sample"):
-        bias.nuclear_sqrt_trace_corrected(zero, 4, 8, dof_per_sample=0.0)
+        stats.nuclear_sqrt_trace_corrected(zero, 4, 8, dof_per_sample=0.0)
 
 
 def test_nuclear_zero_by_n_matrix_is_skipped(gen):

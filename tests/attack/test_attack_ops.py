@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels.estimators import estimate_from_stats
+from gns_kernels.stats import estimate_from_stats
 from gns_kernels import ops
 from gns_kernels import reference as ref
 

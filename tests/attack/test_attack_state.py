@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gns_kernels as gk
-from gns_kernels.estimators import estimate_from_stats
+from gns_kernels.stats import estimate_from_stats
 from gns_kernels.controller import AdaptiveBatchSize
 from gns_kernels.lr import LRMultiplier, warmup_cosine
 from gns_kernels.optim import SignSGD, Signum, SpecSGD

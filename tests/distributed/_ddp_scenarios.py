@@ -27,7 +27,7 @@ from _harness import collective_seq as _seq, gather_per_rank as _gather, run_sce
 
 import gns_kernels as gk
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS, ddp_gns_hook
-from gns_kernels.distributed import _share
+from gns_kernels.distributed import _share_solve
 
 # The nuclear correction's dof: with ranks as samples the hook's default ('auto') is
 # gk.estimate's default ('gauss-sums' at >= 3 samples, else 'columns'); with micro-batches
@@ -76,7 +76,7 @@ class _Recorder:
         self.buckets = []
         self.solved = []  # per solver call: (noise solves, signal solves, matrices)
         self._orig = dist.all_reduce
-        self._orig_solve = _share.nuclear_stats_from_grams_select
+        self._orig_solve = _share_solve.nuclear_stats
 
     def __enter__(self):
         rec = self
@@ -85,21 +85,22 @@ class _Recorder:
             rec.payloads.append((tensor.numel(), str(tensor.dtype)))
             return rec._orig(tensor, *args, **kwargs)
 
-        def counting_solve(mean_grams, *args, select=None, **kwargs):
+        def counting_solve(mean_grams, *args, request=None, **kwargs):
+            # the shared solves (the noise pool's pooled solves call stats.pooled's
+            # nuclear_stats: not counted)
             L = len(mean_grams)
-            if kwargs.get("project"):  # the noise pool's pooled solves (not counted)
-                return rec._orig_solve(mean_grams, *args, select=select, **kwargs)
+            select = None if request is None else request.select
             sel = select if select is not None else ([True] * L, [True] * L)
             rec.solved.append((sum(sel[0]), sum(sel[1]), L))
-            return rec._orig_solve(mean_grams, *args, select=select, **kwargs)
+            return rec._orig_solve(mean_grams, *args, request=request, **kwargs)
 
         dist.all_reduce = counting_all_reduce
-        _share.nuclear_stats_from_grams_select = counting_solve
+        _share_solve.nuclear_stats = counting_solve
         return self
 
     def __exit__(self, *exc):
         dist.all_reduce = self._orig
-        _share.nuclear_stats_from_grams_select = self._orig_solve
+        _share_solve.nuclear_stats = self._orig_solve
 
     def hook(self, state, bucket):
         self.buckets.append({"index": bucket.index(), "numel": bucket.buffer().numel(),

@@ -67,7 +67,7 @@ def test_record_measurement_is_record_of_its_sums():
     terms = torch.tensor([3.0, 2.0, 5.0, 7.0], dtype=torch.float64)
     a.record_measurement(4, terms, None, None, 6)
     b.record(Sums(4, 6, l_terms=terms.clone()))
-    ref = gk.estimators.estimate_from_stats("l1", 3.0, 2.0, 4, 16, True)
+    ref = gk.stats.estimate_from_stats("l1", 3.0, 2.0, 4, 16, True)
     for st in (a, b):
         assert st.estimate_step == 6
         est = st.estimate

@@ -198,7 +198,7 @@ def test_state_measured_subset_and_nuclear_matrices():
 @pytest.mark.parametrize("pool_beta", [None, 0.9])
 def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch, pool_beta):
     from gns_kernels import spectral
-    from gns_kernels.distributed import _share
+    from gns_kernels.distributed import _share_solve
 
     def failing(*args, **kwargs):
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
@@ -211,7 +211,7 @@ def test_nuclear_solver_failure_is_an_invalid_measurement(monkeypatch, pool_beta
     # without a pool the one-process path solves with spectral.nuclear_stats, with one the
     # shared-solve path (which also folds the pool)
     monkeypatch.setattr(spectral, "nuclear_stats", failing)
-    monkeypatch.setattr(_share, "nuclear_stats_from_grams_select", failing)
+    monkeypatch.setattr(_share_solve, "nuclear_stats", failing)
     with pytest.warns(RuntimeWarning, match="marked invalid"):
         for a in range(A):
             (F.mse_loss(model(xs[a]), ys[a]) / A).backward()

@@ -161,7 +161,7 @@ def test_totals_do_not_depend_on_the_matrix_order():
     per-matrix values, the same in any order and grouping. A plain float64 sum of the same
     columns depends on the order (the premise: the pooled values of a second measurement
     carry float64 mantissas)."""
-    from gns_kernels.pooling import NoisePool
+    from gns_kernels.stats import NoisePool
 
     gen = torch.Generator().manual_seed(7)  # fixed data: the premise below holds for it
     L, R, B = 12, 2, 16.0
@@ -203,7 +203,7 @@ def test_deviation_sums_of_mixed_sides_match_float64(dtype):
     """deviation_sums on runs of several shapes and Gram sides (stacked runs, odd shapes
     that go per matrix, sides 3, 5, 8 interleaved): per matrix q = ||d d^T||_F^2 and
     a = ||d||_F^4 in the input order, against float64."""
-    from gns_kernels.distributed._share import deviation_sums
+    from gns_kernels.stats import deviation_sums
 
     g = torch.Generator().manual_seed(5)
     shapes = [(8, 16), (8, 16), (5, 7), (16, 8), (3, 11), (3, 11), (8, 16), (32, 8), (5, 7)]
@@ -218,7 +218,7 @@ def test_deviation_sums_of_mixed_sides_match_float64(dtype):
 
 
 def test_column_index_spreads_owned_columns():
-    from gns_kernels.distributed._share import column_index
+    from gns_kernels.distributed._share_solve import column_index
 
     idx = column_index([1, 4, 5], 7, "cpu")
     assert idx.tolist() == [3, 0, 3, 3, 1, 2, 3]

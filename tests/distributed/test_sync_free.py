@@ -133,7 +133,7 @@ def test_estimate_reads_once_after_backward():
     st.record_measurement(4, None, noise, torch.tensor([3.0], dtype=torch.float64)[0], 5)
     assert calls == [] and st.estimate_step == 5
     est = st.estimate
-    ref = gk.estimators.estimate_from_stats("nuclear", 2.0, 3.0, 4, 8, False)
+    ref = gk.stats.estimate_from_stats("nuclear", 2.0, 3.0, 4, 8, False)
     assert (est.gns, est.noise, est.signal, est.valid) == (ref.gns, ref.noise, ref.signal, ref.valid)
     assert st.estimate is est and calls == ["n"]
 

@@ -98,7 +98,7 @@ def test_nuclear_stats_bias_correction(gen, R, method):
     mean_grams, mean_grads = stats_inputs(layers)
     noise, _ = gk.nuclear_stats(mean_grams, mean_grads, scale=B / (R - 1), bias_correction=True,
                                 num_samples=R, batch_size=B, method=method)
-    from gns_kernels.bias import nuclear_sqrt_trace_corrected
+    from gns_kernels.stats import nuclear_sqrt_trace_corrected
 
     want = []
     for smp in layers:

@@ -1,7 +1,7 @@
 """gns_kernels.spectral.sqrt_trace_pair_sum: the pair sum sum_ij s_i s_j / (s_i + s_j) of the
 nuclear bias correction by Newton-Schulz and matmul quadrature, against float64 values
 from known eigenvalues (and float64 eigvalsh), and the corrected noise against the
-eigenvalue-based bias.nuclear_sqrt_trace_corrected.
+eigenvalue-based stats.nuclear_sqrt_trace_corrected.
 
 Bounds: pair sum within 1e-3 relative wherever the spectrum lies above the Newton
 shift's soft threshold (eps ||A||_F, eps = 1e-6 for "ieee"), and for any spectrum with
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from gns_kernels import bias
+from gns_kernels import stats
 from gns_kernels import spectral as sp
 from _spectral_data import rand_orthogonal, randn, with_eigenvalues
 
@@ -141,15 +141,15 @@ def test_corrected_noise_newton_path_matches_eigh(gen, dtype, m, n, R, rank):
     C, refn, lam = _covariance_case(gen, m, n, R, dtype, rank)
     tr, pr = sp.sqrt_trace_pair_sum(C, ref_norm=refn, project=False)
     for kw in ({"other_dim": n}, {"dof_per_sample": float(m)}):
-        want = bias.nuclear_sqrt_trace_corrected(lam, R, **kw)
-        got = bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr, R, gram_dim=m, **kw)
+        want = stats.nuclear_sqrt_trace_corrected(lam, R, **kw)
+        got = stats.nuclear_sqrt_trace_corrected_from_sums(tr, pr, R, gram_dim=m, **kw)
         assert got.dtype == dtype
         assert _rel(got, want) < TOL, (kw, float(got), float(want))
         # and the correction itself is material (the test can tell a missing one apart)
         raw = lam.clamp_min(0).sqrt().sum()
         if "dof_per_sample" in kw:
             assert float(want / raw) > 1 + 5 * TOL
-            assert _rel(bias.nuclear_sqrt_trace_corrected_from_sums(tr, 0 * pr, R, gram_dim=m, **kw), want) > TOL
+            assert _rel(stats.nuclear_sqrt_trace_corrected_from_sums(tr, 0 * pr, R, gram_dim=m, **kw), want) > TOL
 
 
 def test_corrected_from_sums_equals_eigenvalue_form(gen):
@@ -160,16 +160,16 @@ def test_corrected_from_sums_equals_eigenvalue_form(gen):
     tr = s.sum(-1)
     pr = torch.tensor([pair_sum_np(x.numpy()) for x in lam], dtype=torch.float64)
     for kw in ({}, {"other_dim": 40}, {"dof_model": "rank_one", "batch_size": 64.0}):
-        want = bias.nuclear_sqrt_trace_corrected(lam, 4, **kw)
-        got = bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 4, gram_dim=17, **kw)
+        want = stats.nuclear_sqrt_trace_corrected(lam, 4, **kw)
+        got = stats.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 4, gram_dim=17, **kw)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert float(got[2]) == 0.0
     with pytest.raises(ValueError, match="pair_sum"):
-        bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr[:2], 4, gram_dim=17)
+        stats.nuclear_sqrt_trace_corrected_from_sums(tr, pr[:2], 4, gram_dim=17)
     with pytest.raises(ValueError, match="gram_dim"):
-        bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 4, gram_dim=-1)
+        stats.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 4, gram_dim=-1)
     with pytest.raises(ValueError, match="num_samples"):
-        bias.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 1, gram_dim=17)
+        stats.nuclear_sqrt_trace_corrected_from_sums(tr, pr, 1, gram_dim=17)
 
 
 def test_pair_op_fake_and_compile():
