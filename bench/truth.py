@@ -645,7 +645,7 @@ def fold_measurement(npool, x, layout, R, b, method="eigh"):
     """One measurement (rank means x, (R, P) float64) folded into a NoisePool through the
     hooks' calls: (pooled l1 ||s||_1 total, pooled_sqrt_traces rows [value, new] per matrix,
     the pooled matrices solved by `method`: 'eigh', or 'newton', the GPU path's)."""
-    from gns_kernels.stats import pooled_sqrt_traces
+    from gns_kernels.spectral import pooled_sqrt_traces
 
     B = R * b
     mean, msq = x.mean(0).float(), (x * x).mean(0).float()  # the reduced halves, float32

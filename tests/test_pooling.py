@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import gns_kernels as gk
 from gns_kernels import reference, stats
 from gns_kernels.distributed import GNSHookState, MicroBatchGNS
-from gns_kernels.stats import pooled_sqrt_traces
+from gns_kernels.spectral import pooled_sqrt_traces
 from gns_kernels.stats import NoisePool, check_pool_beta
 
 

@@ -49,7 +49,7 @@ def test_nuclear_dof_module_import_warns():
 
 def test_stats_names_resolve_to_their_modules():
     found = set()
-    for module in ("bias", "critical", "deviations", "dof", "fourth_moments", "gns", "leave_one_out",
+    for module in ("bias", "critical", "dof", "fourth_moments", "gns", "leave_one_out",
                    "offline", "pool", "pool_state", "pooled", "signal"):
         home = importlib.import_module(f"gns_kernels.stats.{module}")
         for name in set(home.__all__) & set(stats.__all__):

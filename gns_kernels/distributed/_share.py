@@ -50,7 +50,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .._validation import check_signal
-from ..stats.deviations import deviation_sums
+from ..spectral.deviations import deviation_sums
 from ..stats.pool import NoisePool
 from ._share_solve import KeptMatrix, ShareSolver, copy_detached
 from ._share_vector import share_columns, share_rows, share_totals

@@ -26,7 +26,8 @@ from ..spectral.grams import grams64_on_sides, grams_on_sides
 from ..spectral.nuclear import NuclearRequest, nuclear_stats
 from ..spectral.trace import NEWTON_METHODS, resolve_method
 from ..stats.pool import NoisePool
-from ..stats.pooled import pool_folder, pooled_sqrt_traces, pooled_sums
+from ..spectral.pooled import pooled_sqrt_traces
+from ..stats.pooled import pool_folder, pooled_sums
 from ._share_vector import share_rows
 from ._stats import all_finite
 

@@ -104,7 +104,7 @@ import torch.distributed as dist
 from .. import ops
 from .. import spectral
 from ..spectral.grams import aligned_in_stack, gram_groups_cpu
-from ..stats.deviations import deviation_sums_parts
+from ..spectral.deviations import deviation_sums_parts
 from ._measurement import Measurement
 from ._stats import l1_signal_debiased_sum
 from .state import GNSHookState
@@ -283,10 +283,10 @@ class _NuclearLayout:
     indices], (a, b) when the members lie back to back in the buffer (one view) else None).
     pieces: the pack's Gram part in measured order as slices (group, i0, i1) of the
     groups' stacked Grams. dev_runs: the deviation sums' runs (spectral-consistent with
-    ``stats.deviations.deviation_sums``: consecutive measured matrices of one shape), as (j0, j1,
+    ``spectral.deviations.deviation_sums``: consecutive measured matrices of one shape), as (j0, j1,
     (a, b) or None); dev_whole: every run lies back to back in the buffer at a 64-byte
     offset (a float32 deviation of the whole bucket then holds every run, aligned, as one
-    of stats.deviations.deviation_sums's fresh stacks would be)."""
+    of spectral.deviations.deviation_sums's fresh stacks would be)."""
 
     __slots__ = ("n_buf", "mats", "groups", "pieces", "joined", "dev_runs", "dev_whole", "ks", "shapes")
 
@@ -491,7 +491,7 @@ def _unpack_nuclear_layout(buf: Tensor, pack: Tensor, lay: _NuclearLayout, mats,
     if m.share.gauss:
         # this rank's deviation G^j - G per run: buf still holds the local gradient, the
         # pack's first part the mean. One fresh (aligned) tensor per run, the values of
-        # stats.deviations.deviation_sums's stack of the per-matrix deviations
+        # spectral.deviations.deviation_sums's stack of the per-matrix deviations
         runs = []
         whole = None
         if lay.dev_whole:  # one subtraction for the bucket, the runs its views

@@ -41,6 +41,8 @@ from .newton import NEWTON_EPS, NEWTON_EPS_BY_PRECISION, NEWTON_MAX_ITERS, NEWTO
 from .pairsum import sqrt_trace_pair_sum
 from .precision import record_matmuls
 from .nuclear import NuclearRequest, NuclearResult, nuclear_stats, nuclear_stats_from_grams
+from .deviations import deviation_sums, deviation_sums_parts
+from .pooled import pooled_sqrt_traces
 from .solver import EighConfig, NewtonConfig, SolverConfig
 from .trace import sqrt_trace
 

@@ -12,17 +12,13 @@ import torch
 from ._workers import _map_cpu
 from .precision import bmm as _bmm_in, fp32_matmul_flag
 
+from ..stats.common import smaller_side
+
 Tensor = torch.Tensor
 
 GRAM_BLOCK = 64  # CPU: rows per strip of the upper-triangle Gram
 _CPU_ALIGN = 64  # bytes: torch's CPU allocator aligns every new tensor to this (c10 gAlignment)
 _SIDES = ("auto", "row", "col")
-
-
-def smaller_side(shape: Sequence[int]) -> str:
-    """'row' (G G^T, m x m) when m <= n, else 'col' (G^T G, n x n), for a shape (..., m, n)."""
-    m, n = shape[-2], shape[-1]
-    return "row" if m <= n else "col"
 
 
 def resolve_side(shape: Sequence[int], side: str) -> str:

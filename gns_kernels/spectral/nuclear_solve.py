@@ -20,6 +20,8 @@ import torch
 from .newton import check_newton_args, newton_min_iters
 from .solver import EighConfig, NewtonConfig, SolverConfig
 
+from ..stats.common import scatter_cols
+
 Tensor = torch.Tensor
 
 __all__ = ["NOISE_EPS", "NOISE_NEWTON", "NOISE_CHAIN", "NuclearLayers", "NoiseCorrection", "NuclearResult",
@@ -313,27 +315,3 @@ def _gather(vals: list) -> Tensor:
     if len(vals) == 1 and vals[0].dim() == 1:
         return vals[0] if vals[0].dtype == torch.float32 else vals[0].float()
     return torch.stack(vals).float()
-
-
-def scatter_cols(part: Tensor, cols: list, L: int) -> Tensor:
-    """[rows, L] with part[:, j] in column cols[j] (ascending) and 0 elsewhere: slices of
-    part and of one zero block (runs of consecutive columns stay one slice; no index
-    tensor from the host)."""
-    if len(cols) == L:
-        return part
-    zero = torch.zeros((part.shape[0], L), dtype=part.dtype, device=part.device)
-    pieces = []
-    prev = j = 0
-    n = len(cols)
-    while j < n:
-        e = j
-        while e + 1 < n and cols[e + 1] == cols[e] + 1:
-            e += 1
-        if cols[j] > prev:
-            pieces.append(zero[:, prev:cols[j]])
-        pieces.append(part[:, j:e + 1])
-        prev = cols[e] + 1
-        j = e + 1
-    if prev < L:
-        pieces.append(zero[:, prev:L])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

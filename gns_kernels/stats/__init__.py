@@ -12,12 +12,16 @@ One responsibility per module; every name another module uses is public:
 - ``leave_one_out``: leave-one-out statistics (the jackknife)
 - ``signal``: the bias-reduced signals (signal='debiased')
 - ``pool``, ``pool_state``: the noise pool (``NoisePool``) and its state / saved format
-- ``pooled``: the pool's part of the nuclear solves (fold, solve, correct)
-- ``deviations``: the per-rank deviation sums of the 'gauss-sums' dof
+- ``pooled``: the pool's part of the nuclear solves (fold, correct; the solve of the
+  pooled matrices is gns_kernels.spectral.pooled_sqrt_traces)
+- ``common``: sample-count checks and small tensor helpers (``smaller_side``,
+  ``scatter_cols``) that gns_kernels.spectral uses too
 
-``bias``, ``dof``, ``fourth_moments``, ``leave_one_out``, ``signal``, ``pool`` and
-``pool_state`` import only torch (the spectral ops apply ``bias``); ``pooled``,
-``deviations``, ``offline`` and ``gns`` sit above gns_kernels.spectral and ops.
+The package sits below gns_kernels.spectral, which imports the corrections from here: its
+modules import torch, gns_kernels._validation, each other and (``offline.estimate``, for
+the eager l1 / l2 sums) gns_kernels.ops, never spectral. What needs a solver lives in
+spectral: the deviation sums of the 'gauss-sums' dof (``spectral.deviation_sums``) and the
+solve of the pooled matrices (``spectral.pooled_sqrt_traces``).
 The modules gns_kernels.estimators, bias, nuclear_dof and pooling re-export these names
 from before issue 42 (CHANGELOG.md).
 
@@ -35,7 +39,6 @@ for _module, _names in {
     "bias": ("c4", "l1_noise_factor", "c4_tensor", "pair_sum", "corrected_sqrt_trace",
              "nuclear_sqrt_trace_corrected", "nuclear_sqrt_trace_corrected_from_sums"),
     "critical": ("CBS_RULES", "critical_batch_size"),
-    "deviations": ("deviation_sums", "deviation_sums_parts"),
     "dof": ("NUCLEAR_DOF_MODES", "GAUSS_SUMS_MIN_SAMPLES", "resolve_nuclear_dof", "nuclear_dof",
             "gram_pair_moments", "dof_from_moments", "dof_from_gram_pair", "pooled_dof"),
     "fourth_moments": ("fourth_moment_system", "nuclear_frobenius_variance", "nuclear_dof_from_samples",
@@ -46,15 +49,14 @@ for _module, _names in {
     "offline": ("estimate",),
     "pool": ("NoisePool", "NU_S_MIN"),
     "pool_state": ("check_pool_beta", "check_pool_state_dict"),
-    "pooled": ("pool_folder", "pooled_sums", "pool_nu", "pooled_correct", "pooled_sqrt_traces",
-               "pooled_values"),
+    "pooled": ("pool_folder", "pooled_sums", "pool_nu", "pooled_correct", "pooled_values"),
     "signal": ("l1_signal_debiased", "l1_signal_folded", "nuclear_signal_debiased"),
 }.items():
     for _name in _names:
         _HOME[_name] = _module
 del _module, _names, _name
 
-_MODULES = ("bias", "common", "critical", "deviations", "dof", "fourth_moments", "gns", "leave_one_out",
+_MODULES = ("bias", "common", "critical", "dof", "fourth_moments", "gns", "leave_one_out",
             "offline", "pool", "pool_state", "pooled", "signal")
 
 __all__ = sorted(_HOME)

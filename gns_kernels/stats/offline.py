@@ -20,8 +20,8 @@ import torch
 
 from .._validation import check_signal
 from ..ops import eager_variance_sums
-from ..spectral import smaller_side
 from .bias import nuclear_sqrt_trace_corrected
+from .common import smaller_side
 from .dof import resolve_nuclear_dof
 from .fourth_moments import dof_from_samples_gaussian, nuclear_dof_from_samples
 from .gns import GNSEstimate, as_float, check_counts, check_geometry, estimate_from_stats

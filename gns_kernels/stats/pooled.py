@@ -1,6 +1,7 @@
 """The noise pool's part of the nuclear solves: fold a measurement's covariances into the
-pool (gns_kernels.stats.pool.NoisePool), solve the pooled covariances' sqrt-traces and pair
-sums, and correct them for the pool's degrees of freedom.
+pool (gns_kernels.stats.pool.NoisePool) and correct the pooled covariances' sqrt-traces for
+the pool's degrees of freedom (the solve itself: gns_kernels.spectral.pooled_sqrt_traces,
+or the Newton chain the folder joins).
 
 Per matrix l the pool gives four raw rows (``pooled_sums``): tr P_l^{1/2} and the pair sum
 sum_ik s_i s_k / (s_i + s_k) of the pooled covariance P_l (its positive part), nu_l (the
@@ -19,14 +20,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..spectral.nuclear import NuclearRequest, nuclear_stats
-from ..spectral.nuclear_solve import scatter_cols
 from .bias import corrected_sqrt_trace
+from .common import scatter_cols
 from .pool import NoisePool
 
 Tensor = torch.Tensor
 
-__all__ = ["pool_folder", "pooled_sums", "pool_nu", "pooled_correct", "pooled_sqrt_traces", "pooled_values"]
+__all__ = ["pool_folder", "pooled_sums", "pool_nu", "pooled_correct", "pooled_values"]
 
 
 def pool_folder(pool: NoisePool, keys: Sequence, num_samples: int, grad_scale: float) -> tuple[Callable, list]:
@@ -73,36 +73,6 @@ def pooled_correct(corrected: Tensor, nu: Tensor, new: Tensor, own: Tensor) -> T
     (``corrected``): ``own`` (the measurement's own corrected noise, or 0) where new > 0.5
     (no pair yet), NaN where nu is NaN (a covariance that was not finite)."""
     return torch.where(new > 0.5, own, torch.where(torch.isnan(nu), math.nan, corrected))
-
-
-def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
-                       shapes: Sequence[tuple], num_samples: int, grad_scale: float,
-                       method: str = "auto", hints=None, raw: bool = False) -> Tensor:
-    """Fold each covariance into the pool under its key, then the pooled, corrected
-    tr(P^{1/2}) per matrix: float64 Tensor[2, L] rows [pooled value, new] (``pooled_values``;
-    new = 1.0 where the pool has no pair yet: the caller uses the measurement's own
-    corrected noise there; the value is then 0), NaN values where a covariance is not
-    finite; raw: the uncorrected Tensor[4, L] of ``pooled_sums`` instead. The sqrt-traces and
-    pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
-    in one call, of their positive parts; no host synchronization. (The hooks' Newton path
-    folds inside the noise solve instead: ``pool_folder``.)"""
-    L = len(covs)
-    dev = covs[0].device
-    fold, folds = pool_folder(pool, keys, num_samples, grad_scale)
-    by_k: dict = {}
-    for l, C in enumerate(covs):
-        by_k.setdefault(C.shape[-1], []).append(l)
-    Ps: list = [None] * L
-    for k, ls in by_k.items():
-        P = fold(ls, torch.stack([covs[l] for l in ls]))
-        for j, l in enumerate(ls):
-            Ps[l] = P[j]
-    zeros = [torch.zeros_like(P) for P in Ps]
-    sums = nuclear_stats(Ps, None, 1.0, mean_grad_grams=zeros, shapes=shapes, method=method, eig_hints=hints,
-                         request=NuclearRequest(select=([True] * L, [False] * L), record_hints=False,
-                                                sums=True)).sums
-    rows = pooled_sums(sums[:2], folds, L, dev)
-    return rows if raw else pooled_values(rows)
 
 
 def pooled_values(rows: Tensor) -> Tensor:

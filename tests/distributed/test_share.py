@@ -203,7 +203,7 @@ def test_deviation_sums_of_mixed_sides_match_float64(dtype):
     """deviation_sums on runs of several shapes and Gram sides (stacked runs, odd shapes
     that go per matrix, sides 3, 5, 8 interleaved): per matrix q = ||d d^T||_F^2 and
     a = ||d||_F^4 in the input order, against float64."""
-    from gns_kernels.stats import deviation_sums
+    from gns_kernels.spectral import deviation_sums
 
     g = torch.Generator().manual_seed(5)
     shapes = [(8, 16), (8, 16), (5, 7), (16, 8), (3, 11), (3, 11), (8, 16), (32, 8), (5, 7)]

@@ -13,9 +13,8 @@ from typing import Sequence
 
 import torch
 
-from .. import spectral
-from ..spectral.grams import aligned_in_stack
-from ..spectral.precision import bmm
+from .grams import aligned_in_stack, gram, smaller_side
+from .precision import bmm
 
 Tensor = torch.Tensor
 
@@ -70,7 +69,7 @@ def deviation_sums_parts(runs: Sequence) -> tuple[list, list]:
             ks.append(min(m, n))
         else:
             for d in (run.unbind(0) if isinstance(run, Tensor) else run):
-                (G,) = spectral.gram([d.float()], side=spectral.smaller_side(tuple(d.shape)))
+                (G,) = gram([d.float()], side=smaller_side(tuple(d.shape)))
                 grams.append(G.unsqueeze(0))
                 ks.append(G.shape[-1])
     if not grams:
