@@ -1,9 +1,10 @@
 """The module path of a measurement: how many package functions and modules it passes
 through, and how often it returns to a module it already left (issue 42).
 
-Usage: ``python bench/trace_path.py`` (CPU, a few seconds). Prints, for each traced path,
-``functions / modules / returns`` twice (every module counted; the spectral solver as one
-visit, below) and the module path.
+Usage: ``python bench/trace_path.py [path name ...]`` (CPU, a few seconds). Prints, for
+each traced path, ``functions / modules / returns`` twice (every module counted; the
+spectral solver as one visit, below) and the module path; for the micro-batch l1
+measurement also which checks saw its tensor lists and how often (``validations``).
 
 Paths traced (CPU tensors, the default settings unless said: pool on, signal 'raw', bias
 correction on, method 'auto'):
@@ -48,9 +49,17 @@ Counting method (``trace``, ``count``):
    including the distributed shared solve (``distributed._share``), which is this
    package's orchestration of the solver, not the solver.
 
-The first count is the one the tests bound for l1 (tests/test_trace_path.py: <= 6 returns
-for the micro-batch l1 measurement and for the DDP state's path after record); nuclear is
-reported both ways.
+The distributed shared solve's own returns (``distributed._share`` between the solver,
+``_stats``, ``pooling`` and ``nuclear_dof``) are most of what is left of the micro-batch
+nuclear measurement's: the solve it shares with the DDP and FSDP2 hooks.
+
+The tests (tests/test_trace_path.py) bound the first count: <= 6 returns for the
+micro-batch l1 measurement and for the DDP state's path after record (l1 and nuclear);
+the micro-batch nuclear measurement is reported, not bounded. They also check, with
+``validations`` (every call of a ``gns_kernels._validation`` function or of a package
+function named like a check, with the tensor lists among its arguments), that the
+micro-batch measurement's two tensor lists are each checked once, by one entry.
+Measured counts: bench/RESULTS.md, "The module path of a measurement".
 """
 from __future__ import annotations
 
@@ -71,7 +80,7 @@ SKIPPED = frozenset({"<module>", "<listcomp>", "<dictcomp>", "<setcomp>"})
 class Trace(NamedTuple):
     """The first-visit record of a traced call: ``functions`` as (module, name, first
     line) in order of first call, and ``calls`` the number of calls of each (all calls,
-    not only the first: for the tests' validation counts)."""
+    not only the first)."""
 
     functions: list
     calls: dict
@@ -122,6 +131,44 @@ def trace(fn: Callable[[], object], solver_opaque: bool = False) -> Trace:
     return Trace(order, seen)
 
 
+CHECK_WORDS = ("check", "validat")
+VALIDATION = "gns_kernels._validation"
+
+
+def validations(fn: Callable[[], object]) -> list:
+    """The package's checks that ``fn()`` runs, in call order: (module, function, lists) for
+    every call of a function of ``gns_kernels._validation`` or of a package function whose
+    name contains 'check' or 'validat' (not 'unchecked'), lists being the tensor lists
+    among its arguments, each as the tuple of its tensors' ids (the tests count how often
+    each list is checked)."""
+    calls: list = []
+
+    def prof(frame, event, arg):
+        if event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        code = frame.f_code
+        if not (mod == PACKAGE or mod.startswith(PACKAGE + ".")):
+            return
+        named = any(w in code.co_name for w in CHECK_WORDS) and "unchecked" not in code.co_name
+        if not (named or mod == VALIDATION) or code.co_name in SKIPPED:
+            return
+        nargs = code.co_argcount + code.co_kwonlyargcount
+        lists = []
+        for name in code.co_varnames[:nargs]:
+            v = frame.f_locals.get(name)
+            if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+                lists.append(tuple(id(t) for t in v))
+        calls.append((mod, code.co_name, tuple(lists)))
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def count(t: Trace) -> Count:
     """functions, modules, returns and the module path of a trace (module docstring)."""
     path: list = []
@@ -141,9 +188,11 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(), torch.nn.Linear(24, 8))
 
 
-def micro_measurement(geometry: str, solver_opaque: bool = False, **kw) -> Trace:
+def micro_measurement(geometry: str, solver_opaque: bool = False, tracer: Optional[Callable] = None,
+                      **kw):
     """The trace of the second measurement's ``MicroBatchGNS._measure_local`` (one rank,
-    A = 4; ``kw``: more MicroBatchGNS arguments)."""
+    A = 4; ``kw``: more MicroBatchGNS arguments); ``tracer(fn)``: another record of the
+    call than ``trace`` (e.g. ``validations``)."""
     import gns_kernels as gk
 
     model = _model()
@@ -154,7 +203,8 @@ def micro_measurement(geometry: str, solver_opaque: bool = False, **kw) -> Trace
     out: list = []
 
     def traced(*args, **kwargs):
-        out.append(trace(lambda: orig(*args, **kwargs), solver_opaque))
+        call = lambda: orig(*args, **kwargs)  # noqa: E731
+        out.append(trace(call, solver_opaque) if tracer is None else tracer(call))
 
     for step in range(2):
         if step == 1:
@@ -233,6 +283,18 @@ def _short(m: str) -> str:
     return m[len(PACKAGE) + 1:] if m.startswith(PACKAGE + ".") else m
 
 
+def list_checks(calls: list) -> dict:
+    """{(module, function): [number of its calls that received each tensor list, ...]}
+    from ``validations``' record: which checks saw the measurement's tensor lists, and
+    how often each."""
+    seen: dict = {}
+    for mod, name, lists in calls:
+        for ids in lists:
+            seen.setdefault((mod, name), {}).setdefault(ids, 0)
+            seen[(mod, name)][ids] += 1
+    return {k: sorted(v.values()) for k, v in seen.items()}
+
+
 def report(names: Optional[list] = None) -> None:
     for name in names or list(PATHS):
         full = count(PATHS[name](False))
@@ -243,6 +305,10 @@ def report(names: Optional[list] = None) -> None:
         print("    " + " > ".join(_short(m) for m in full.path))
         if opaque.path != full.path:
             print("    solver as one visit: " + " > ".join(_short(m) for m in opaque.path))
+        if name == "micro l1":
+            checks = list_checks(micro_measurement("l1", tracer=validations))
+            print("    checks that saw its tensor lists (calls per list): " + ", ".join(
+                f"{_short(m)}.{f} {n}" for (m, f), n in checks.items()))
 
 
 if __name__ == "__main__":
