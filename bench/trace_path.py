@@ -46,19 +46,25 @@ Counting method (``trace``, ``count``):
    solver: sqrt-traces, Grams, the eigen / Newton paths, their checks and hints), and
    nothing is recorded until that call returns (its internals, and any callback of ours
    it runs, are the solver's business). Every other module counts as in the full count,
-   including the distributed shared solve (``distributed._share``), which is this
-   package's orchestration of the solver, not the solver.
+   including the distributed shared solve (``distributed._share``,
+   ``distributed._share_solve``), which is this package's orchestration of the solver,
+   not the solver.
 
-The distributed shared solve's own returns (``distributed._share`` between the solver,
-``_stats``, ``pooling`` and ``nuclear_dof``) are most of what is left of the micro-batch
-nuclear measurement's: the solve it shares with the DDP and FSDP2 hooks.
+The micro-batch nuclear measurement (pool on) goes through the solve it shares with the
+DDP and FSDP2 hooks: ``distributed._share`` (the share: assignment, the parts' columns,
+the stream, the vector) and ``distributed._share_solve`` (its solver: the kept matrices,
+the solver's arguments, the one block of solver calls, the rows), each entered once per
+stage (construction, a part, the launch), then the solver once; counting the solver's
+internals, most of its returns are inside the solver's call (``spectral``'s modules and
+the ``stats`` modules it calls: ``bias``, ``dof``, ``pooled``, ``pool``).
 
-The tests (tests/test_trace_path.py) bound the first count: <= 6 returns for the
-micro-batch l1 measurement and for the DDP state's path after record (l1 and nuclear);
-the micro-batch nuclear measurement is reported, not bounded. They also check, with
-``validations`` (every call of a ``gns_kernels._validation`` function or of a package
-function named like a check, with the tensor lists among its arguments), that the
-micro-batch measurement's two tensor lists are each checked once, by one entry.
+The tests (tests/test_trace_path.py) bound the returns at <= 6: the first count for the
+micro-batch l1 measurement and for the DDP state's path after record (l1 and nuclear),
+the second (the solver as one visit, which it enters once) for the micro-batch nuclear
+measurement. They also check, with ``validations`` (every call of a
+``gns_kernels._validation`` function or of a package function named like a check, with
+the tensor lists among its arguments), that the micro-batch measurement's two tensor
+lists are each checked once, by one entry.
 Measured counts: bench/RESULTS.md, "The module path of a measurement".
 """
 from __future__ import annotations

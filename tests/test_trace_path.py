@@ -1,9 +1,12 @@
 """The module path of a measurement (issue 42), counted by bench/trace_path.py (its module
-docstring states the method): the micro-batch l1 measurement and the DDP hook state's path
-after record return to a module they already left at most 6 times, and the micro-batch
+docstring states the method): the micro-batch l1 measurement, the micro-batch nuclear
+measurement (the spectral solver as one visit) and the DDP hook state's path after record
+return to a module they already left at most 6 times, and the micro-batch
 measurement checks its tensor lists once (one check entry, each list seen once by each
 check; no check in the ops face or the Triton launcher). On the code before issue 42's
-part D the micro-batch l1 path made 21 returns and checked the mean-gradient list twice."""
+part D the micro-batch l1 path made 21 returns and checked the mean-gradient list twice;
+before the shared solve's restructuring the nuclear path made 14 (the solver visited 4
+times)."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,6 +37,17 @@ def test_micro_batch_l1_measurement_path(tp):
     body = c.path[:-1]
     for mod in ("gns_kernels.distributed.state", "gns_kernels.distributed.config", "gns_kernels.schedule"):
         assert body.count(mod) == 1, " > ".join(c.path)
+
+
+def test_micro_batch_nuclear_measurement_path(tp):
+    """The micro-batch nuclear measurement (one rank, the noise pool on: the shared solve),
+    the spectral solver counted as one visit: the shared solve keeps the matrices and
+    prepares the solver's arguments in its solver module, then calls the solver in one
+    block."""
+    c = tp.count(tp.micro_measurement("nuclear", solver_opaque=True))
+    assert c.returns <= MAX_RETURNS, " > ".join(c.path)
+    assert c.path.count(tp.SOLVER) == 1, " > ".join(c.path)
+    assert c.path[-1] == "gns_kernels.distributed.state"  # the record
 
 
 @pytest.mark.parametrize("geometry", ["l1", "nuclear"])
