@@ -107,8 +107,8 @@ def nuclear_stats(
       whose pair sum no correction needs; the others stay in a float64 NOISE_CHAIN
       chain), 'auto' -> 'eigh' on CPU, 'newton' elsewhere. A NewtonConfig must run
       "float64" or "tf32" products (float32 iterates came out 2-13% low on steep
-      spectra). On the Newton route D D^T is formed in float64 and C_l's shift eps is
-      relative to ||C_l||_F.
+      spectra). On every route D D^T (gradient form) and C_l are formed in float64 from
+      the float32 operands; on the Newton route C_l's shift eps is relative to ||C_l||_F.
     eig_hints (eigenvalue route, CPU): a gns_kernels.spectral.EigHints keyed by the
       parameter shapes: hinted layers are solved in float64 directly, and what each layer
       needed is recorded into it (applied at its apply(); nothing is recorded on the
@@ -152,7 +152,7 @@ def nuclear_stats(
     if req.pool_fold is not None and not isinstance(solver, NewtonConfig):
         raise ValueError("pool_fold: needs the Newton route (method 'newton')")
     if mean_grad_grams is None:
-        dd, gg = _grams_of_grads(mean_grads, shifts, sides, want_n, want_s, debias, solver)
+        dd, gg = _grams_of_grads(mean_grads, shifts, sides, want_n, want_s, debias)
         shapes = [tuple(D.shape) for D in mean_grads]
     else:
         dd, gg = mean_grad_grams, list(signal_grams if signal_grams is not None else mean_grad_grams)
@@ -163,16 +163,18 @@ def nuclear_stats(
     return res if request is not None else (res.noise, res.signal)
 
 
-def _grams_of_grads(mean_grads: list, shifts, sides: list, want_n: list, want_s: list, debias, solver) -> tuple[list, list]:
+def _grams_of_grads(mean_grads: list, shifts, sides: list, want_n: list, want_s: list, debias) -> tuple[list, list]:
     """(dd, gg) of the gradient form: D D^T (for the noise, and the signal when unshifted
     or debiased) and G G^T (G = D + S), batched by shape; only those a selected sqrt-trace
-    needs (None elsewhere). The Newton route forms D D^T in float64 (grams64_on_sides)."""
+    needs (None elsewhere). D D^T is formed in float64 on every route (grams64_on_sides):
+    C = scale (mean Gram - D D^T) cancels, and a float32 D D^T's rounding (about u sqrt(n)
+    ||D||^2) put the eigh route up to 5x over the steep-spectrum bound (issue 43 item 5);
+    the signal's G G^T of a shifted D stays float32 (no cancellation)."""
     L = len(mean_grads)
     shifted = {l for l in range(L) if shifts is not None and shifts[l] is not None}
     need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and (l not in shifted or debias is not None))]
     dd: list = [None] * L
-    on_sides = grams64_on_sides if isinstance(solver, NewtonConfig) else grams_on_sides
-    for l, G in zip(need_dd, on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
+    for l, G in zip(need_dd, grams64_on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
         dd[l] = G
     gg = list(dd)
     need_gg = [l for l in sorted(shifted) if want_s[l]]

@@ -7,7 +7,7 @@
 
 Units: noise in gradient units x sqrt(examples), signal in gradient units; both float32
 Tensor[L]. Routes (solver.py): EighConfig -> one ``gns_kernels::psd_eigvalsh_list`` call
-per Gram size (C_l formed inside the worker that solves it); NewtonConfig -> one Newton
+per Gram size (C_l formed in float64 inside the worker that solves it); NewtonConfig -> one Newton
 chain per Gram size (``gns_kernels::newton_sqrt_trace_pair``; float64 matmuls for the noise
 matrices, NOISE_CHAIN). Only the selected sqrt-traces are solved (the others are 0).
 """
@@ -178,10 +178,12 @@ def _cdt(lay: NuclearLayers):
 def _eigh_size(acc: _Acc, lay: NuclearLayers, items: list, solver: EighConfig, hint: list,
                correct: Optional[NoiseCorrection], sums: bool) -> None:
     """One Gram size by eigenvalues: C_l = scale * (mean_gram - D D^T) formed per matrix
-    inside the op's workers; the correction (or the sums) from the eigenvalues."""
+    in float64 inside the op's workers (then the float32 attempt with its bound and the
+    float64 fallback); the debiased signal's matrix formed in float64 too; the correction
+    (or the sums) from the eigenvalues."""
     from ..stats.bias import pair_sum
 
-    cdt = _cdt(lay)
+    cdt = torch.float64
     lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
         [(plain(lay.mean_grams[l]) if w == "n" else _sig_matrix(lay, l, cdt)) for w, l in items],
         [plain(lay.dd[l]) if w == "n" else None for w, l in items],
