@@ -9,10 +9,12 @@ Public functions (gram / sqrt_trace / nuclear_stats are re-exported as gns_kerne
   fallback chosen by an a-posteriori error bound) or "newton" (newton.py: positive part by
   the Newton-Schulz sign iteration, then coupled Newton-Schulz with a relative shift; no
   host synchronization) (trace.py).
-- ``EighConfig(tol=)`` / ``NewtonConfig(iters=, eps=, precision=)``: the typed solver
-  configs (one frozen dataclass per route, checked once; solver.py), which ``method=`` of
-  sqrt_trace and nuclear_stats takes besides the strings "auto" | "eigh" | "newton" |
-  "newton-tf32".
+- ``EighConfig(tol=)`` / ``NewtonConfig(iters=, eps=, precision=)`` / ``HostConfig()``:
+  the typed solver configs (one frozen dataclass per route, checked once; solver.py),
+  which ``method=`` of sqrt_trace and nuclear_stats takes besides the strings "auto" |
+  "eigh" | "newton" | "newton-tf32" | "host".
+- ``host_eigen_sums(mats, pair)`` / ``HostJob``: the host route's float64 eigenvalue sums
+  on the calling thread or on one background thread (host.py).
 - ``nuclear_stats(mean_grams, mean_grads, scale, ...) -> (noise[L], signal[L])``, or with
   ``mean_grad_grams=`` for FSDP2, where only the Gram of the mean gradient exists
   (nuclear.py; checks in nuclear_args.py, the solve in nuclear_solve.py);
@@ -43,10 +45,11 @@ from .precision import record_matmuls
 from .nuclear import NuclearRequest, NuclearResult, nuclear_stats, nuclear_stats_from_grams
 from .deviations import deviation_sums, deviation_sums_parts
 from .pooled import pooled_sqrt_traces
-from .solver import EighConfig, NewtonConfig, SolverConfig
+from .solver import EighConfig, HostConfig, NewtonConfig, SolverConfig
+from .host import HostJob, HostJobCancelled, host_eigen_sums
 from .trace import sqrt_trace
 
 # the public ops; the solver internals and tuning constants imported above stay reachable
 # as gns_kernels.spectral.<name> for tests and benchmarks, but are not API
 __all__ = ["gram", "sqrt_trace", "nuclear_stats", "nuclear_stats_from_grams", "EigHints", "EighConfig",
-           "NewtonConfig", "SolverConfig", "NuclearRequest", "NuclearResult"]
+           "NewtonConfig", "HostConfig", "SolverConfig", "NuclearRequest", "NuclearResult"]

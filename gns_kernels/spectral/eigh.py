@@ -81,8 +81,10 @@ def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bo
 
     The same method as _eig_batched (float32 eigvalsh of S / 2^e, float64 eigvalsh of the
     same values when the error bound exceeds tol) without its batch temporaries: S is
-    formed once, scaled in place by scale / 2^e (exact: one rounding, as scale * (A - B)
-    then / 2^e, and no overflow of scale * (A - B)), and the lower triangle is used (no
+    formed once, in float64 when B is given or either is float64 (A - B of float32
+    operands is then exact, and its cancellation costs nothing; issue 43 item 5), scaled
+    in place by scale / 2^e (exact: one rounding, as scale * (A - B) then / 2^e, and no
+    overflow of scale * (A - B)), and the lower triangle is used (no
     symmetrization pass unless ``symmetrize``: A and B are symmetric). wide=True skips the
     float32 attempt (the result is the one the fallback would give, without its cost).
     Non-finite input -> NaN eigenvalues; k = 0 -> an empty result.
@@ -90,7 +92,7 @@ def _eig_cpu_one(A: Tensor, B: Tensor | None, scale: float, tol: float, wide: bo
     k = A.shape[-1]
     if k == 0:
         return torch.zeros(0, dtype=torch.float64), False
-    f64 = A.dtype == torch.float64 or (B is not None and B.dtype == torch.float64)
+    f64 = A.dtype == torch.float64 or B is not None
     dt = torch.float64 if f64 else torch.float32
     x = A.to(dt, copy=True) if B is None else torch.sub(A.to(dt), B.to(dt))
     if symmetrize:  # psd_eigvalsh's contract: (S + S^T) / 2
@@ -120,14 +122,17 @@ def _psd_eigvalsh_list_op(A: list[Tensor], B: list[Optional[Tensor]], scales: li
                           wide: list[bool]) -> tuple[Tensor, Tensor]:
     """Eigenvalues (L, k) float64 of S_l = scales[l] * (A[l] - B[l]) (B[l] None: scales[l] *
     A[l]), and a bool (L,) telling which were solved in float64. Every A[l], B[l] is k x k
-    and symmetric (the lower triangle is used). Accuracy as psd_eigvalsh; wide[l] = True
-    solves S_l in float64 directly (the float32 attempt is skipped). CPU: one matrix per
-    single-threaded worker, S_l formed inside the worker (no stacked copy of the inputs);
-    other devices: stacked, then _eig_batched (wide is not used; the flags are False)."""
+    and symmetric (the lower triangle is used). S_l is formed in float64 where B[l] is
+    given (the difference of float32 operands exactly), then rounded to float32 for the
+    float32 attempt. Accuracy as psd_eigvalsh; wide[l] = True solves S_l in float64
+    directly (the float32 attempt is skipped). CPU: one matrix per single-threaded worker,
+    S_l formed inside the worker (no stacked copy of the inputs); other devices: stacked
+    (float64 when any B[l] is given), then _eig_batched (wide is not used; the flags are
+    False)."""
     if A[0].device.type == "cpu":
         res = _map_cpu(lambda l: _eig_cpu_one(A[l], B[l], scales[l], tol, wide[l]), list(range(len(A))))
         return torch.stack([r[0] for r in res]), torch.tensor([r[1] for r in res], dtype=torch.bool)
-    f64 = any(a.dtype == torch.float64 for a in A) or any(b is not None and b.dtype == torch.float64 for b in B)
+    f64 = any(a.dtype == torch.float64 for a in A) or any(b is not None for b in B)
     dt = torch.float64 if f64 else torch.float32
     mats = torch.stack([(a.to(dt) if b is None else a.to(dt) - b.to(dt)) * sc for a, b, sc in zip(A, B, scales)])
     lam = _eig_batched(mats, tol) if mats.shape[-1] else mats.new_zeros((len(A), 0), dtype=torch.float64)

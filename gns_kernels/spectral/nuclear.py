@@ -39,7 +39,7 @@ from .nuclear_args import (NuclearRequest, check_common, check_form, check_selec
                            layers_of_grams, merge_other_dims, validate_layers)
 from .nuclear_solve import (NOISE_CHAIN, NOISE_EPS, NOISE_NEWTON, NoiseCorrection, NuclearLayers, NuclearResult,
                             scatter_cols, solve)
-from .solver import EighConfig, NewtonConfig, SolverConfig, resolve_solver
+from .solver import EighConfig, HostConfig, NewtonConfig, SolverConfig, resolve_solver
 
 Tensor = torch.Tensor
 
@@ -47,7 +47,8 @@ __all__ = ["nuclear_stats", "NuclearRequest", "NuclearResult", "ROUTES", "NOISE_
            "NOISE_NEWTON", "nuclear_stats_from_grams", "nuclear_stats_select", "nuclear_stats_from_grams_select"]
 
 # what nuclear_stats's method strings stand for ('auto': 'eigh' on CPU, 'newton' elsewhere)
-ROUTES = {"eigh": EighConfig(), "newton": NOISE_CHAIN, "newton-tf32": NewtonConfig(precision="tf32")}
+ROUTES = {"eigh": EighConfig(), "newton": NOISE_CHAIN, "newton-tf32": NewtonConfig(precision="tf32"),
+          "host": HostConfig()}
 _ALL = NuclearRequest()
 _scatter_cols = scatter_cols  # the old private name (imported from here before issue 42; one release)
 
@@ -93,8 +94,8 @@ def nuclear_stats(
     bias_correction: False (default: the paper's raw tr(C^{1/2})) or True: the noise is
       gns_kernels.bias.nuclear_sqrt_trace_corrected(eigenvalues of C, num_samples,
       batch_size, other_dim=other_dims[l] (default: the gradient's other side),
-      dof_model=dof_model); needs num_samples (R). The eigenvalue route corrects from the
-      eigenvalues; the Newton route from the Newton trace and the pair sum
+      dof_model=dof_model); needs num_samples (R). The eigenvalue and host routes correct
+      from the eigenvalues; the Newton route from the Newton trace and the pair sum
       sum_ij s_i s_j / (s_i + s_j) (gns_kernels.spectral.sqrt_trace_pair_sum), the same
       value to about 1e-4 relative, with matmuls only (no eigensolver, no host sync).
     signal: 'raw' (default): ||G_l||_S1; 'debiased': tr((G_l G_l^T - C_l / B)_+^{1/2}) on
@@ -105,22 +106,24 @@ def nuclear_stats(
       'newton' -> NOISE_CHAIN = NewtonConfig(iters=20, eps=1e-11, precision="float64"),
       'newton-tf32' -> NewtonConfig(precision="tf32") (its TF32 chain takes the matrices
       whose pair sum no correction needs; the others stay in a float64 NOISE_CHAIN
-      chain), 'auto' -> 'eigh' on CPU, 'newton' elsewhere. A NewtonConfig must run
-      "float64" or "tf32" products (float32 iterates came out 2-13% low on steep
-      spectra). On the Newton route D D^T is formed in float64 and C_l's shift eps is
-      relative to ||C_l||_F.
+      chain), 'host' -> HostConfig() (C_l formed in float64 on the inputs' device,
+      float64 eigvalsh on the CPU: one host sync per Gram size; spectral.host), 'auto' ->
+      'eigh' on CPU, 'newton' elsewhere. A NewtonConfig must run "float64" or "tf32"
+      products (float32 iterates came out 2-13% low on steep spectra). On every route
+      D D^T (gradient form) and C_l are formed in float64 from the float32 operands; on
+      the Newton route C_l's shift eps is relative to ||C_l||_F.
     eig_hints (eigenvalue route, CPU): a gns_kernels.spectral.EigHints keyed by the
       parameter shapes: hinted layers are solved in float64 directly, and what each layer
       needed is recorded into it (applied at its apply(); nothing is recorded on the
-      Newton route). Reads the solver's flags (not traceable by torch.compile); leave
+      Newton and host routes). Reads the solver's flags (not traceable by torch.compile); leave
       None there.
     request: None, or a NuclearRequest (select a subset, the sums a later correction
-      needs, the covariances, a pool folded into the Newton chain): the call then returns
+      needs, the covariances, a pool folded into the Newton or host solve): the call then returns
       a NuclearResult (noise, signal, used64, sums, pooled, covariances).
-    C may come out slightly indefinite (float32 subtraction): eigenvalues below 0 count 0.
-    A layer with k = 0 (an empty side) contributes noise 0 and signal 0.
+    C may come out slightly indefinite (rounding of its operands): eigenvalues below 0
+    count 0. A layer with k = 0 (an empty side) contributes noise 0 and signal 0.
     Layers are batched by Gram size (one op call per size). No host synchronization
-    unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
+    (except the host route's copy) unless validate=True (or env GNS_KERNELS_VALIDATE=1): then inputs are checked for
     finiteness and symmetry. Non-finite inputs give NaN for that layer.
     """
     req = _ALL if request is None else request
@@ -149,10 +152,10 @@ def nuclear_stats(
     validate_layers(validate, mean_grams, mean_grads, mean_grad_grams, signal_grams)
     debias = debias_factor(signal, scale, batch_size)
     solver = resolve_solver(method, mean_grams[0].device, ROUTES)
-    if req.pool_fold is not None and not isinstance(solver, NewtonConfig):
-        raise ValueError("pool_fold: needs the Newton route (method 'newton')")
+    if req.pool_fold is not None and not isinstance(solver, (NewtonConfig, HostConfig)):
+        raise ValueError("pool_fold: needs the Newton route (method 'newton') or the host route ('host')")
     if mean_grad_grams is None:
-        dd, gg = _grams_of_grads(mean_grads, shifts, sides, want_n, want_s, debias, solver)
+        dd, gg = _grams_of_grads(mean_grads, shifts, sides, want_n, want_s, debias)
         shapes = [tuple(D.shape) for D in mean_grads]
     else:
         dd, gg = mean_grad_grams, list(signal_grams if signal_grams is not None else mean_grad_grams)
@@ -163,16 +166,18 @@ def nuclear_stats(
     return res if request is not None else (res.noise, res.signal)
 
 
-def _grams_of_grads(mean_grads: list, shifts, sides: list, want_n: list, want_s: list, debias, solver) -> tuple[list, list]:
+def _grams_of_grads(mean_grads: list, shifts, sides: list, want_n: list, want_s: list, debias) -> tuple[list, list]:
     """(dd, gg) of the gradient form: D D^T (for the noise, and the signal when unshifted
     or debiased) and G G^T (G = D + S), batched by shape; only those a selected sqrt-trace
-    needs (None elsewhere). The Newton route forms D D^T in float64 (grams64_on_sides)."""
+    needs (None elsewhere). D D^T is formed in float64 on every route (grams64_on_sides):
+    C = scale (mean Gram - D D^T) cancels, and a float32 D D^T's rounding (about u sqrt(n)
+    ||D||^2) put the eigh route up to 5x over the steep-spectrum bound (issue 43 item 5);
+    the signal's G G^T of a shifted D stays float32 (no cancellation)."""
     L = len(mean_grads)
     shifted = {l for l in range(L) if shifts is not None and shifts[l] is not None}
     need_dd = [l for l in range(L) if want_n[l] or (want_s[l] and (l not in shifted or debias is not None))]
     dd: list = [None] * L
-    on_sides = grams64_on_sides if isinstance(solver, NewtonConfig) else grams_on_sides
-    for l, G in zip(need_dd, on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
+    for l, G in zip(need_dd, grams64_on_sides([mean_grads[l] for l in need_dd], [sides[l] for l in need_dd])):
         dd[l] = G
     gg = list(dd)
     need_gg = [l for l in sorted(shifted) if want_s[l]]

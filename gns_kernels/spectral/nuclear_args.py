@@ -41,12 +41,13 @@ class NuclearRequest:
     covariances: True: NuclearResult.covariances lists (l, C_l) for every selected noise
       matrix in ascending l, C_l = scale (mean_gram_l - D_l D_l^T) (k x k, float32, or
       float64 when a Gram is): the covariance the noise solves (the hooks' noise pool).
-    pool_fold (Newton route, with sums): None, or a callable (ls, C) -> P called once per
-      Gram size with the selected noise matrices' layer indices ls (ascending) and their
-      covariances C (len(ls), k, k, float64); it returns the pooled matrices P (same
-      shape), whose sqrt-traces and pair sums join the same Newton chain as the noise and
-      signal matrices: NuclearResult.pooled, float64 [tr P^{1/2}, pair sum] per layer
-      (Tensor[2, L], 0 where not selected).
+    pool_fold (Newton or host route, with sums): None, or a callable (ls, C) -> P called
+      once per Gram size with the selected noise matrices' layer indices ls (ascending)
+      and their covariances C (len(ls), k, k, float64); it returns the pooled matrices P
+      (same shape), whose sqrt-traces and pair sums join the same solve as the noise and
+      signal matrices (the Newton chain, or the host's float64 eigvalsh):
+      NuclearResult.pooled, float64 [tr P^{1/2}, pair sum] per layer (Tensor[2, L], 0
+      where not selected).
     """
 
     select: Optional[tuple] = None
@@ -73,7 +74,7 @@ class NuclearRequest:
             if not callable(self.pool_fold):
                 raise ValueError(f"pool_fold: expected None or a callable (ls, C) -> P, got {self.pool_fold!r}")
             if not self.sums:
-                raise ValueError("pool_fold: needs sums=True (and the Newton route)")
+                raise ValueError("pool_fold: needs sums=True (and the Newton or host route)")
 
 
 def check_common(scale, bias_correction, num_samples, method, eig_hints) -> None:

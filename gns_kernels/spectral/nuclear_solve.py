@@ -7,9 +7,12 @@
 
 Units: noise in gradient units x sqrt(examples), signal in gradient units; both float32
 Tensor[L]. Routes (solver.py): EighConfig -> one ``gns_kernels::psd_eigvalsh_list`` call
-per Gram size (C_l formed inside the worker that solves it); NewtonConfig -> one Newton
-chain per Gram size (``gns_kernels::newton_sqrt_trace_pair``; float64 matmuls for the noise
-matrices, NOISE_CHAIN). Only the selected sqrt-traces are solved (the others are 0).
+per Gram size (C_l formed in float64 inside the worker that solves it); NewtonConfig -> one
+Newton chain per Gram size (``gns_kernels::newton_sqrt_trace_pair``; float64 matmuls for
+the noise matrices, NOISE_CHAIN); HostConfig -> the matrices of one Gram size formed in
+float64 on the inputs' device, copied to the CPU (a host sync) and solved there by float64
+eigvalsh (host.host_eigen_sums), the sums copied back. Only the selected sqrt-traces are
+solved (the others are 0).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .newton import check_newton_args, newton_min_iters
-from .solver import EighConfig, NewtonConfig, SolverConfig
+from .solver import EighConfig, HostConfig, NewtonConfig, SolverConfig
 
 from ..stats.common import scatter_cols
 
@@ -71,7 +74,8 @@ class NuclearResult(NamedTuple):
     noise, signal: float32 Tensor[L] (0 where not selected).
     used64: bool Tensor[L] on the Grams' device, True where a selected eigenproblem of
       layer l was solved in float64 (eigenvalue route); None on the Newton route, which
-      reports nothing.
+      reports nothing, and on the host route (every solve is float64 there and no
+      float32 attempt is made: nothing for eig_hints to learn).
     sums: float64 Tensor[4, L] (request.sums; NuclearRequest), else None.
     pooled: float64 Tensor[2, L] (request.pool_fold), else None.
     covariances: [(l, C_l)] (request.covariances), else None."""
@@ -104,7 +108,8 @@ def solve(lay: NuclearLayers, solver: SolverConfig, correction: Optional[NoiseCo
     in one op call. sums: the noise is the raw tr(C^{1/2}) and NuclearResult.sums the
     selected noise matrices' [tr C^{1/2}, pair sum, tr C, ||C||_F^2] (a correction formed
     later). correction (None: the raw noise) is applied here, from this solve's spectra,
-    unless sums. The Newton route projects the noise matrices always (NOISE_CHAIN)."""
+    unless sums. The Newton route projects the noise matrices always (NOISE_CHAIN); the
+    host route clamps their negative eigenvalues (as eigh)."""
     L = len(lay.mean_grams)
     covs = _covariances(lay, want_n) if covariances else None
     hint = eig_hints.lookup(lay.shapes) if eig_hints is not None else [False] * L
@@ -132,6 +137,8 @@ def solve(lay: NuclearLayers, solver: SolverConfig, correction: Optional[NoiseCo
         items.sort(key=lambda it: it[0] != "n")
         if isinstance(solver, EighConfig):
             _eigh_size(acc, lay, items, solver, hint, correct, sums)
+        elif isinstance(solver, HostConfig):
+            _host_size(acc, lay, k, items, correct, sums, pool_fold)
         else:
             _newton_size(acc, lay, k, items, solver, correct, sums, pool_fold)
     used: Tensor | None = None
@@ -178,10 +185,12 @@ def _cdt(lay: NuclearLayers):
 def _eigh_size(acc: _Acc, lay: NuclearLayers, items: list, solver: EighConfig, hint: list,
                correct: Optional[NoiseCorrection], sums: bool) -> None:
     """One Gram size by eigenvalues: C_l = scale * (mean_gram - D D^T) formed per matrix
-    inside the op's workers; the correction (or the sums) from the eigenvalues."""
+    in float64 inside the op's workers (then the float32 attempt with its bound and the
+    float64 fallback); the debiased signal's matrix formed in float64 too; the correction
+    (or the sums) from the eigenvalues."""
     from ..stats.bias import pair_sum
 
-    cdt = _cdt(lay)
+    cdt = torch.float64
     lam, wide = torch.ops.gns_kernels.psd_eigvalsh_list(
         [(plain(lay.mean_grams[l]) if w == "n" else _sig_matrix(lay, l, cdt)) for w, l in items],
         [plain(lay.dd[l]) if w == "n" else None for w, l in items],
@@ -207,6 +216,60 @@ def _eigh_size(acc: _Acc, lay: NuclearLayers, items: list, solver: EighConfig, h
                                                   (lam64 * lam64).sum()]).to(acc.dev0)
         else:
             acc.signal[l] = res[i]
+
+
+def _host_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, correct: Optional[NoiseCorrection],
+               sums: bool, pool_fold) -> None:
+    """One Gram size on the host: the noise matrices C_l = scale (mean_gram - D D^T) formed
+    in float64 on the inputs' device (as _newton_size), the pooled matrices pool_fold(ls,
+    C) (same contract as the Newton route), the signal matrices (float64), copied to the
+    CPU in one stack (a host sync: the functional route waits for its solve), solved by
+    host.host_eigen_sums (float64 eigvalsh; the pair sums of the noise matrices where a
+    correction or the sums need them, of the pooled ones always) and the sums copied back
+    to the inputs' device. The correction is nuclear_sqrt_trace_corrected_from_sums of the
+    eigenvalues' two sums (the same value as nuclear_sqrt_trace_corrected of the
+    eigenvalues)."""
+    from .host import host_eigen_sums
+
+    n_ls = [l for w, l in items if w == "n"]
+    s_ls = [l for w, l in items if w != "n"]
+    dev_k = lay.mean_grams[items[0][1]].device
+    parts = []
+    Cn = None
+    if n_ls:
+        Cn = torch.stack([plain(lay.mean_grams[l]) for l in n_ls]).double()
+        Cn = Cn.sub_(torch.stack([plain(lay.dd[l]) for l in n_ls]).double()).mul_(lay.scale)
+        parts.append(Cn)
+        if pool_fold is not None:
+            parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
+    n_rows = sum(p.shape[0] for p in parts)
+    if s_ls:
+        parts.append(torch.stack([_sig_matrix(lay, l, torch.float64) for l in s_ls]).to(device=dev_k,
+                                                                                       dtype=torch.float64))
+    mats = (parts[0] if len(parts) == 1 else torch.cat(parts)).to("cpu")
+    nn = len(n_ls)
+    want_pair = correct is not None or sums
+    pair = [want_pair] * nn + [True] * (n_rows - nn) + [False] * len(s_ls)
+    out = host_eigen_sums(mats.unbind(0), pair).to(dev_k)
+    tr = out[0]
+    if s_ls:
+        _put(acc.signal, s_ls, tr[n_rows:])
+    if not n_ls:
+        return
+    if sums:
+        _put(acc.noise, n_ls, tr[:nn])
+        acc.extra.append(scatter_cols(out[:, :nn].to(acc.dev0), n_ls, acc.L))
+    elif correct is not None:
+        from ..stats.bias import nuclear_sqrt_trace_corrected_from_sums
+
+        for j, l in enumerate(n_ls):
+            acc.noise[l] = nuclear_sqrt_trace_corrected_from_sums(
+                tr[j], out[1, j], int(correct.num_samples), correct.batch_size, gram_dim=k,
+                other_dim=lay.others[l], dof_model=correct.dof_model)
+    else:
+        _put(acc.noise, n_ls, tr[:nn])
+    if pool_fold is not None:
+        acc.pooled.append(scatter_cols(out[:2, nn:2 * nn].to(acc.dev0), n_ls, acc.L))
 
 
 def _newton_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, solver: NewtonConfig,

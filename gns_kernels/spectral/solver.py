@@ -15,9 +15,15 @@ Routes (A symmetric, (..., m, m); A_+ its positive part):
         eps = NEWTON_EPS_BY_PRECISION[precision] (1e-6 for "ieee" / "tf32", 1e-12 for
         "float64"), iters = newton_min_iters(eps) + 3; allowed eps in
         [NEWTON_EPS_BY_PRECISION[precision], 1e-2], iters in [newton_min_iters(eps), 200].
+    HostConfig(max_pending=1)
+        the host route (host.py): the matrices (C formed in float64 where it is a
+        difference) copied to the CPU, float64 eigvalsh there (LAPACK with MKL's default
+        thread count), sum_i sqrt(max(lambda_i, 0)) and the pair sums from the eigenvalues.
+        ``sqrt_trace`` / ``nuclear_stats`` run it synchronously (one host sync: the copy);
+        max_pending is read only by the hooks' lagged use (issue 43, next step).
 
 Method strings (``gk.sqrt_trace(A, method=...)``, ``gk.nuclear_stats(..., method=...)``,
-the hook states' ``method``): METHODS = ("auto", "eigh", "newton", "newton-tf32"). Each
+the hook states' ``method``): METHODS = ("auto", "eigh", "newton", "newton-tf32", "host"). Each
 entry point says which config each string stands for (``routes`` of ``resolve_solver``):
 ``sqrt_trace``'s "newton" is NewtonConfig() (float32), ``nuclear_stats``'s is its float64
 noise chain NOISE_CHAIN (nuclear.py). "auto" is no config: it resolves by device, the
@@ -36,13 +42,14 @@ from .eigh import EIGH_TOL
 from .newton import NEWTON_PRECISIONS, check_newton_args
 from .precision import check_precision
 
-__all__ = ["SolverConfig", "EighConfig", "NewtonConfig", "METHODS", "NEWTON_METHODS",
+__all__ = ["SolverConfig", "EighConfig", "NewtonConfig", "HostConfig", "METHODS", "NEWTON_METHODS",
            "resolve_method", "resolve_solver", "check_solver"]
 
 # "newton-tf32": the Newton path with TF32 products (operands rounded to nearest), opt in
 # (newton.NEWTON_PRECISIONS) of sqrt_trace / nuclear_stats; the hook states refuse it
-# (distributed.config.check_hook_method: it left the hooks' signal 18% low in emulation)
-METHODS = ("auto", "eigh", "newton", "newton-tf32")
+# (distributed.config.check_hook_method: it left the hooks' signal 18% low in emulation);
+# "host": float64 eigvalsh on the CPU (HostConfig; the hooks do not run it yet)
+METHODS = ("auto", "eigh", "newton", "newton-tf32", "host")
 NEWTON_METHODS = ("newton", "newton-tf32")
 
 
@@ -53,11 +60,11 @@ class SolverConfig:
 
     def __post_init__(self) -> None:
         if type(self) is SolverConfig:
-            raise TypeError("SolverConfig: make an EighConfig or a NewtonConfig")
+            raise TypeError("SolverConfig: make an EighConfig, a NewtonConfig or a HostConfig")
 
     @property
     def method(self) -> str:
-        """The method string of this route: 'eigh', 'newton' or 'newton-tf32'."""
+        """The method string of this route: 'eigh', 'newton', 'newton-tf32' or 'host'."""
         raise NotImplementedError
 
 
@@ -106,6 +113,31 @@ class NewtonConfig(SolverConfig):
         return "newton-tf32" if self.precision == "tf32" else "newton"
 
 
+@dataclass(frozen=True, kw_only=True)
+class HostConfig(SolverConfig):
+    """The host route (module docstring; spectral/host.py): float64 eigvalsh on the CPU of
+    the matrices copied there, C formed in float64 on the inputs' device first. The
+    reference the steep-spectrum bound is measured against (float64 eigh of C formed in
+    float64 from the float32 inputs), so within rounding of it.
+
+    max_pending: the number of host solves a hook state may have in flight before the
+      next measurement waits for the oldest (an int >= 1; default 1). Read only by the
+      hooks' lagged host route (issue 43, next step); ``sqrt_trace`` and
+      ``nuclear_stats`` solve synchronously and do not read it.
+    A bad field raises ValueError naming it."""
+
+    max_pending: int = 1
+
+    def __post_init__(self) -> None:
+        v = self.max_pending
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"max_pending: expected an int >= 1 (host solves in flight), got {v!r}")
+
+    @property
+    def method(self) -> str:
+        return "host"
+
+
 def resolve_method(method: str, device: torch.device) -> str:
     """'auto' -> 'eigh' on CPU, 'newton' elsewhere (docs/spectral.md); others validated."""
     if method not in METHODS:
@@ -120,13 +152,13 @@ def check_solver(method) -> Union[str, SolverConfig]:
     if isinstance(method, SolverConfig) or (isinstance(method, str) and method in METHODS):
         return method
     raise ValueError(f"method: expected one of {', '.join(repr(m) for m in METHODS)} or an "
-                     f"EighConfig / NewtonConfig, got {method!r}")
+                     f"EighConfig / NewtonConfig / HostConfig, got {method!r}")
 
 
 def resolve_solver(method, device: torch.device, routes: Mapping[str, SolverConfig]) -> SolverConfig:
     """The solver config of ``method`` on ``device``: a SolverConfig is returned as it is;
-    a method string maps through ``routes`` ('eigh', 'newton', 'newton-tf32' -> the
-    entry point's configs), 'auto' by device (resolve_method)."""
+    a method string maps through ``routes`` ('eigh', 'newton', 'newton-tf32', 'host' ->
+    the entry point's configs), 'auto' by device (resolve_method)."""
     if isinstance(check_solver(method), SolverConfig):
         return method
     return routes[resolve_method(method, device)]

@@ -9,7 +9,8 @@ from .newton import NEWTON_PRECISIONS
 from .precision import check_precision
 # METHODS, NEWTON_METHODS and resolve_method live in solver.py; they are named here too
 # because the hooks import them from this module (distributed.config, distributed._share)
-from .solver import METHODS, NEWTON_METHODS, EighConfig, NewtonConfig, SolverConfig, check_solver, resolve_method
+from .solver import (METHODS, NEWTON_METHODS, EighConfig, HostConfig, NewtonConfig, SolverConfig, check_solver,
+                     resolve_method)
 
 Tensor = torch.Tensor
 
@@ -22,9 +23,9 @@ def trace_solver(method, device: torch.device, *, iters: int | None = None, eps:
     NewtonConfig (then the loose keywords must keep their defaults: ValueError naming the
     first that does not), else the method string with the loose keywords of its route:
     'eigh' -> EighConfig(tol=tol), 'newton' -> NewtonConfig(iters=iters, eps=eps,
-    precision=precision), 'newton-tf32' -> the same with precision "tf32", 'auto' by
-    device (solver.resolve_method). The keywords of the other route are not read
-    (``precision`` is checked whatever the route)."""
+    precision=precision), 'newton-tf32' -> the same with precision "tf32", 'host' ->
+    HostConfig(), 'auto' by device (solver.resolve_method). The keywords of the other
+    routes are not read (``precision`` is checked whatever the route)."""
     if isinstance(check_solver(method), SolverConfig):
         for name, value, default in (("iters", iters, None), ("eps", eps, None), ("tol", tol, EIGH_TOL),
                                      ("precision", precision, "ieee")):
@@ -36,6 +37,8 @@ def trace_solver(method, device: torch.device, *, iters: int | None = None, eps:
     meth = resolve_method(method, device)
     if meth == "eigh":
         return EighConfig(tol=tol)
+    if meth == "host":
+        return HostConfig()
     return NewtonConfig(iters=iters, eps=eps, precision="tf32" if meth == "newton-tf32" else precision)
 
 
@@ -74,6 +77,8 @@ def sqrt_trace(
                eigvalsh.
       'newton-tf32'  'newton' with precision "tf32" (opt in; trace within
                newton.TF32_TRACE_BUDGET = 5e-4 in emulation, not measured on a GPU).
+      'host'   float64 eigvalsh on the CPU of (A + A^T)/2 copied there (HostConfig;
+               spectral.host): the float64 reference itself; one host sync off the CPU.
       'auto'   CPU: 'eigh'; CUDA: 'newton' (docs/spectral.md).
     iters, eps ('newton'): see NewtonConfig; tol ('eigh'): see EighConfig.
     precision ('newton'): the precision of its matmuls, "ieee" (float32, default),
@@ -94,5 +99,12 @@ def sqrt_trace(
     if isinstance(solver, EighConfig):
         lam = torch.ops.gns_kernels.psd_eigvalsh(A, solver.tol)
         return lam.clamp_min(0).sqrt().sum(-1).to(out_dtype)
+    if isinstance(solver, HostConfig):
+        from .host import host_eigen_sums
+
+        m = A.shape[-1]
+        flat = A.detach().reshape(-1, m, m)
+        tr = host_eigen_sums([0.5 * (a + a.mT) for a in flat.to(device="cpu", dtype=torch.float64).unbind(0)])[0]
+        return tr.reshape(A.shape[:-2]).to(device=A.device, dtype=out_dtype)
     return torch.ops.gns_kernels.newton_sqrt_trace(A, solver.iters, solver.eps, None, True,
                                                    solver.precision).to(out_dtype)

@@ -8,7 +8,7 @@ import torch
 import gns_kernels as gk
 
 TOL = 1e-3  # the accuracy budget of every sqrt-trace method (docs/spectral.md)
-METHODS = ("eigh", "newton")
+METHODS = ("eigh", "newton", "host")
 SHAPES = [(12, 30), (30, 12), (12, 30), (17, 17), (40, 9), (3, 50), (64, 100)]
 
 

@@ -267,7 +267,7 @@ def test_nuclear_stats_request_select_solves_only_the_selection(gen, method):
         else:
             assert s1[l] == 0
     assert rel_err(n1 + n2, rn) < TOL and rel_err(s1 + s2, rs) < TOL
-    assert (used is None) == (method == "newton")
+    assert (used is None) == (method in ("newton", "host"))  # host: every solve float64, nothing to report
     if used is not None:
         assert used.dtype == torch.bool and used.shape == (L,)
 
@@ -308,12 +308,12 @@ def test_nuclear_stats_takes_a_config_bitwise_like_its_string(gen):
     kw = dict(scale=B / (R - 1), bias_correction=True, num_samples=R, batch_size=B, signal="debiased")
     for name, cfg in (("eigh", sp.EighConfig()), ("auto", sp.EighConfig()),
                       ("newton", sp.NewtonConfig(iters=20, eps=1e-11, precision="float64")),
-                      ("newton-tf32", sp.NewtonConfig(precision="tf32"))):
+                      ("newton-tf32", sp.NewtonConfig(precision="tf32")), ("host", sp.HostConfig())):
         want = gk.nuclear_stats(mean_grams, mean_grads, method=name, **kw)
         got = gk.nuclear_stats(mean_grams, mean_grads, method=cfg, **kw)
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), name
     assert sp.nuclear.ROUTES == {"eigh": sp.EighConfig(), "newton": sp.nuclear.NOISE_CHAIN,
-                                 "newton-tf32": sp.NewtonConfig(precision="tf32")}
+                                 "newton-tf32": sp.NewtonConfig(precision="tf32"), "host": sp.HostConfig()}
     assert sp.nuclear.NOISE_CHAIN == sp.NewtonConfig(
         iters=sp.nuclear.NOISE_NEWTON[0], eps=sp.nuclear.NOISE_NEWTON[1], precision="float64")
     # another chain is honoured: a larger shift changes the float64 sums of the Newton chain
@@ -342,7 +342,7 @@ def test_nuclear_stats_refuses_what_its_routes_cannot_run(gen):
     with pytest.raises(ValueError, match="^method:"):
         gk.nuclear_stats(mean_grams, mean_grads, method=sp.EighConfig)  # the class, not a config
     fold = sp.NuclearRequest(sums=True, pool_fold=lambda ls, C: C)
-    with pytest.raises(ValueError, match="^pool_fold: needs the Newton route"):
+    with pytest.raises(ValueError, match="^pool_fold: needs the Newton route .* or the host route"):
         gk.nuclear_stats(mean_grams, mean_grads, method="eigh", request=fold)
 
 

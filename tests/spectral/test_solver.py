@@ -83,7 +83,9 @@ def test_method_strings_resolve_by_route_and_device():
         assert resolve_method(m, gpu) == m
     cfg = sp.NewtonConfig()
     assert resolve_solver(cfg, cpu, routes) is cfg  # a config is taken as it is
-    assert METHODS == ("auto", "eigh", "newton", "newton-tf32")
+    assert METHODS == ("auto", "eigh", "newton", "newton-tf32", "host")
+    assert resolve_solver("host", cpu, dict(routes, host=sp.HostConfig())) == sp.HostConfig()
+    assert resolve_method("host", gpu) == "host"
     for bad in ("svd", None, 3, sp.EighConfig):
         with pytest.raises(ValueError, match="^method:"):
             check_solver(bad)
@@ -99,6 +101,7 @@ def test_sqrt_trace_takes_a_config_bitwise_like_its_string(gen):
         (dict(method="newton", precision="float64"), sp.NewtonConfig(precision="float64")),
         (dict(method="newton-tf32"), sp.NewtonConfig(precision="tf32")),
         (dict(method="auto"), sp.EighConfig()),  # on CPU
+        (dict(method="host"), sp.HostConfig()),
     ]
     for kw, cfg in pairs:
         assert torch.equal(gk.sqrt_trace(A, **kw), gk.sqrt_trace(A, method=cfg)), kw
@@ -108,6 +111,6 @@ def test_sqrt_trace_takes_a_config_bitwise_like_its_string(gen):
     (dict(iters=20), "iters"), (dict(eps=1e-4), "eps"), (dict(tol=1e-3), "tol"), (dict(precision="tf32"), "precision"),
 ])
 def test_sqrt_trace_refuses_loose_keywords_beside_a_config(kw, field):
-    for cfg in (sp.EighConfig(), sp.NewtonConfig()):
+    for cfg in (sp.EighConfig(), sp.NewtonConfig(), sp.HostConfig()):
         with pytest.raises(ValueError, match=rf"^{field}: set it in the solver config"):
             gk.sqrt_trace(torch.eye(3), method=cfg, **kw)
