@@ -111,9 +111,10 @@ class ShareSolver:
         return resolve_method(self.method, device) in NEWTON_METHODS
 
     def mean_grad_gram_op(self, device) -> Callable:
-        """The Gram function of the mean gradients D D^T: float64 products on the Newton
-        path (as spectral.nuclear_stats forms them there), float32 Grams else."""
-        return grams64_on_sides if self.newton(device) else grams_on_sides
+        """The Gram function of the mean gradients D D^T: float64 products on every route,
+        as spectral.nuclear_stats forms them (a float32 D D^T put the eigh route up to 3x
+        over the steep-spectrum bound; issue 43 item 5)."""
+        return grams64_on_sides
 
     def owned_grams(self, grads: list, ks: list, shapes: list, shifts: list,
                     device) -> tuple[list, list, list]:
@@ -250,7 +251,7 @@ class ShareSolver:
         newton = resolve_method(self.method, dev) in NEWTON_METHODS
         dd = [e.dd for e in kept]
         if todo:
-            on_sides = grams64_on_sides if newton else grams_on_sides
+            on_sides = grams64_on_sides  # every route, as nuclear_stats (issue 43 item 5)
             for i, G in zip(todo, on_sides([kept[i].grad for i in todo], sides)):
                 dd[i] = G
         gg = [e.gg if e.gg is not None else dd[i] for i, e in enumerate(kept)]
