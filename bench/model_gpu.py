@@ -49,6 +49,13 @@ Terms of the nuclear measurement (per rank, per measurement):
   (noise, noise_raw) and the pool's first measurement of a key uses it.
 - host syncs: 1 per measurement (the estimate is materialized when read).
 
+The host route (method 'host', issue 43; ``host_step``): the device forms per owned matrix
+the mean gradient's Gram D D^T and C in float64 and the pool's P, and copies them to pinned
+host memory on the copy engine (listed, overlapped, not added); the solves (float64
+eigvalsh, sqrt-traces, pair sums) run on CPU threads: ``host_core_s``, from a solve MEASURED
+on the machine that runs this script (``host_solve_s``, 1 thread), not an assumption. The
+last line prints ``S1 per rank, 160M, R=8, pool on, H100: <x> ms GPU, <y> core-s host``.
+
 The old path (eigh): quoted, not modelled: batched cuSOLVER eigvalsh plus float64 refits is
 latency-bound (FLOPs do not model it); the review predicts 2-8 s per measurement at 160M.
 
@@ -89,6 +96,7 @@ class Hardware:
     bus_bw: float = 450e9  # bytes/s NCCL all-reduce bus bandwidth within one NVLink node
     coll_latency: float = 25e-6  # s per collective (15-30 us assumed)
     launch_s: float = 5e-6  # host cost per kernel launch (PyTorch eager)
+    d2h_bw: float = 40e9  # bytes/s, device -> pinned host copy (copy engine; PCIe 5 x16 ~50 peak)
 
     def matmul_rate(self, precision: str) -> float:
         """Achieved matmul FLOP/s in ``precision`` ('fp32' FFMA, 'fp64', 'tf32' or 'bf16')."""
@@ -309,6 +317,96 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def host_solve_s(m: int, pair: bool, reps: int = 3) -> float:
+    """Seconds of ONE host solve on this machine's CPU, MEASURED (min of ``reps``): the
+    package's own host route (gns_kernels.spectral.host.host_eigen_sums: float64 eigvalsh
+    on the CPU, the sqrt-trace, and the pair sum when ``pair``) of one m x m symmetric
+    matrix, on the calling thread with MKL's default thread count. A core-seconds figure
+    only where that count is 1 (``main`` sets it)."""
+    import time
+
+    import torch
+
+    from gns_kernels.spectral.host import host_eigen_sums
+
+    g = torch.Generator().manual_seed(m)
+    X = torch.randn(m, m + 7, dtype=torch.float64, generator=g)
+    A = X @ X.T
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        host_eigen_sums([A], [pair])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = Solver(),
+              grad_itemsize: int = 4, host_s=host_solve_s) -> Terms:
+    """Predicted GPU cost of one S1 measurement on one rank on the HOST route (method
+    'host'): the device forms what only it forms cheaply and copies it to pinned host
+    memory; the O(k^3) solves run on CPU threads (``host_core_s``), off the GPU.
+
+    GPU terms: pack, the local Grams, the collective and the dof as ``nuclear_step``; per
+    owned matrix the mean gradient's Gram D D^T in float64 (2 m^2 n FP64 FLOPs) and C =
+    scale (mean Gram - D D^T) in float64 (read 4 + 8, write 8 bytes per element); the pool
+    (on) its EMA update of P in float64 (read C and P, write P: 24 bytes per element); no
+    solve, no pair sum. ``copy``: the bytes copied to the host per owned matrix (C, the
+    signal Gram and the pooled P, float64: 8 m^2 each), on the copy engine (overlapped with
+    compute: listed, not added to the GPU total). Launches: a few element-wise kernels per
+    owned matrix (``staging_launches``), booked at the launch cost."""
+    t = Terms()
+    n_param = sum(a * b for a, b in shapes)
+    gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
+    t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
+    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
+    ms = [min(a, b) for a, b in shapes]
+    owned = busiest_rank_matrices(ms, ranks)
+    local = sum(gram_flops(a, b) for a, b in shapes)
+    dd = sum(gram_flops(*shapes[i]) for i in owned)
+    t.flops["grams"] = local + dd
+    t.bytes["grams"] = gram_elems * 4 + sum(ms[i] ** 2 for i in owned) * 20
+    t.seconds["grams"] = (local / hw.matmul_rate(s.gram_precision) + dd / hw.matmul_rate("fp64")
+                          + t.bytes["grams"] / hw.copy_rate())
+    t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
+    t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
+                               + (hw.coll_latency if ranks > 1 else 0.0))
+    if s.dof_grams and ranks >= 3:
+        t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
+        t.seconds["dof"] = (t.flops["dof"] / hw.matmul_rate(s.gram_precision)
+                            + gram_elems * 4 / hw.copy_rate())
+    else:
+        t.flops["dof"] = 0
+        t.seconds["dof"] = 0.0
+    t.bytes["pool"] = sum(ms[i] ** 2 for i in owned) * 24 if s.pool else 0
+    t.flops["pool"] = 0
+    t.seconds["pool"] = t.bytes["pool"] / hw.copy_rate()
+    t.flops["solves"] = t.flops["bias"] = 0
+    t.seconds["solves"] = t.seconds["bias"] = 0.0
+    per = 3 if s.pool else 2  # matrices copied per owned matrix: C, signal Gram, pooled P
+    t.bytes["copy"] = sum(ms[i] ** 2 for i in owned) * 8 * per
+    t.launches = len(owned) * staging_launches(s.pool)
+    t.seconds["launch"] = t.launches * hw.launch_s
+    return t
+
+
+def staging_launches(pool: bool) -> int:
+    """Kernels per owned matrix of the host route's staging (assumed, not counted: float64
+    D D^T, C's subtraction and scaling, the pool's EMA update and its two pair moments, and
+    one non-blocking copy per staged matrix)."""
+    return 4 + (3 if pool else 0) + (3 if pool else 2)
+
+
+def host_core_s(shapes: list, ranks: int, s: Solver = Solver(), host_s=host_solve_s) -> float:
+    """CPU core-seconds of one measurement's host solves on the busiest rank, from
+    ``host_s`` (measured on this machine): per owned matrix the noise C and the pooled P
+    with their pair sums (bias correction, the pool), the signal without."""
+    ms = [min(a, b) for a, b in shapes]
+    owned = busiest_rank_matrices(ms, ranks)
+    per = sum(host_s(ms[i], True) * (2 if s.pool else 1) + host_s(ms[i], False) for i in owned)
+    return per
+
+
 def l_step(shapes: list, ranks: int, hw: Hardware = Hardware(), grad_itemsize: int = 4,
            bf16_grad_half: bool = False, pool: bool = False) -> Terms:
     """Predicted added cost of one l1/l2 measurement on one rank: square_pack_multi (read
@@ -389,6 +487,24 @@ def main(argv=None) -> int:
         print(f"160M, R = 8, {name}: {t.total_s * 1e3:.1f} ms predicted ({verdict} the {TARGET_MS:.0f} ms "
               f"target); matmul floor of the solver {floor * 1e3:.1f} ms; launch floor "
               f"{t.launches * hw.launch_s * 1e3:.2f} ms ({t.launches} launches); dominant term: {t.dominant()}")
+    import platform
+
+    import torch
+
+    torch.set_num_threads(1)  # one core per host solve: core-seconds
+    t = host_step(shapes, 8, hw, s)
+    core_s = host_core_s(shapes, 8, s)
+    gpu_ms = t.total_s * 1e3
+    print(f"160M, R = 8, host route (method 'host'): GPU {gpu_ms:.1f} ms predicted (pack "
+          f"{t.seconds['pack'] * 1e3:.2f}, Grams + float64 D D^T and C {t.seconds['grams'] * 1e3:.2f}, "
+          f"collective {t.seconds['collective'] * 1e3:.2f}, dof {t.seconds['dof'] * 1e3:.2f}, pool "
+          f"{t.seconds['pool'] * 1e3:.2f}, launches {t.seconds['launch'] * 1e3:.2f} for {t.launches}); "
+          f"copy to pinned host memory {t.bytes['copy'] / 1e6:.0f} MB on the copy engine "
+          f"({t.bytes['copy'] / hw.d2h_bw * 1e3:.1f} ms at {hw.d2h_bw / 1e9:.0f} GB/s, overlapped); host "
+          f"solves {core_s:.2f} core-s MEASURED on this CPU ({platform.processor() or platform.machine()}, "
+          f"1 thread, float64 eigvalsh {host_solve_s(768, False) * 1e3:.1f} ms at k = 768, "
+          f"+ pair sum {(host_solve_s(768, True) - host_solve_s(768, False)) * 1e3:.1f} ms)")
+    print(f"S1 per rank, 160M, R=8, pool on, H100: {gpu_ms:.1f} ms GPU, {core_s:.2f} core-s host")
     return 0
 
 

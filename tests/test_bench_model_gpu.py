@@ -130,3 +130,27 @@ def test_l_step_pool_term():
     t = mg.l_step([(4, 4)], 2, HW, pool=True)
     assert t.bytes["pool"] == 8 * 32 and t.seconds["pool"] == pytest.approx(8 * 32)
     assert mg.l_step([(4, 4)], 2, HW).seconds["pool"] == 0.0
+
+
+def test_host_step_one_matrix_one_rank():
+    """The host route: no solve on the GPU; float64 D D^T (fp64 rate 0.5) and C formed on
+    the device, the staged matrices' bytes to the host; host core-seconds from host_s."""
+    t = mg.host_step([(2, 3)], 1, HW, S)
+    assert t.bytes["pack"] == 80 and t.seconds["pack"] == pytest.approx(80)
+    # Grams: local 24 FLOPs at fp32 (1/s) + D D^T 24 at fp64 (0.5/s); bytes: the local Gram
+    # (4 x 4) + per owned element 20 (read the float32 mean Gram and the float64 D D^T, write C)
+    assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(24 + 48 + 16 + 80)
+    assert t.seconds["solves"] == t.seconds["bias"] == 0.0 and t.seconds["collective"] == 0.0
+    assert t.bytes["copy"] == 4 * 8 * 2  # C and the signal Gram, float64 (no pool)
+    assert t.launches == mg.staging_launches(False)
+    pooled = mg.host_step([(2, 3)], 1, HW, replace(S, pool=True))
+    assert pooled.bytes["copy"] == 4 * 8 * 3 and pooled.bytes["pool"] == 4 * 24
+    calls = []
+
+    def fake(m, pair):
+        calls.append((m, pair))
+        return 10.0 if pair else 1.0
+
+    assert mg.host_core_s([(2, 3), (4, 4)], 1, S, fake) == pytest.approx(2 * (10 + 1))
+    assert mg.host_core_s([(2, 3), (4, 4)], 1, replace(S, pool=True), fake) == pytest.approx(2 * (20 + 1))
+    assert sorted(set(calls)) == [(2, False), (2, True), (4, False), (4, True)]
