@@ -189,6 +189,38 @@ def check_list(name: str, xs: Any) -> list:
     return list(xs)
 
 
+def paired_lists_and_shifts(name_a: str, a: Any, name_b: str, b: Any, shifts: Any,
+                            empty_shifts_ok: bool) -> tuple[list, list, list]:
+    """(a, b, shifts) as lists of equal length, shifts one entry (tensor or None) per tensor
+    of a. empty_shifts_ok: the op's schema form, where an empty list means "no shift"."""
+    a = check_list(name_a, a)
+    b = check_list(name_b, b)
+    if len(b) != len(a):
+        raise ValueError(f"{name_b}: expected {len(a)} tensors like {name_a}, got {len(b)}")
+    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
+        return a, b, [None] * len(a)
+    shifts = check_list("shifts", shifts)
+    if len(shifts) != len(a):
+        raise ValueError(f"shifts: expected {len(a)} tensors like {name_a}, got {len(shifts)}")
+    return a, b, shifts
+
+
+def check_vn_lists(mean_grads: Any, mean_sqs: Any, shifts: Any, *, empty_shifts_ok: bool = False) -> list:
+    """The list arguments of variance_norms_multi (each list, each entry as check_vn, one
+    device); returns one shift (tensor or None) per tensor. The one check of these lists
+    on every path: ops.variance_norms_multi's face, its fake kernel, and the micro-batch
+    measurement, which then calls ops.variance_norms_multi_unchecked.
+
+    empty_shifts_ok: the op's schema form, where an empty list means "no shift at all".
+    """
+    mean_grads, mean_sqs, shifts = paired_lists_and_shifts(
+        "mean_grads", mean_grads, "mean_sqs", mean_sqs, shifts, empty_shifts_ok)
+    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
+        check_vn(d, q, shifts[i], suffix=f"s[{i}]")
+    common_device("mean_grads", mean_grads)
+    return shifts
+
+
 def common_device(name: str, tensors: list) -> torch.device:
     """The device of every tensor of the list (CPU for an empty list)."""
     if not tensors:

@@ -30,7 +30,10 @@ Validation happens once per call: the faces below check the arguments in Python 
 "eager" backend and for CPU tensors; on CUDA (and for backend="triton") they only look at
 the first tensor to pick the backend, and the kernel that runs validates (the C++ CUDA
 kernels in C++, the Triton launchers in Python, once per list signature), with the same
-argument names in the messages.
+argument names in the messages. ``variance_norms_multi_unchecked`` (not API) is
+variance_norms_multi for a caller that checked its lists once itself
+(``_validation.check_vn_lists``, the micro-batch measurement): the same dispatch and
+kernels, without the face's or the Triton launcher's checks.
 
 Backends (``backend=`` keyword, else env var ``GNS_KERNELS_BACKEND``, else "auto"):
 - "auto":   CPU -> "cpp"; CUDA -> the torch op if a CUDA kernel is registered for it
@@ -131,34 +134,6 @@ def _warn_no_extension() -> None:
 # They validate their arguments like the real kernels: the dispatcher also routes a direct
 # call with tensors on two devices (e.g. CPU and meta) here, which must raise, not return
 # uninitialised memory or silently do nothing.
-def _paired_lists_and_shifts(name_a: str, a, name_b: str, b, shifts, empty_shifts_ok: bool):
-    """(a, b, shifts) as lists of equal length, shifts one entry (tensor or None) per tensor
-    of a. empty_shifts_ok: the op's schema form, where an empty list means "no shift"."""
-    a = _v.check_list(name_a, a)
-    b = _v.check_list(name_b, b)
-    if len(b) != len(a):
-        raise ValueError(f"{name_b}: expected {len(a)} tensors like {name_a}, got {len(b)}")
-    if shifts is None or (empty_shifts_ok and len(shifts) == 0):
-        shifts = [None] * len(a)
-    shifts = _v.check_list("shifts", shifts)
-    if len(shifts) != len(a):
-        raise ValueError(f"shifts: expected {len(a)} tensors like {name_a}, got {len(shifts)}")
-    return a, b, shifts
-
-
-def _check_vn_lists(mean_grads, mean_sqs, shifts, *, empty_shifts_ok: bool) -> list:
-    """Validate the list arguments of variance_norms_multi; returns one shift per tensor.
-
-    empty_shifts_ok: the op's schema form, where an empty list means "no shift at all".
-    """
-    mean_grads, mean_sqs, shifts = _paired_lists_and_shifts(
-        "mean_grads", mean_grads, "mean_sqs", mean_sqs, shifts, empty_shifts_ok)
-    for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
-        _v.check_vn(d, q, shifts[i], suffix=f"s[{i}]")
-    _v.common_device("mean_grads", mean_grads)
-    return shifts
-
-
 def _check_acc_lists(grads, prevs, sqs) -> None:
     """Validate the list arguments of accumulate_sq_multi (sizes, dtypes, one device)."""
     grads = _v.check_list("grads", grads)
@@ -174,7 +149,7 @@ def _check_acc_lists(grads, prevs, sqs) -> None:
 
 def _check_pack_lists(grads, outs, shifts, *, empty_shifts_ok: bool) -> list:
     """Validate the list arguments of square_pack_multi; returns one shift per tensor."""
-    grads, outs, shifts = _paired_lists_and_shifts("grads", grads, "outs", outs, shifts, empty_shifts_ok)
+    grads, outs, shifts = _v.paired_lists_and_shifts("grads", grads, "outs", outs, shifts, empty_shifts_ok)
     for i, (g, o) in enumerate(zip(grads, outs)):
         _v.check_square_pack(g, o, shifts[i], suffix=f"s[{i}]")
     _v.common_device("grads", grads)
@@ -208,7 +183,7 @@ if _C is not None:
     @torch.library.register_fake("gns_kernels::variance_norms_multi")
     def _variance_norms_multi_fake(mean_grads, mean_sqs, scale, shifts):
         torch._check(len(mean_grads) > 0, lambda: "mean_grads: expected a non-empty list")
-        _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=True)
+        _v.check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=True)
         return mean_grads[0].new_empty(4, dtype=torch.float32)
 
     @torch.library.register_fake("gns_kernels::square_pack")
@@ -523,13 +498,45 @@ def variance_norms_multi(
     if b == "triton":  # the launcher validates (once per list signature)
         return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
     if not _kernel_validates(b, dev):
-        shifts_list = _check_vn_lists(mean_grads, mean_sqs, shifts, empty_shifts_ok=False)
+        shifts_list = _v.check_vn_lists(mean_grads, mean_sqs, shifts)
         shifts = None if shifts is None else shifts_list
         dev = _v.common_device("mean_grads", list(mean_grads))
         b = b or _resolve(backend, dev, "variance_norms_multi")
     mean_grads, mean_sqs = list(mean_grads), list(mean_sqs)
     if not mean_grads:  # nothing to dispatch on: the sums are zero
         return torch.zeros(4, dtype=torch.float32, device=dev)
+    return _vn_multi_kernel(b, dev, mean_grads, mean_sqs, scale, shifts, _triton_fused().variance_norms_multi
+                            if b == "triton" else None)
+
+
+def variance_norms_multi_unchecked(
+    mean_grads: list,
+    mean_sqs: list,
+    scale: float,
+    shifts: Optional[list] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """``variance_norms_multi`` without the argument checks, for a caller that checked the
+    lists and the scale once itself (``gns_kernels._validation.check_vn_lists`` and
+    ``check_scale``): the micro-batch measurement (gns_kernels.distributed._micro_measure),
+    whose path validates its tensor lists once. Not part of the API (not in ``__all__``):
+    arguments reach the Triton launcher (its device-type check aside) and the eager
+    formulas unchecked; the C++ kernels check in C++ whoever calls them. Same backends,
+    dispatch and results as ``variance_norms_multi``.
+    """
+    if not mean_grads:  # nothing to dispatch on: the sums are zero
+        return torch.zeros(4, dtype=torch.float32)
+    dev = mean_grads[0].device
+    b = _resolve(backend, dev, "variance_norms_multi", mean_grads[0])
+    return _vn_multi_kernel(b, dev, mean_grads, mean_sqs, scale, shifts,
+                            _triton_fused().variance_norms_multi_unchecked if b == "triton" else None)
+
+
+def _vn_multi_kernel(b: str, dev: torch.device, mean_grads: list, mean_sqs: list, scale: float,
+                     shifts: Optional[list], triton_launcher) -> Tensor:
+    """The kernel of backend ``b`` on non-empty lists whose checks are done (or left to
+    the kernel); triton_launcher: the Triton entry (checking or not) when b is "triton"."""
     if b == "cpp":
         # one entry per tensor (None: no shift), so every registered kernel (C++ CPU/CUDA,
         # Triton via register_cuda_kernels) sees the same list form; the C++ kernels also
@@ -538,7 +545,7 @@ def variance_norms_multi(
             mean_grads, mean_sqs, scale, [None] * len(mean_grads) if shifts is None else list(shifts)
         )
     if b == "triton":
-        return _triton_fused().variance_norms_multi(mean_grads, mean_sqs, scale, shifts)
+        return triton_launcher(mean_grads, mean_sqs, scale, shifts)
     total = torch.zeros(4, dtype=torch.float64, device=dev)
     for i, (d, q) in enumerate(zip(mean_grads, mean_sqs)):
         total += _eager_vn_terms(d, q, scale, None if shifts is None else shifts[i])

@@ -54,7 +54,18 @@ def test_variance_norms_matches_reference(n, dtype, with_shift, gen):
     got = gk.variance_norms(d, q, scale, s)
     assert got.dtype == torch.float32 and got.shape == (4,) and got.device == d.device
     want = ref.variance_norms(d, q, scale, s)
-    _close(got, want, rtol=1e-5)
+    # float32 arithmetic cannot do better than the cancellation in s2_i = scale (q_i - d_i^2)
+    # allows (a few coordinates with q_i ~ d_i^2 dominate at small n): beyond rtol, the
+    # s2 sum may be off by sum_i e_i and the sqrt sum by sum_i min(sqrt(e_i), e_i / sqrt(s2_i)),
+    # e_i = 4 u32 scale (|q_i| + d_i^2) (|sqrt(a) - sqrt(b)| <= min(sqrt|a-b|, |a-b| / sqrt(b)))
+    d64, q64 = d.double(), q.double()
+    e = 4 * 2.0**-24 * scale * (q64.abs() + d64 * d64)
+    s2 = (scale * (q64 - d64 * d64)).clamp_min(0)
+    root = torch.minimum(e.sqrt(), e / s2.sqrt().clamp_min(1e-300))
+    allow = torch.stack([root.sum(), torch.zeros((), dtype=torch.float64), e.sum(),
+                         torch.zeros((), dtype=torch.float64)])
+    err = (got.double() - want.double()).abs()
+    assert bool((err <= 1e-5 * want.double().abs() + allow).all()), (got, want, allow)
     if n == 0:
         assert torch.equal(got, torch.zeros(4))
 

@@ -13,7 +13,9 @@ another's private names. It holds
 - ``LastMeans``: the kept mean gradients of ``shift="last"`` (owned by the state, written
   through the plan);
 - ``Measurement``: one measurement in progress (sample count, variance scale, nuclear dof,
-  the shared nuclear solve ``SolveShare``, the l1/l2 accumulators), and its recording;
+  the shared nuclear solve ``SolveShare``, the l1/l2 accumulators), and its recording (the
+  DDP and FSDP2 hooks; one rank's micro-batch measurement, ``_micro_measure.py``, takes
+  ``Sums`` and ``ShareReader`` from here and its settings from ``GNSHookState.settings``);
 - ``ShareReader``: the totals of a ``SolveShare`` as the callables ``Sums`` carries.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+from ._pool_keys import pool_key
 from ._share import SolveShare
 from ._stats import exact_sum
 
@@ -171,11 +174,7 @@ class MeasurementPlan:
         return param.dim() == 2 if self._matrices_only else True
 
     def key(self, param: Tensor):
-        if self._order is not None:
-            i = self._order.get(id(param))
-            if i is not None:
-                return i
-        return ("id", id(param))
+        return pool_key(self._order, param)
 
     def of(self, param: Tensor) -> ParamPlan:
         """``param``'s plan (resolved on the first call of this measurement)."""
@@ -195,7 +194,9 @@ class MeasurementPlan:
 
 # --------------------------------------------------------------------------- a measurement
 class Measurement:
-    """One measurement in progress, shared by the three transports.
+    """One measurement in progress, shared by the DDP and FSDP2 transports (MicroBatchGNS
+    as a DDP hook state included; a rank's own micro-batch measurement forms its ``Sums``
+    from the state's ``settings()`` in _micro_measure.py, without this class).
 
     state: the GNSHookState; world, rank: of the process group (1, 0 for one rank);
     num_samples: S (ranks, or ranks x micro-batches); per_sample: each sample's own

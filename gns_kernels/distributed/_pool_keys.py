@@ -6,11 +6,13 @@ in the state's parameter order (``params=`` at construction, or ``bind_params``)
 ``state_dict()`` can save it; a parameter outside any order is keyed ("id", id(param)) and
 not saved. Nuclear with a pool: ``owners`` maps a pool key to the rank that solves (and
 pools) that matrix, one global assignment that ``SolveShare`` fills and every rank keeps.
-Binding a new order re-keys the entries already pooled and the owners.
+Binding a new order re-keys the entries already pooled and the owners. ``pool_key`` is the
+one rule (``PoolKeys.keys`` for the micro-batch measurement's settings, the core's
+``MeasurementPlan.key`` for the transports).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -18,7 +20,17 @@ from .config import unique_params
 
 Tensor = torch.Tensor
 
-__all__ = ["PoolKeys"]
+__all__ = ["PoolKeys", "pool_key"]
+
+
+def pool_key(order: Optional[Mapping[int, int]], param: Tensor):
+    """The noise pool's key of ``param``: its position in ``order`` (id -> position), else
+    ("id", id(param)) (not saved by ``state_dict()``)."""
+    if order is not None:
+        i = order.get(id(param))
+        if i is not None:
+            return i
+    return ("id", id(param))
 
 
 class PoolKeys:
@@ -33,6 +45,11 @@ class PoolKeys:
     @property
     def has_order(self) -> bool:
         return self.order is not None
+
+    def keys(self, params: Iterable[Tensor]) -> tuple:
+        """The pool keys of ``params``, in their order (``pool_key``)."""
+        order = self.order
+        return tuple(pool_key(order, p) for p in params)
 
     def bind(self, params: Iterable[Tensor], pool) -> None:
         """Take the order of ``params`` (a tensor listed twice counts once) and re-key the

@@ -28,16 +28,18 @@ results:
   (and other buckets) than the uninterrupted run did at that step; its totals are the same.
 
 - one solve per measurement: ``add_grads`` / ``add_grams`` only assign the part's
-  matrices and keep, for the ones this rank owns, a copy of the mean Gram (k x k float32)
-  and of the mean gradient D (m x n float32; its D D^T is formed at the solve, one batch
-  per shape and side over the whole measurement) -- or D D^T itself (FSDP2 hands it in;
-  DDP forms it in the part for a D wider than 4 k^2 elements), and G G^T for a shifted
-  matrix's signal -- held from the part until ``launch`` (DDP: after the last bucket), and
-  the deviation sums (rows q, a); ``launch`` (or ``vector``) then solves every owned
-  matrix of the measurement in one call (noise, signal, debiased signal and the pool's
-  solves each batched by Gram size) and spreads the values into this rank's columns (one
-  gather by an index, ``column_index``). The layout of the shared vector (columns
-  in part order) is unchanged.
+  matrices and hand the ones this rank owns to its ``ShareSolver``
+  (gns_kernels.distributed._share_solve, one call per part), which keeps a copy of the
+  mean Gram (k x k float32) and of the mean gradient D (m x n float32; its D D^T is
+  formed at the solve, one batch per shape and side over the whole measurement) -- or
+  D D^T itself (FSDP2 hands it in; DDP forms it in the part for a D wider than 4 k^2
+  elements), and G G^T for a shifted matrix's signal -- held from the part until
+  ``launch`` (DDP: after the last bucket); the share keeps the deviation sums (rows q, a).
+  ``launch`` (or ``vector``) then has the solver solve every owned matrix of the
+  measurement in one call (noise, signal, debiased signal and the pool's solves each
+  batched by Gram size) and spread the values into this rank's columns (one gather by an
+  index, ``column_index``). The layout of the shared vector (columns in part order) is
+  unchanged.
 
 With one rank the solver runs everything and no collective is issued. Nothing here reads
 a device value on the host: the totals stay device tensors until ``read()`` (called when
@@ -49,10 +51,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .._validation import check_signal
 from ..spectral.deviations import deviation_sums
 from ..stats.pool import NoisePool
-from ._share_solve import KeptMatrix, ShareSolver, copy_detached
+from ._share_solve import ShareSolver
 from ._share_vector import share_columns, share_rows, share_totals
 from ._stats import exact_sum
 
@@ -92,7 +93,6 @@ class SolveShare:
                  grad_scale: float = 1.0, owners: Optional[dict] = None):
         if dof not in ("columns", "gauss-sums"):
             raise ValueError(f"dof: expected 'columns' or 'gauss-sums', got {dof!r}")
-        check_signal(signal)
         self.gauss = bool(bias_correction) and dof == "gauss-sums"
         self.signal = signal
         self.pool = pool if bias_correction else None
@@ -101,7 +101,7 @@ class SolveShare:
         self.sticky = owners if self.pool is not None else None
         self.pooled_total: Optional[float] = None
         self.rows = share_rows(signal == "debiased", self.gauss, self.pool is not None)
-        # the one solve of the measurement's owned matrices (``_solve_kept``)
+        # this rank's matrices, kept from their parts, and their one solve (``_solve_kept``)
         self.solver = ShareSolver(self.rows, scale, bias_correction, num_samples, batch_size, hints,
                                   method, self.gauss, self.pool, float(grad_scale))
         self.world = world
@@ -112,8 +112,6 @@ class SolveShare:
         self.loads = [0] * world
         self.parts: list[Tensor] = []
         self.shapes: list[tuple] = []
-        # the one solve (``_solve_kept``): owned matrices kept by the parts until launch
-        self.kept: list[KeptMatrix] = []
         # 'gauss-sums': this rank's deviation sums q, a (float64 vectors, in column order)
         self.qa_q: list[Tensor] = []
         self.qa_a: list[Tensor] = []
@@ -145,10 +143,11 @@ class SolveShare:
             self.sticky[keys[i]] = o
         return [o == self.rank for o in owners]
 
-    def _run(self, fn: Callable[[], Tensor], like: Tensor, inputs: Sequence[Tensor]) -> None:
-        """Run fn (the part's solve) on a side stream on CUDA, inline elsewhere."""
-        if self.device is None:
-            self.device = like.device
+    def _run(self, qa: Optional[Tensor], L: int) -> None:
+        """The solver's one solve (``ShareSolver.solve``) of this rank's part, on a side
+        stream on CUDA (where this rank owns a matrix), inline elsewhere."""
+        kept = self.solver.kept
+        like = kept[0].gram if kept else None
         if like is not None and like.device.type == "cuda":
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=like.device)
@@ -160,11 +159,11 @@ class SolveShare:
                     self.pool.stream = self.stream
             self.stream.wait_stream(torch.cuda.current_stream(like.device))
             with torch.cuda.stream(self.stream):
-                part = fn()
+                part, inputs = self.solver.solve(qa, L, self.device)
             for t in inputs:  # freed by the caller's stream after this call
                 t.record_stream(self.stream)
         else:
-            part = fn()
+            part, inputs = self.solver.solve(qa, L, self.device)
         self.parts.append(part)
 
     # ----------------------------------------------------------- parts
@@ -175,8 +174,8 @@ class SolveShare:
         """A DDP bucket: mean Grams (k x k), mean shifted gradients D (m x n), shifts, and
         (dof 'gauss-sums') this rank's deviations d_j = G^j - G (m x n) per matrix; keys:
         the noise pool's key of each matrix (needed with a pool). Nothing is solved here:
-        the owned matrices' Grams are kept (``_keep``) and solved once, with every other
-        part's, by ``launch`` (or ``vector``)."""
+        the owned matrices are kept (``ShareSolver.keep_grads``) and solved once, with every
+        other part's, by ``launch`` (or ``vector``)."""
         mean_grams, mean_grads = list(mean_grams), list(mean_grads)
         L = len(mean_grams)
         if L == 0:
@@ -203,7 +202,8 @@ class SolveShare:
         Grams, mean shifted gradients) of the matrices idx (this rank's, ascending); qa:
         ``deviation_sums`` of this rank's deviations (dof 'gauss-sums', else None), a
         Tensor[2, L] or ``deviation_sums_parts``'s lists (joined once, at the solve). Which
-        Grams are formed now and which at the solve: ``ShareSolver.owned_grams``."""
+        Grams are formed now and which at the solve: ``ShareSolver.owned_grams``; the
+        owned matrices go to the solver in one call (``ShareSolver.keep_grads``)."""
         L = len(ks)
         if L == 0:
             return
@@ -220,9 +220,8 @@ class SolveShare:
             self.qa_a.extend(qa[1])
         idx = [l for l in range(L) if own[l]]
         grams_o, grads_o = owned(idx) if idx else ([], [])
-        dd, gg, grads = self.solver.owned_grams(grads_o, [ks[l] for l in idx], [shapes[l] for l in idx],
-                                                [None if shifts is None else shifts[l] for l in idx], device)
-        self._keep(grams_o, dd, gg, shapes, idx, keys, device, grads)
+        base = self._columns(shapes, device)
+        self.solver.keep_grads(grams_o, grads_o, idx, ks, shapes, shifts, keys, base, device)
 
     def add_grams(self, mean_grams: Sequence[Tensor], mean_grad_grams: Sequence[Tensor],
                   shapes: Sequence[Sequence[int]], keys: Optional[Sequence] = None) -> None:
@@ -241,72 +240,62 @@ class SolveShare:
         own = self._owners(ks, keys)
         shapes = [tuple(int(d) for d in s) for s in shapes]
         idx = [l for l in range(L) if own[l]]
-        # copies: the caller may reuse the buffers the Grams view before launch()
-        kept = [copy_detached(dd[l]) for l in idx]
-        self._keep([mean_grams[l] for l in idx], kept, kept, shapes, idx, keys, mean_grams[0].device)
+        base = self._columns(shapes, mean_grams[0].device)
+        # copied by the solver: the caller may reuse the buffers the Grams view before launch()
+        self.solver.keep_grams([mean_grams[l] for l in idx], [dd[l] for l in idx], idx, shapes, keys, base)
 
     def _check_keys(self, keys, L: int) -> None:
         if self.pool is not None and (keys is None or len(keys) != L):
             raise ValueError(f"keys: a noise pool needs one key per matrix ({L}), got "
                              f"{None if keys is None else len(keys)}")
 
-    def _keep(self, grams: list, dd: list, gg: list, shapes: list, idx: list, keys, dev,
-              grads: Optional[list] = None) -> None:
-        """Keep a part's owned matrices (idx: their positions in the part) for the one
-        solve: a copy of the mean Gram (grams[j], k x k float32), D D^T (dd[j], k x k) or,
-        when dd[j] is None, a copy of D itself (grads[j], m x n float32: its Gram is formed
-        at the solve), the signal's Gram (gg[j]; None: D D^T), the parameter shape, the
-        pool key and the column (position in the measurement)."""
+    def _columns(self, shapes: list, dev) -> int:
+        """Add a part's matrices (their parameter shapes) to the measurement's columns;
+        returns the part's first column."""
         if self.device is None:
             self.device = dev
         base = len(self.shapes)
         self.shapes.extend(shapes)
-        for j, l in enumerate(idx):
-            self.kept.append(KeptMatrix(copy_detached(grams[j]), dd[j], gg[j], shapes[l],
-                                        None if keys is None else keys[l], base + l,
-                                        None if grads is None else grads[j]))
+        return base
 
     def _solve_kept(self) -> None:
         """The one solve of a measurement (module docstring): every owned matrix of every
-        part (``ShareSolver.part``); the deviation sums of every matrix fill rows q, a. On
+        part (``ShareSolver.solve``); the deviation sums of every matrix fill rows q, a. On
         CUDA on the side stream. Runs once, from ``launch`` / ``vector``."""
         L = len(self.shapes)
         if L == 0 or self.solved:
             return
         self.solved = True
-        kept, self.kept = self.kept, []
         qa = torch.stack([torch.cat(self.qa_q), torch.cat(self.qa_a)]) if self.qa_q else None
         self.qa_q, self.qa_a = [], []
-        run, inputs = self.solver.part(kept, qa, L, self.device)
-        self._run(run, kept[0].gram if kept else None, inputs)
+        self._run(qa, L)
 
     # ----------------------------------------------------------- sharing
     def vector(self) -> Optional[Tensor]:
         """The float64 rows x L vector of this rank ([noise (L), signal (L), used64 (L)],
-        plus the rows of share_rows; None: no matrix)."""
+        plus the rows of share_rows; None: no matrix), after the one solve
+        (``_solve_kept``); on CUDA formed on the side stream the solve ran on."""
         self._solve_kept()
         if not self.parts:
             return None
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                return torch.cat(self.parts, dim=1).reshape(-1)
         return torch.cat(self.parts, dim=1).reshape(-1)
 
     def launch(self, group, all_reduce: Callable) -> None:
-        """Solve this rank's share (``_solve_kept``: the one solve of the measurement), then
-        start the one share all-reduce (async; on CUDA on the side stream). With one rank
-        nothing is sent. all_reduce: torch.distributed.all_reduce."""
-        self._solve_kept()
-        if not self.parts:
+        """Solve this rank's share and form its vector (``vector``: the one solve of the
+        measurement), then start the one share all-reduce (async; on CUDA on the side
+        stream). With one rank nothing is sent. all_reduce: torch.distributed.all_reduce."""
+        vec = self.vector()
+        if vec is None:
             return
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                vec = self.vector()
-                if self.world > 1:
-                    work = all_reduce(vec, group=group, async_op=True)
-                    self.future = work.get_future()
-        else:
-            vec = self.vector()
-            if self.world > 1:
-                work = all_reduce(vec, group=group, async_op=True)
-                self.future = work.get_future()
+        if self.world > 1:
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    self.future = all_reduce(vec, group=group, async_op=True).get_future()
+            else:
+                self.future = all_reduce(vec, group=group, async_op=True).get_future()
         self.reduced = vec
 
     def finish_blocking(self, group, all_reduce: Callable) -> None:

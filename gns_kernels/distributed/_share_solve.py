@@ -2,12 +2,14 @@
 every matrix this rank owns, solved in one call, written into this rank's part of the
 shared vector (gns_kernels.distributed._share_vector).
 
-``SolveShare`` keeps, for each matrix it owns, the mean Gram, D D^T or D itself, the signal's
-Gram, the parameter shape, the pool key and the column (``KeptMatrix``) until ``launch``;
-``ShareSolver.part`` then forms the kept D's Grams (one batch per shape and side), solves
-the noise, signal, debiased signal and the pool's sqrt-traces, each batched by Gram size
-(``solve_part``), and spreads the values into this rank's columns (one gather by an index,
-``column_index``); the deviation sums of every matrix fill rows q, a.
+``ShareSolver`` keeps, for each matrix its SolveShare assigns to this rank, the mean Gram,
+D D^T or D itself, the signal's Gram, the parameter shape, the pool key and the column
+(``KeptMatrix``; ``keep_grads`` / ``keep_grams``, one call per part) until the share's
+``launch``; ``ShareSolver.solve`` then prepares the solver's arguments, calls the solver
+(gns_kernels.spectral: the kept D's Grams, one batch per shape and side; the noise,
+signal, debiased signal and the pool's sqrt-traces, each batched by Gram size) and writes
+the values into this rank's columns (one gather by an index, ``column_index``); the
+deviation sums of every matrix fill rows q, a.
 
 Validity: a rank whose solved inputs are non-finite (non-finite gradients on some rank)
 writes NaN for the values it owns in that part; a solver failure likewise (with a
@@ -28,12 +30,11 @@ from ..spectral.trace import NEWTON_METHODS, resolve_method
 from ..stats.pool import NoisePool
 from ..spectral.pooled import pooled_sqrt_traces
 from ..stats.pooled import pool_folder, pooled_sums
-from ._share_vector import share_rows
 from ._stats import all_finite
 
 Tensor = torch.Tensor
 
-__all__ = ["KeptMatrix", "ShareSolver", "column_index", "solve_part", "copy_detached", "KEEP_D_ASPECT"]
+__all__ = ["KeptMatrix", "ShareSolver", "column_index", "copy_detached", "KEEP_D_ASPECT"]
 
 
 class KeptMatrix(NamedTuple):
@@ -64,66 +65,6 @@ def column_index(cols: Sequence[int], L: int, device) -> Tensor:
     return idx if dev.type == "cpu" else idx.to(dev)
 
 
-def solve_part(solve: Callable, inputs: Sequence[Tensor], owned_n: Sequence[bool],
-               owned_s: Sequence[bool], device, rows: Optional[dict] = None,
-               solve_debiased: Optional[Callable] = None,
-               pool_fold: Optional[Callable] = None, finite_from_outputs: bool = False) -> Tensor:
-    """The solve of a rank's share (SolveShare's one per measurement: every matrix it owns):
-    float64 Tensor[len(rows), L_part].
-
-    solve(select) -> (noise[L], signal[L], used64[L] or None[, sums[4, L]]) solves the
-    selected sqrt-traces (spectral.nuclear_stats with a NuclearRequest
-    with record_hints=False; with return_sums=True when rows has 'pair'). inputs: the
-    tensors the owned solves read (checked for finiteness on the device). rows: share_rows
-    (default: noise, signal, used64). Rows noise, signal, (signal_deb, pair, trace, fro2):
-    all NaN when an owned input is non-finite; used64 (0 / 1); rows q, a are left 0 (the
-    caller writes them). solve_debiased(select): the debiased signals (row signal_deb).
-    pool_fold -> Tensor[4, number of owned noise matrices]: the pool rows of the owned
-    matrices, given either the pooled matrices' sums the Newton chain returned (its fifth
-    result: the pool folded inside the chain, ``pool_folder``) or the covariances the solve
-    appended to its ``cov_out`` list as (l, C), one per selected matrix
-    (pooled_sqrt_traces). Entries this rank does not own are
-    0. No host synchronization.
-    """
-    rows = rows or share_rows()
-    L = len(owned_n)
-    out = torch.zeros((len(rows), L), dtype=torch.float64, device=device)
-    covs: list = []
-    res = solve((list(owned_n), list(owned_s)), covs) if pool_fold is not None else \
-        solve((list(owned_n), list(owned_s)))
-    chained = pool_fold is not None and len(res) > 4  # the pool solved in the noise chain
-    noise, signal, used = res[0], res[1], res[2]
-    if finite_from_outputs:
-        # the Newton path: a non-finite input element makes its matrix's trace (and sums)
-        # NaN (the normalization divides inf by inf), so the outputs decide, in one check
-        parts = [noise, signal] + ([res[3]] if len(res) > 3 else []) + ([res[4]] if len(res) > 4 else [])
-        ok = torch.isfinite(torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in parts])).all()
-    else:
-        ok = all_finite(inputs, device)
-    nan_like = lambda v: torch.full_like(v, float("nan"))  # noqa: E731
-    vals = torch.stack([noise, signal]).to(device=device, dtype=torch.float64)
-    if "pair" in rows:  # the float64 raw trace of the owned noise matrices
-        vals[0] = res[3][0].to(device=device, dtype=torch.float64)
-        sums = res[3][1:4].to(device=device, dtype=torch.float64)
-        p = rows["pair"]
-        out[p:p + 3] = torch.where(ok, sums, nan_like(sums))
-    # non-finite owned inputs: the whole part is NaN on this rank (and, through the sum,
-    # on every rank); entries not owned are 0 from the solver
-    out[:2] = torch.where(ok, vals, nan_like(vals))
-    if used is not None:
-        out[2] = used.to(device=device, dtype=torch.float64)
-    if "signal_deb" in rows and any(owned_s):
-        deb = solve_debiased(([False] * L, list(owned_s)))[1].to(device=device, dtype=torch.float64)
-        out[rows["signal_deb"]] = torch.where(ok, deb, nan_like(deb))
-    if pool_fold is not None and (chained or covs):
-        # the 4 pool rows, every column: from the pooled matrices' sums (chained), or from
-        # the covariances (every matrix is owned, the caller solves only its own: covs in
-        # column order)
-        vals = pool_fold(res[4] if chained else [C for _, C in covs]).to(device=device, dtype=torch.float64)
-        out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, vals, nan_like(vals))
-    return out
-
-
 def copy_detached(t: Tensor) -> Tensor:
     """A copy of t without autograd history (no detach() op where there is none)."""
     return (t.detach() if t.requires_grad else t).clone()
@@ -135,12 +76,13 @@ KEEP_D_ASPECT = 4
 
 
 class ShareSolver:
-    """The solver settings of a SolveShare and its one solve (module docstring).
+    """The solver settings of a SolveShare, the matrices it keeps for its one solve, and
+    the solve (module docstring).
 
-    rows: share_rows of the measurement; scale, bias_correction, num_samples, batch_size,
-    hints, method: as spectral.nuclear_stats; signal: 'raw' or 'debiased'; gauss: the
-    'gauss-sums' dof (rows q, a and the sums); pool, grad_scale: the noise pool (None: no
-    pool) and the loss scale of the measured backward.
+    rows: share_rows of the measurement (a 'signal_deb' row: the debiased signal is
+    solved too); scale, bias_correction, num_samples, batch_size, hints, method: as
+    spectral.nuclear_stats; gauss: the 'gauss-sums' dof (rows q, a and the sums); pool,
+    grad_scale: the noise pool (None: no pool) and the loss scale of the measured backward.
     """
 
     def __init__(self, rows: dict, scale: float, bias_correction: bool, num_samples: int,
@@ -156,9 +98,10 @@ class ShareSolver:
         self.gauss = gauss
         self.pool = pool
         self.grad_scale = grad_scale
+        self.kept: list[KeptMatrix] = []  # this rank's matrices, from their parts until the solve
 
     def kw(self) -> dict:
-        """Solver arguments common to every part."""
+        """The solver arguments of the solve's nuclear_stats calls (their common part)."""
         return dict(scale=self.scale, bias_correction=self.bias_correction,
                     num_samples=self.num_samples, batch_size=self.batch_size,
                     method=self.method, eig_hints=self.hints)
@@ -178,7 +121,7 @@ class ShareSolver:
         solve forms it: grads the mean shifted gradients D (m x n), ks their Gram sides,
         shapes the parameter shapes, shifts None or the shift S of each matrix.
 
-        D D^T is formed at the solve, batched over the measurement (``part``), from a copy
+        D D^T is formed at the solve, batched over the measurement (``solve``), from a copy
         of D (the caller reuses the pack it views), where D is at most KEEP_D_ASPECT k^2
         elements (its copy then takes at most twice the memory of the float64 D D^T); a
         wider D (an embedding) has its D D^T formed now. A shifted matrix's signal Gram
@@ -201,88 +144,158 @@ class ShareSolver:
                 gg[j] = G
         return dd, gg, [copy_detached(D) if k else None for D, k in zip(grads, keep_d)]
 
-    def mean_grad_grams(self, kept: list, device) -> tuple[list, list]:
-        """(D D^T, signal Gram) per kept matrix: the kept D's Grams formed here, one batch
-        per (shape, side) (float64 products on the Newton path, as
-        spectral.nuclear_stats forms them there; float32 Grams on the eigenvalue
-        path), on the Gram's side ('row' for a square matrix)."""
-        todo = [i for i, e in enumerate(kept) if e.dd is None]
-        dd = [e.dd for e in kept]
-        if todo:
-            on_sides = self.mean_grad_gram_op(device)
-            Ds = [kept[i].grad for i in todo]
-            sides = ["row" if kept[i].shape[0] == kept[i].gram.shape[-1] else "col" for i in todo]
-            for i, G in zip(todo, on_sides(Ds, sides)):
-                dd[i] = G
-        return dd, [e.gg if e.gg is not None else dd[i] for i, e in enumerate(kept)]
+    # ----------------------------------------------------------- the kept matrices
+    def keep_grads(self, grams: list, grads: list, idx: list, ks: Sequence[int], shapes: list,
+                   shifts: Optional[Sequence[Optional[Tensor]]], keys: Optional[Sequence], base: int,
+                   device) -> None:
+        """Keep a part's owned matrices for the one solve (DDP / MicroBatchGNS: the mean
+        Grams and the mean shifted gradients). idx: the owned matrices' positions in the
+        part (ascending); grams, grads: their mean Grams (k x k) and mean shifted gradients
+        D (m x n); ks, shapes, shifts (None or one per matrix), keys (None without a pool):
+        the Gram side, the parameter shape, the shift and the pool key of each of the
+        part's matrices; base: the part's first column in the measurement. Which Grams are
+        formed now and which at the solve: ``owned_grams``."""
+        dd, gg, copies = self.owned_grams(grads, [ks[l] for l in idx], [shapes[l] for l in idx],
+                                          [None if shifts is None else shifts[l] for l in idx], device)
+        self._keep(grams, dd, gg, idx, shapes, keys, base, copies)
 
-    def guard(self, fn: Callable[[], Tensor], L: int, device) -> Callable[[], Tensor]:
-        """fn, whose solver failure (a warning) gives a part of NaN values (used64 0): the
-        measurement is then invalid on every rank."""
-        def run() -> Tensor:
-            try:
-                return fn()
-            except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
-                _warn_user(f"gns_kernels: nuclear statistics failed ({exc}); this measurement "
-                           "is marked invalid")
-                out = torch.full((len(self.rows), L), float("nan"), dtype=torch.float64, device=device)
-                out[2] = 0.0
-                return out
-        return run
+    def keep_grams(self, grams: list, dd: list, idx: list, shapes: list, keys: Optional[Sequence],
+                   base: int) -> None:
+        """Keep a part's owned matrices for the one solve (FSDP2: the mean Grams and the
+        Grams of the mean gradient D D^T, which is also the signal's). grams, dd: those of
+        the owned matrices (idx: their positions in the part), copied (the caller may reuse
+        the buffers they view before the solve); shapes, keys, base: as ``keep_grads``."""
+        copies = [copy_detached(t) for t in dd]
+        self._keep(grams, copies, copies, idx, shapes, keys, base)
 
-    def part(self, kept: list, qa: Optional[Tensor], L: int, dev) -> tuple[Callable[[], Tensor], list]:
-        """(run, inputs): run() -> this rank's float64 rows x L part of the measurement's L
-        matrices, from its kept matrices (``KeptMatrix``, column order), every one solved in
-        one call, batched by Gram size (spectral's _solve groups by size), spread into
-        their columns (0 in the columns it does not own); qa: the deviation sums of every
-        matrix (Tensor[2, L], 'gauss-sums'; None), written into rows q, a. inputs: the
-        tensors run() reads (the caller records them on its stream). Guarded (``guard``)."""
+    def _keep(self, grams: list, dd: list, gg: list, idx: list, shapes: list, keys, base: int,
+              grads: Optional[list] = None) -> None:
+        """Append the owned matrices idx of a part to ``kept``: a copy of the mean Gram
+        (grams[j], k x k float32), D D^T (dd[j], k x k) or, when dd[j] is None, a copy of D
+        itself (grads[j], m x n float32: its Gram is formed at the solve), the signal's Gram
+        (gg[j]; None: D D^T), the parameter shape, the pool key and the column (base + its
+        position in the part)."""
+        for j, l in enumerate(idx):
+            self.kept.append(KeptMatrix(copy_detached(grams[j]), dd[j], gg[j], shapes[l],
+                                        None if keys is None else keys[l], base + l,
+                                        None if grads is None else grads[j]))
+
+    # ----------------------------------------------------------- the one solve
+    def solve(self, qa: Optional[Tensor], L: int, dev) -> tuple[Tensor, list]:
+        """(part, inputs): the one solve of the measurement (module docstring) over every
+        kept matrix, which it takes from ``kept``. part: this rank's float64 rows x L part
+        of the measurement's L matrices (0 in the columns it does not own); qa: the
+        deviation sums of every matrix (Tensor[2, L], 'gauss-sums'; None), written into rows
+        q, a. inputs: the tensors the solve read (the caller records them on its stream).
+
+        A solver failure (RuntimeError, torch.linalg.LinAlgError) warns and gives a part of
+        NaN values (used64 0): the measurement is then invalid on every rank."""
+        kept, self.kept = self.kept, []
+        inputs = [e.gram for e in kept] + [t for e in kept for t in (e.dd, e.gg, e.grad) if t is not None]
+        try:
+            out = self._solve(kept, inputs, qa, L, dev)
+        except (RuntimeError, torch.linalg.LinAlgError) as exc:  # LinAlgError is a RuntimeError
+            _warn_user(f"gns_kernels: nuclear statistics failed ({exc}); this measurement "
+                       "is marked invalid")
+            out = torch.full((len(self.rows), L), float("nan"), dtype=torch.float64, device=dev)
+            out[2] = 0.0
+        return out, inputs + ([] if qa is None else [qa])
+
+    def _solve(self, kept: list, inputs: list, qa: Optional[Tensor], L: int, dev) -> Tensor:
+        """``solve`` without its guard, in three steps: the solver's arguments (this
+        module), the solver's calls (gns_kernels.spectral, one after the other: the method,
+        the kept D's Grams, the noise and signal, the debiased signal, the pool's
+        sqrt-traces), and the rows written from their results (torch only).
+
+        The kept D's Grams are formed one batch per (shape, side), on the Gram's side
+        ('row' for a square matrix): float64 products on the Newton path (as
+        spectral.nuclear_stats forms them there), float32 Grams on the eigenvalue path.
+        Every kept matrix's noise and signal are solved in one call (batched by Gram size;
+        with return_sums when rows has 'pair'), the debiased signals (row signal_deb) in
+        another. The pool (rows pool_tr, pool_pair, pool_nu, pool_new): on the Newton path
+        with 'gauss-sums' its covariances are folded inside the noise chain
+        (``pool_folder``) and its rows formed from the pooled matrices' sums
+        (``pooled_sums``); else the solve returns the covariances and
+        ``pooled_sqrt_traces`` folds and solves them.
+
+        Validity: rows noise, signal, (signal_deb, pair, trace, fro2, the pool's) are all
+        NaN when an input is non-finite (non-finite gradients on some rank): on the Newton
+        path a non-finite input element makes its matrix's trace (and sums) NaN (the
+        normalization divides inf by inf), so the outputs decide, in one check; on the
+        eigenvalue path the inputs are checked (``all_finite``). NaN survives the sum, so
+        the measurement is invalid on every rank. used64 is 0 / 1; rows q, a hold qa. No
+        host synchronization."""
         rows = self.rows
         n = len(kept)
-        grams = [e.gram for e in kept]
-        mats: list = []  # [D D^T, signal Grams], formed in run() (on CUDA on the side stream)
-        shapes = [e.shape for e in kept]
-        cols = [e.col for e in kept]
-        inputs = grams + [t for e in kept for t in (e.dd, e.gg, e.grad) if t is not None]
-        fold = None
-        chain = None  # the pool's fold inside the Newton chain ('gauss-sums' sums)
-        if self.pool is not None and n:
-            okeys = [e.key for e in kept]
-            if self.gauss and self.newton(dev):
-                chain, folds = pool_folder(self.pool, okeys, self.num_samples, self.grad_scale)
-                fold = lambda sums: pooled_sums(sums, folds, n, dev)  # noqa: E731
-            else:
-                fold = lambda covs: pooled_sqrt_traces(self.pool, okeys, covs, shapes,  # noqa: E731
-                                                       self.num_samples, self.grad_scale, self.method,
-                                                       self.hints, raw=True)
-
-        def solve(select, cov_out=None, signal="raw"):
-            raw = signal == "raw"
-            sums = self.gauss and raw
-            req = NuclearRequest(select=select, record_hints=False, sums=sums,
-                                 covariances=cov_out is not None and chain is None,
-                                 pool_fold=chain if raw else None)
-            res = nuclear_stats(grams, None, mean_grad_grams=mats[0], signal_grams=mats[1], shapes=shapes,
-                                signal=signal, request=req, **self.kw())
-            if req.covariances:
-                cov_out.extend(res.covariances)
-            return (res.noise, res.signal, res.used64) + ((res.sums,) if sums else ()) + (
-                (res.pooled,) if req.pool_fold is not None else ())
-
-        def run() -> Tensor:
-            if n:
-                mats.extend(self.mean_grad_grams(kept, dev))
-                part = solve_part(solve, inputs, [True] * n, [True] * n, dev, rows,
-                                  lambda sel: solve(sel, signal="debiased"), fold,
-                                  finite_from_outputs=self.newton(dev))
-                # a gather (deterministic; index_copy_ is not on CUDA): column l takes
-                # part's column j when this rank solved it (cols[j] = l), else a zero column
-                out = part if n == L else torch.cat([part, part.new_zeros((len(rows), 1))], dim=1).index_select(
-                    1, column_index(cols, L, dev))
-            else:
-                out = torch.zeros((len(rows), L), dtype=torch.float64, device=dev)
+        f64 = dict(device=dev, dtype=torch.float64)
+        if not n:
+            out = torch.zeros((len(rows), L), **f64)
             if qa is not None:
-                out[rows["q"]:rows["q"] + 2] = qa.to(device=dev, dtype=torch.float64)
+                out[rows["q"]:rows["q"] + 2] = qa.to(**f64)
             return out
+        # the solver's arguments
+        kw = self.kw()
+        grams = [e.gram for e in kept]
+        shapes = [e.shape for e in kept]
+        keys = [e.key for e in kept]
+        todo = [i for i, e in enumerate(kept) if e.dd is None]
+        sides = ["row" if kept[i].shape[0] == kept[i].gram.shape[-1] else "col" for i in todo]
+        # a gather (deterministic; index_copy_ is not on CUDA): column l takes the solved
+        # column j when this rank owns it (cols[j] = l), else a zero column
+        index = None if n == L else column_index([e.col for e in kept], L, dev)
+        debiased = "signal_deb" in rows
+        nan = torch.full((), float("nan"), **f64)
 
-        return self.guard(run, L, dev), inputs + ([] if qa is None else [qa])
+        # the solver's calls
+        newton = resolve_method(self.method, dev) in NEWTON_METHODS
+        dd = [e.dd for e in kept]
+        if todo:
+            on_sides = grams64_on_sides if newton else grams_on_sides
+            for i, G in zip(todo, on_sides([kept[i].grad for i in todo], sides)):
+                dd[i] = G
+        gg = [e.gg if e.gg is not None else dd[i] for i, e in enumerate(kept)]
+        chain, folds = None, None  # the pool folded inside the Newton chain ('gauss-sums' sums)
+        if self.pool is not None and self.gauss and newton:
+            chain, folds = pool_folder(self.pool, keys, self.num_samples, self.grad_scale)
+        req = NuclearRequest(select=([True] * n, [True] * n), record_hints=False, sums=self.gauss,
+                             covariances=self.pool is not None and chain is None, pool_fold=chain)
+        res = nuclear_stats(grams, None, mean_grad_grams=dd, signal_grams=gg, shapes=shapes,
+                            signal="raw", request=req, **kw)
+        deb = None
+        if debiased:
+            deb = nuclear_stats(grams, None, mean_grad_grams=dd, signal_grams=gg, shapes=shapes,
+                                signal="debiased", request=NuclearRequest(
+                                    select=([False] * n, [True] * n), record_hints=False),
+                                **kw).signal
+        pool = None  # Tensor[4, n]: the pool rows of the kept matrices
+        if chain is not None:
+            pool = pooled_sums(res.pooled, folds, n, dev)
+        elif self.pool is not None and res.covariances:
+            pool = pooled_sqrt_traces(self.pool, keys, [C for _, C in res.covariances], shapes,
+                                      self.num_samples, self.grad_scale, self.method, self.hints, raw=True)
+
+        # the rows
+        if newton:
+            outs = [res.noise, res.signal] + ([res.sums] if self.gauss else []) + (
+                [res.pooled] if chain is not None else [])
+            ok = torch.isfinite(torch.cat([t.reshape(-1).to(**f64) for t in outs])).all()
+        else:
+            ok = all_finite(inputs, dev)
+        out = torch.zeros((len(rows), n), **f64)
+        vals = torch.stack([res.noise, res.signal]).to(**f64)
+        if "pair" in rows:  # the float64 raw trace of the kept noise matrices, and the sums
+            vals[0] = res.sums[0].to(**f64)
+            p = rows["pair"]
+            out[p:p + 3] = torch.where(ok, res.sums[1:4].to(**f64), nan)
+        out[:2] = torch.where(ok, vals, nan)
+        if res.used64 is not None:
+            out[2] = res.used64.to(**f64)
+        if deb is not None:
+            out[rows["signal_deb"]] = torch.where(ok, deb.to(**f64), nan)
+        if pool is not None:
+            out[rows["pool_tr"]:rows["pool_tr"] + 4] = torch.where(ok, pool.to(**f64), nan)
+        if index is not None:
+            out = torch.cat([out, out.new_zeros((len(rows), 1))], dim=1).index_select(1, index)
+        if qa is not None:
+            out[rows["q"]:rows["q"] + 2] = qa.to(**f64)
+        return out

@@ -40,6 +40,14 @@ last micro-batch and sends [g, A * sum d^2] (or the Grams) in its one all-reduce
 Memory on a measurement step: ``prev`` (one float32 copy of the measured gradients) and
 ``sq`` (another, l1/l2) or the m x m Grams (nuclear), from the first micro-step to the end
 of the step. Non-measurement steps only count micro-steps.
+
+The measurement on one rank (``_measure_local``, at the step's last micro-step) reads what
+it needs once: the step's A (``micro_step`` reads it for the step and hands it on), then
+the state's settings (``GNSHookState.settings``: configuration, schedule, noise pool and
+keys, in one frozen record). One orchestrator (``_micro_measure.measure_micro_batches``)
+then checks the tensor lists once and calls leaves that never call back into the state
+(the unchecked fused op, the noise pool's fold, the solver); its result is recorded.
+bench/trace_path.py counts the modules it passes through (tests/test_trace_path.py).
 """
 from __future__ import annotations
 
@@ -248,12 +256,13 @@ class MicroBatchGNS(GNSHookState):
                     f"MicroBatchGNS: the synchronized backward was micro-step {count} of the "
                     f"step, but micro_batches is {self.micro_batches}")
             return
-        last = self._count >= self.micro_batches
+        A = self.micro_batches
+        last = self._count >= A
         try:
             if not self._failed and self.is_measurement_step():
                 self._accumulate()
                 if last:
-                    self._measure_local()
+                    self._measure_local(A)
         except BaseException:
             # this step is not measured; the error is the caller's, raised once
             self._failed = True
@@ -280,14 +289,20 @@ class MicroBatchGNS(GNSHookState):
         self.advance_step()
         self._reset()
 
-    def _measure_local(self) -> None:
-        A = self.micro_batches
+    def _measure_local(self, A: int) -> None:
+        """Measure this step from its A micro-batches on this rank (the step's A, read once
+        by micro_step): the settings read once (``settings``), the statistics formed by
+        ``measure_micro_batches`` (_micro_measure.py), which calls back into nothing here,
+        and recorded."""
         if A < 2:
             raise ValueError("micro_batches: one rank needs at least 2 micro-batches to measure, got 1")
         live = [p for p in self._params if p.grad is not None]
+        grads = [self._grad(p) for p in live]
+        if self._poisoned:  # a micro-batch without backward: the measurement is invalid (NaN sums)
+            self._sums.poison()
         self._read_host_pending()  # an unread CPU measurement reports its eigensolver hints first
-        measure_micro_batches(self, self._sums, live, [self._grad(p) for p in live], A,
-                              poisoned=self._poisoned)
+        settings = self.settings(live, num_samples=A, per_sample=False)
+        self.record(measure_micro_batches(settings, A, self._sums, live, grads))
 
     def _backward_seen(self) -> None:
         self._backwards += 1

@@ -24,6 +24,13 @@ estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
   never read is materialized when the next one starts, so the eigensolver hints it
   reports are in effect for it.)
 
+A measurement reads the state once, where it starts: ``settings()`` returns a frozen
+``Settings`` (_settings.py: the configuration, the nuclear dof for its samples, the noise
+pool's keys, the schedule's k, B and loss scale, the pool, its owners and the hints), the
+one read of the micro-batch measurement; the DDP and FSDP2 transports take ``plan()`` (the
+per-parameter plan) through the core's ``Measurement``. ``estimate`` reads the
+configuration and B once when it builds the GNSEstimate.
+
 Shift: var = mean_j (g^j - S)^2 - (g - S)^2 holds algebraically for any S
 identical on all ranks. ``shift`` may be
 
@@ -59,7 +66,7 @@ mix units (``gk.AdaptiveBatching`` keeps it current).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -71,6 +78,7 @@ from ._checkpoint import hook_state_dict, load_hook_state_dict
 from ._measurement import LastMeans, MeasurementPlan, Sums, resolve_shift
 from ._pool_keys import PoolKeys
 from ._schedule_reader import ScheduleReader
+from ._settings import Settings
 from .config import HOOK_METHODS, GNSConfig, ShiftSpec, check_hook_method, config_field
 
 Tensor = torch.Tensor
@@ -237,6 +245,22 @@ class GNSHookState(ScheduleReader):
         return MeasurementPlan(ids=self._param_ids, matrices_only=self.geometry == "nuclear",
                                shift=self.shift, last=self._last_mean, order=self._keys.order)
 
+    def settings(self, params: Sequence[Tensor] = (), num_samples: Optional[int] = None,
+                 per_sample: bool = True) -> Settings:
+        """The settings of a measurement starting now, read once (a frozen ``Settings``):
+        the configuration, the nuclear dof for ``num_samples`` samples (``per_sample`` as
+        ``resolved_nuclear_dof``; None without ``num_samples``), the noise-pool keys of
+        ``params``, the schedule's step, batch size and loss scale, the noise pool, its solve
+        owners and the eigensolver hints. The micro-batch measurement takes them here and
+        reads nothing else from the state."""
+        cfg = self._config
+        l1_debiased = cfg.l1_debiased
+        dof = None if num_samples is None else cfg.resolved_nuclear_dof(num_samples, per_sample)
+        sched = self.schedule
+        return Settings(config=cfg, l1_debiased=l1_debiased, dof=dof, keys=self._keys.keys(params),
+                        step=sched.step, batch_size=float(sched.batch_size), grad_scale=sched.grad_scale,
+                        pool=self.pool, pool_owners=self._keys.owners, eig_hints=self.eig_hints)
+
     def measures(self, param: Tensor) -> bool:
         """Whether ``param`` contributes to the statistics of this geometry."""
         return self.plan().measures(param)
@@ -339,11 +363,12 @@ class GNSHookState(ScheduleReader):
         from ._estimate import estimate_from_sums
 
         pending, self._pending = self._pending, None
+        cfg, batch_size = self._config, self.schedule.batch_size  # read once, before the sums
         sums = pending.read()
         self.eig_hints.apply()
         est = estimate_from_sums(
-            self.geometry, sums, self.batch_size, self.bias_correction, signal=self.signal,
-            pool_beta=self.pool_beta if sums.noise_pooled is not None else None)
+            cfg.geometry, sums, batch_size, cfg.bias_correction, signal=cfg.signal,
+            pool_beta=cfg.pool_beta if sums.noise_pooled is not None else None)
         self.estimate_step = sums.step
         if est is not None and _HAS_STEP_FIELD:
             est = dataclasses.replace(est, step=sums.step)

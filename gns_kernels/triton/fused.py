@@ -648,9 +648,29 @@ def variance_norms_multi(
             shifts = None
     scale = _v.check_scale(scale)
     sh = [None] * len(mean_grads) if shifts is None else shifts
+    return _variance_norms_multi(mean_grads, mean_sqs, scale, sh,
+                                 lambda: _check_vn_call(mean_grads, mean_sqs, sh))
+
+
+def variance_norms_multi_unchecked(mean_grads: list, mean_sqs: list, scale: float,
+                                   shifts: Optional[list] = None) -> Tensor:
+    """``variance_norms_multi`` for lists and a scale the caller checked once itself
+    (gns_kernels._validation.check_vn_lists and check_scale; the Triton path of
+    gns_kernels.ops.variance_norms_multi_unchecked). Not part of the API. Only the device
+    type is checked, on a new list signature. A plan it caches serves later checked calls
+    of the same signature: what ``_check_vn_call`` checks is a function of the signature
+    (dtypes, sizes, devices, contiguity, list lengths), and check_vn_lists plus the device
+    type check all of it."""
+    sh = [None] * len(mean_grads) if shifts is None else shifts
+    return _variance_norms_multi(mean_grads, mean_sqs, scale, sh,
+                                 lambda: mean_grads and _check_device("mean_grads[0]", mean_grads[0]))
+
+
+def _variance_norms_multi(mean_grads: list, mean_sqs: list, scale: float, sh: list, validate) -> Tensor:
+    """The launches of variance_norms_multi; validate(): the checks of a new signature."""
     p = _get_plan(
         _signature("vn", (mean_grads, mean_sqs, sh)),
-        lambda: _check_vn_call(mean_grads, mean_sqs, sh),
+        validate,
         lambda: _make_plan(
             mean_grads[0].device if mean_grads else torch.device("cpu"), (mean_grads, mean_sqs, sh),
             lambda i: (mean_grads[i].dtype, None if sh[i] is None else sh[i].dtype),
