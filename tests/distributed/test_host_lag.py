@@ -338,3 +338,27 @@ def test_ddp_resume_with_a_job_in_flight_is_bit_exact():
                 assert not diff, f"{name} rank {rank} step {a['step']}: {diff}"
             for p, q in zip(f["weights"], r["weights"]):
                 assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------ FSDP2, 2 gloo ranks
+@pytest.mark.distributed
+def test_fsdp_two_ranks_host_route_lags_and_matches_the_eigh_route():
+    """FSDP2 (its final callback joins): the estimate of step k - 1 at step k, equal on both
+    ranks and to the eigenvalue route's estimate of step k - 1 to float32 rounding (FSDP2's
+    D D^T is the float32 sum of the shards' Grams on both routes); the first measurement
+    issues no share all-reduce, the later ones one, as the eigenvalue route's."""
+    scen = {"host": dict(geometry="nuclear", method="host", every=1, steps=4, ddp=False),
+            "eigh": dict(geometry="nuclear", every=1, steps=4, ddp=False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_world("_fsdp_workers", "run_many", 2, timeout=300, scenarios=scen)
+    for r in range(2):
+        host, eigh = res[r]["host"]["records"], res[r]["eigh"]["records"]
+        assert [rec["est"] for rec in host] == [rec["est"] for rec in res[0]["host"]["records"]]
+        assert host[0]["est"] is None
+        assert host[0]["hooked_seq"] - host[0]["plain_seq"] == eigh[0]["hooked_seq"] - eigh[0]["plain_seq"] - 1
+        for k in range(1, 4):
+            assert (host[k]["estimate_step"], host[k]["available_step"]) == (k - 1, k)
+            assert host[k]["hooked_seq"] - host[k]["plain_seq"] == eigh[k]["hooked_seq"] - eigh[k]["plain_seq"]
+            got, want = host[k]["est"], eigh[k - 1]["est"]
+            assert got[3] and all(rel(got[i], want[i]) < 1e-5 for i in (0, 1, 2, 4)), (k, got, want)
