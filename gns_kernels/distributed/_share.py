@@ -67,6 +67,7 @@ from ..spectral.host import HostJob
 from ._share_host import HostStaged, host_rows, stage_host
 from ._share_solve import ShareSolver
 from ._share_vector import share_columns, share_rows, share_totals
+from .._validation import warn_user as _warn_user
 from ._stats import exact_sum
 from .config import hook_method
 
@@ -382,13 +383,17 @@ class SolveShare:
         if job is None:
             return 0.0
         t0 = time.monotonic()
-        job.result()
+        try:
+            job.result()
+        except Exception:  # handled (warned, NaN) by part()
+            pass
         return time.monotonic() - t0
 
     def part(self) -> Optional[Tensor]:
         """This rank's full rows x L float64 part (device rows + host rows; None without
         a matrix), after the host job (waits for it). On CUDA formed on the side stream, the
-        host rows copied from pinned memory without blocking. Computed once."""
+        host rows copied from pinned memory without blocking. Computed once. A job that
+        failed warns and gives NaN host rows: the measurement is invalid on every rank."""
         if self.full is not None:
             return self.full
         st = self.staged
@@ -397,7 +402,12 @@ class SolveShare:
         self.wait()
         host = None
         if self.job is not None:
-            sums = self.job.result()
+            try:
+                sums = self.job.result()
+            except Exception as exc:  # as the other routes' solver failures: invalid, warned
+                _warn_user(f"gns_kernels: the host solve of nuclear statistics failed ({exc!r}); "
+                           "this measurement is marked invalid")
+                sums = torch.full((4, len(st.spread)), float("nan"), dtype=torch.float64)
             self.job = None
             host = host_rows(st, sums, self.rows, st.device.shape[1],
                              correct=self.solver.bias_correction and not self.gauss, gauss=self.gauss,

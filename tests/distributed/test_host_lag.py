@@ -362,3 +362,27 @@ def test_fsdp_two_ranks_host_route_lags_and_matches_the_eigh_route():
             assert host[k]["hooked_seq"] - host[k]["plain_seq"] == eigh[k]["hooked_seq"] - eigh[k]["plain_seq"]
             got, want = host[k]["est"], eigh[k - 1]["est"]
             assert got[3] and all(rel(got[i], want[i]) < 1e-5 for i in (0, 1, 2, 4)), (k, got, want)
+
+
+def test_a_failed_host_job_warns_and_marks_the_measurement_invalid():
+    """As the other routes' solver failures: a warning and an invalid estimate, no
+    exception inside backward; the next measurement is valid."""
+    calls = []
+
+    def boom(i):
+        calls.append(i)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return 0.0
+
+    model = _net()
+    mb = MicroBatchGNS(model.parameters(), "nuclear", every=1, batch_size=A * b, micro_batches=A,
+                       method="host")
+    spectral_host._DELAY = boom
+    try:
+        with pytest.warns(RuntimeWarning, match="host solve of nuclear statistics failed"):
+            recs, _, _ = _micro_run(model=model, mb=mb, steps=3)
+    finally:
+        spectral_host._DELAY = None
+    assert recs[1][3][:2] == (0, 1) and not recs[1][3][5]  # invalid
+    assert recs[2][3][:2] == (1, 2) and recs[2][3][5]
