@@ -41,7 +41,7 @@ results:
   index, ``column_index``). The layout of the shared vector (columns in part order) is
   unchanged.
 
-- host route (method "host"; "auto" off the CPU: ``ShareSolver.resolved``): ``launch(...,
+- host route (method "host"; "auto" off the CPU: ``config.hook_method``): ``launch(...,
   lag=True)`` stages the owned matrices instead of solving them (``stage``:
   gns_kernels.distributed._share_host, the noise pool folded now) and ``submit`` starts a
   host job that solves them (spectral.host.HostJob: float64 eigvalsh on a CPU thread);
@@ -396,6 +396,7 @@ class SolveShare:
         failed warns and gives NaN host rows: the measurement is invalid on every rank."""
         if self.full is not None:
             return self.full
+        self.submit()  # a no-op once submitted
         st = self.staged
         if st is None:
             return None
