@@ -32,9 +32,11 @@ accumulated gradient is the mean over the global batch, as DDP's averaging expec
    (raises, naming the fix); the hook state and the controller read F, k and B_k from the
    run's ``schedule``, which only the coordinator (and the controller's decision) writes;
 2. takes the estimate only if it was measured at step k (``state.estimate_step == k``
-   and, when the estimate carries ``step``, ``estimate.step == k``): a previous step's
-   estimate is never reused; with a ``grad_scaler`` it divides noise and signal by the
-   square of the loss scale the step's backward ran with;
+   and, when the estimate carries ``step``, ``estimate.step == k``) or, on the hooks' host
+   route, became readable at step k (``state.estimate_available_step == k``: measured at
+   k - F, ``estimate.step`` says so): a previous step's estimate is never reused; with a
+   ``grad_scaler`` it divides noise and signal by the square of the loss scale the
+   measured step's backward ran with;
 3. ``AdaptiveBatchSize.update(k, estimate)`` (the estimate passed on carries its step),
    then the optional ``max_growth`` bound on B_{k+1} / B_k;
 4. the controller's B_{k+1} is the schedule's from there (the hook state's batch, a

@@ -51,13 +51,23 @@ def pooled_noise(estimate: Any) -> float | None:
         return math.nan
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
 def invalid_reason(step: int, estimate: Any) -> str | None:
     """Why the measurement ``estimate`` (a GNSEstimate) of step ``step`` is skipped: stale
-    (measured at another step), not valid, noise / signal not finite numbers, signal <= 0,
-    noise < 0 or a pooled noise that is not a finite number >= 0; None when it is used."""
+    (measured at another step; a lagged estimate -- one with an int ``available_step``, the
+    hooks' host route -- is current when it became available at ``step`` and was measured
+    at or before it), not valid, noise / signal not finite numbers, signal <= 0, noise < 0
+    or a pooled noise that is not a finite number >= 0; None when it is used."""
     noise, signal = estimate.noise, estimate.signal
     est_step = estimate.step
-    if isinstance(est_step, Integral) and not isinstance(est_step, bool) and est_step != step:
+    avail = getattr(estimate, "available_step", None)
+    if _is_int(avail):
+        if avail != step or (_is_int(est_step) and est_step > step):
+            return f"stale estimate (measured at step {est_step}, available at step {avail})"
+    elif _is_int(est_step) and est_step != step:
         return f"stale estimate (measured at step {est_step})"
     if not bool(estimate.valid):
         return "estimate.valid is False"

@@ -1,6 +1,7 @@
 """What a coordinated step measured, as the controller and the metrics see it.
 
-``controller_estimate`` takes the hook state's estimate of step k (never another step's),
+``controller_estimate`` takes the hook state's estimate of step k (never another step's;
+on the hooks' host route the one that became readable at step k, measured at k - F),
 in the loss scale's units divided out; ``step_row`` is the flat row ``metrics()`` reports
 for the step.
 """
@@ -24,13 +25,24 @@ def loss_scale(grad_scaler) -> float:
 
 def controller_estimate(state, k: int, scale: float, samples_per_step: int, one_rank: bool,
                         warn_once: Callable[[str, str], None]) -> Optional[GNSEstimate]:
-    """The hook state's estimate of step k as the controller sees it: noise, signal and the
-    pooled noise divided by ``scale`` squared (a GradScaler's); None when step k has no
-    estimate (warned once, unless the step had fewer than 2 samples: ``samples_per_step``
-    = R x A for micro-batch samples, else 2) or it says it was measured at another step.
-    ``one_rank``: the samples are one rank's micro-batches (for the zero-noise message)."""
+    """The hook state's estimate readable at step k as the controller sees it: noise,
+    signal and the pooled noise divided by the loss scale squared (a GradScaler's:
+    ``scale``, step k's, or for a lagged estimate the measured step's,
+    ``state.estimate_grad_scale``); None when step k has no estimate (warned once, unless
+    the step had fewer than 2 samples: ``samples_per_step`` = R x A for micro-batch
+    samples, else 2, or the state's host route has just staged step k's measurement and
+    has no earlier one to join: ``state.lagged_step``) or it says it was measured at
+    another step. The estimate of step k is the one measured at k, or on the hooks' host
+    route the one that became available at k (``state.estimate_available_step``; its
+    ``step`` is the measured one, k - F). ``one_rank``: the samples are one rank's
+    micro-batches (for the zero-noise message)."""
     est = state.estimate
-    if est is None or state.estimate_step != k:
+    avail = getattr(state, "estimate_available_step", None)
+    if avail is None:
+        avail = state.estimate_step
+    if est is None or avail != k:
+        if getattr(state, "lagged_step", None) == k:
+            return None   # the host route's first measurement: readable at the next one
         if samples_per_step >= 2:
             warn_once("missing", f"step {k} is a measuring step but the hook state has no "
                       f"estimate of it (estimate_step = {state.estimate_step}); the batch "
@@ -38,10 +50,17 @@ def controller_estimate(state, k: int, scale: float, samples_per_step: int, one_
         return None
     if not isinstance(est, GNSEstimate):
         raise TypeError(f"the hook state's estimate must be a GNSEstimate, got {type(est).__name__}")
-    if est.step is not None and est.step != k:
+    lag = getattr(est, "available_step", None)
+    if est.step is not None and (est.step != k if lag is None else (lag != k or est.step > k)):
         warn_once("stale", f"the estimate of step {k} says it was measured at step "
-                  f"{est.step}; it is not used")
+                  f"{est.step}" + ("" if lag is None else f" and available at step {lag}")
+                  + "; it is not used")
         return None
+    if lag is not None:  # lagged: the measured step's loss scale
+        ms = getattr(state, "estimate_grad_scale", None)
+        if ms is not None:
+            scale = float(ms)
+    step = k if est.step is None else est.step
     if est.valid and est.noise == 0 and est.signal > 0:
         who, whom = ("micro-batch", "micro-batches") if one_rank else ("rank", "ranks")
         warn_once("zero-noise", (
@@ -51,9 +70,9 @@ def controller_estimate(state, k: int, scale: float, samples_per_step: int, one_
             "DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)))"))
     s2 = scale * scale
     if s2 == 1.0:
-        return replace(est, step=k)
+        return replace(est, step=step)
     div = (lambda v: None if v is None else float(v) / s2)
-    return replace(est, noise=est.noise / s2, signal=est.signal / s2, step=k,
+    return replace(est, noise=est.noise / s2, signal=est.signal / s2, step=step,
                    noise_pooled=div(est.noise_pooled), noise_raw=div(est.noise_raw),
                    signal_raw=div(est.signal_raw), signal_unbiased=div(est.signal_unbiased))
 

@@ -16,10 +16,14 @@ another's private names. It holds
   the shared nuclear solve ``SolveShare``, the l1/l2 accumulators), and its recording (the
   DDP and FSDP2 hooks; one rank's micro-batch measurement, ``_micro_measure.py``, takes
   ``Sums`` and ``ShareReader`` from here and its settings from ``GNSHookState.settings``);
-- ``ShareReader``: the totals of a ``SolveShare`` as the callables ``Sums`` carries.
+- ``ShareReader``: the totals of a ``SolveShare`` as the callables ``Sums`` carries;
+- ``LaggedMeasurement``: a host-route nuclear measurement between its staging and its
+  join at the next measurement (``GNSHookState.record_lagged``; docs/distributed.md, "The
+  host route").
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -31,7 +35,7 @@ from ._stats import exact_sum
 Tensor = torch.Tensor
 
 __all__ = ["Sums", "ParamPlan", "MeasurementPlan", "LastMeans", "Measurement", "ShareReader",
-           "resolve_shift"]
+           "LaggedMeasurement", "resolve_shift"]
 
 
 # --------------------------------------------------------------------------- the record
@@ -54,6 +58,11 @@ class Sums(NamedTuple):
         nuclear: sum_l of the pooled corrected tr(P_l^{1/2})), None without a pool.
     Each value may be a number, a tensor on any device or a callable returning one (with
     a ``device_type`` attribute when it is not the CPU's), read all together by ``read``.
+    available_step: a lagged measurement's (the host route) step at which its sums became
+        readable (its join, at the next measurement), None for a measurement readable at
+        its own step; batch_size, grad_scale: the measured step's global batch and loss
+        scale when they are carried (the lagged ones: the estimate uses the measured
+        step's, not the reading step's), else None (the state's current B).
     """
 
     num_samples: int
@@ -64,6 +73,9 @@ class Sums(NamedTuple):
     nuc_signal_debiased: Any = None
     nuclear_dof: Optional[str] = None
     noise_pooled: Any = None
+    available_step: Optional[int] = None
+    batch_size: Optional[float] = None
+    grad_scale: Optional[float] = None
 
     def _values(self) -> tuple:
         return (self.l_terms, self.nuc_noise, self.nuc_signal, self.nuc_signal_debiased,
@@ -228,15 +240,28 @@ class Measurement:
                                 pool=state.pool, grad_scale=state.grad_scale,
                                 owners=state.pool_owners, method=state.method)
 
-    def record_nuclear(self, group, all_reduce: Optional[Callable]) -> ShareReader:
+    def record_nuclear(self, group, all_reduce: Optional[Callable]) -> Optional[ShareReader]:
         """Launch the share's one all-reduce (not waited for) and record the totals as
-        callables read with the estimate. Returns the reader."""
+        callables read with the estimate. Returns the reader.
+
+        The host route (``SolveShare.is_host``): the share is staged and its host job
+        submitted, and the state joins the previous host measurement now, with this one's
+        collective (``GNSHookState.record_lagged``); returns None."""
+        if self.share.is_host():
+            self.share.launch(group, all_reduce, lag=True)
+            self.state.record_lagged(self.lagged(), group, all_reduce)
+            return None
         self.share.launch(group, all_reduce)
         reader = ShareReader(self.share)
         self.state.record(Sums(self.num_samples, self.step, nuc_noise=reader.noise,
                                nuc_signal=reader.signal, nuc_signal_debiased=reader.signal_deb,
                                nuclear_dof=self.dof, noise_pooled=reader.pooled))
         return reader
+
+    def lagged(self) -> "LaggedMeasurement":
+        """This measurement as a LaggedMeasurement (its share staged)."""
+        return LaggedMeasurement(self.share, self.step, self.num_samples, self.dof,
+                                 self.batch_size, self.share.solver.grad_scale)
 
     def record_l(self, l_terms, noise_pooled=None) -> None:
         """Record the l1 / l2 sums (a Tensor[4 or 5] or per-parameter rows)."""
@@ -271,3 +296,50 @@ class _Value:
         if r.values is None:
             r.values = tuple(r.share.read()) + (r.share.pooled_total,)
         return r.values[self.i]
+
+
+# --------------------------------------------------------------------------- the lag
+class LaggedMeasurement:
+    """A host-route nuclear measurement awaiting its join (docs/distributed.md, "The host
+    route"): its share (staged; ``submit`` starts its host job), the measured step, its
+    sample count and dof, and the measured step's global batch and loss scale (the
+    estimate's, whenever it is read)."""
+
+    def __init__(self, share: SolveShare, step: int, num_samples: int, dof: Optional[str],
+                 batch_size: float, grad_scale: float):
+        self.share = share
+        self.step = step
+        self.num_samples = num_samples
+        self.dof = dof
+        self.batch_size = float(batch_size)
+        self.grad_scale = float(grad_scale)
+
+    def submit(self) -> None:
+        """Start the host job (``SolveShare.submit``)."""
+        self.share.submit()
+
+    def join(self, group, all_reduce: Optional[Callable], available_step: int,
+             device=None) -> tuple["Sums", float, Optional[float]]:
+        """(sums, waited, interval): wait for the host job, start the share all-reduce
+        (``SolveShare.join``) and the Sums of the measurement, readable from
+        ``available_step`` on; waited: seconds the join waited for the job; interval:
+        seconds from the job's submit to this join (None for a restored measurement).
+        device: the joining measurement's device (where a restored part goes)."""
+        share = self.share
+        t0 = time.monotonic()
+        interval = None if share.submitted is None else t0 - share.submitted
+        waited = share.wait()
+        if share.device is None and device is not None:
+            share.device = torch.device(device)
+        share.join(group, all_reduce, device)
+        reader = ShareReader(share)
+        sums = Sums(self.num_samples, self.step, nuc_noise=reader.noise, nuc_signal=reader.signal,
+                    nuc_signal_debiased=reader.signal_deb, nuclear_dof=self.dof,
+                    noise_pooled=reader.pooled, available_step=available_step,
+                    batch_size=self.batch_size, grad_scale=self.grad_scale)
+        return sums, waited, interval
+
+    def cancel(self) -> None:
+        """Drop it: its host job is asked to stop (spectral.host.HostJob.cancel)."""
+        if self.share.job is not None:
+            self.share.job.cancel()

@@ -13,18 +13,21 @@ tensor lists (``_validation.check_vn_lists``; the fused op below is the unchecke
 ``ops.variance_norms_multi_unchecked``), the debiased l1 signal (``_stats``), the noise
 pool's fold (``pooling``); nuclear -- with a noise pool the shared solve on one rank
 (``SolveShare``, no collective; it also folds the covariances into the pool), without one
-the guarded spectral solve (``_stats.nuclear_stats_or_nan``). The caller records the
-result (``GNSHookState.record``).
+the guarded spectral solve (``_stats.nuclear_stats_or_nan``); on the host route (method
+"host", or "auto" off the CPU: ``Settings.method``) always the shared solve, staged
+and not solved here: the result is then a ``LaggedMeasurement``. The caller records the
+result (``GNSHookState.record``, or ``record_lagged`` for a LaggedMeasurement, which
+joins the previous host measurement).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from .. import ops
 from .._validation import check_scale, check_vn_lists
-from ._measurement import ShareReader, Sums
+from ._measurement import LaggedMeasurement, ShareReader, Sums
 from ._micro_sums import MicroSums
 from ._settings import Settings
 from ._share import SolveShare
@@ -36,8 +39,9 @@ __all__ = ["measure_micro_batches"]
 
 
 def measure_micro_batches(s: Settings, A: int, sums: MicroSums, live: Sequence[Tensor],
-                          grads: Sequence[Tensor]) -> Sums:
-    """The statistics of A >= 2 micro-batches on one rank (module docstring).
+                          grads: Sequence[Tensor]) -> Union[Sums, LaggedMeasurement]:
+    """The statistics of A >= 2 micro-batches on one rank (module docstring): their Sums,
+    or on the host route the staged LaggedMeasurement.
 
     s: the measurement's settings (``GNSHookState.settings(live, A, per_sample=False)``:
     its keys are those of ``live``); sums: the step's MicroSums (poisoned already when a
@@ -68,35 +72,40 @@ def measure_micro_batches(s: Settings, A: int, sums: MicroSums, live: Sequence[T
     return Sums(A, s.step, l_terms=terms, noise_pooled=pooled)
 
 
-def _nuclear(s: Settings, A: int, scale: float, grams: list, grads: list, any_live: bool) -> Sums:
+def _nuclear(s: Settings, A: int, scale: float, grams: list, grads: list,
+             any_live: bool) -> Union[Sums, LaggedMeasurement]:
     """Nuclear: grams, A sum_a gram(d_a) (the mean Grams); grads, the mean gradients."""
     cfg = s.config
     pool = s.pool
-    if pool is not None and any_live:
-        pool.to(grads[0].device)
+    host = any_live and s.method == "host"
+    if (pool is not None or host) and any_live:
+        if pool is not None:
+            pool.to(grads[0].device)
         # the shared-solve path on one rank (no collective): it also folds the
-        # covariances into the noise pool
+        # covariances into the noise pool; the host route stages it (no solve here)
         share = SolveShare(1, 0, scale, cfg.bias_correction, A, s.batch_size, hints=s.eig_hints,
                            dof=s.dof or "columns", signal=cfg.signal, pool=pool,
-                           grad_scale=s.grad_scale, owners=s.pool_owners, method=cfg.method)
-        share.add_grads(grams, grads, None, None, s.keys)
-        share.launch(None, None)
+                           grad_scale=s.grad_scale, owners=s.pool_owners, method=s.method)
+        share.add_grads(grams, grads, None, None, s.keys if pool is not None else None)
+        share.launch(None, None, lag=host)
         if share.stream is not None:
             # CUDA: the solves read .grad on a side stream; later in-place changes of
             # .grad (unscale, clipping, zero_grad) must wait for them (device order,
             # no host synchronization)
             torch.cuda.current_stream(share.stream.device).wait_stream(share.stream)
+        if host:
+            return LaggedMeasurement(share, s.step, A, s.dof, s.batch_size, s.grad_scale)
         r = ShareReader(share)
         return Sums(A, s.step, nuc_noise=r.noise, nuc_signal=r.signal,
                     nuc_signal_debiased=r.signal_deb, nuclear_dof=s.dof, noise_pooled=r.pooled)
     deb = None
     if any_live:
         noise, signal = nuclear_stats_or_nan(grams, grads, None, scale, cfg.bias_correction, A,
-                                             s.batch_size, hints=s.eig_hints, method=cfg.method)
+                                             s.batch_size, hints=s.eig_hints, method=s.method)
         n, sig = noise.double().sum(), signal.double().sum()  # read with the estimate
         if cfg.signal == "debiased":
             _, sd = nuclear_stats_or_nan(grams, grads, None, scale, False, A, s.batch_size,
-                                         signal="debiased", method=cfg.method)
+                                         signal="debiased", method=s.method)
             deb = sd.double().sum()
     else:
         n = sig = float("nan")

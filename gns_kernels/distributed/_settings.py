@@ -30,7 +30,9 @@ class Settings(NamedTuple):
     when no sample count was given); keys: the noise-pool keys of the parameters the
     settings were asked for, in their order; step, batch_size (float), grad_scale: the
     schedule's k, B and loss scale; pool, pool_owners, eig_hints: the state's noise pool
-    (or None), its solve owners (pool key -> rank) and its eigensolver hints.
+    (or None), its solve owners (pool key -> rank) and its eigensolver hints; method: the
+    nuclear solver the hooks run on the device of the parameters the settings were asked
+    for ('eigh', 'newton' or 'host': ``config.hook_method``; the CPU's without parameters).
     """
 
     config: "GNSConfig"
@@ -43,4 +45,5 @@ class Settings(NamedTuple):
     pool: Optional["NoisePool"]
     pool_owners: dict
     eig_hints: "EigHints"
+    method: str = "eigh"
 

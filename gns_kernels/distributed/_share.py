@@ -41,21 +41,35 @@ results:
   index, ``column_index``). The layout of the shared vector (columns in part order) is
   unchanged.
 
+- host route (method "host"; "auto" off the CPU: ``config.hook_method``): ``launch(...,
+  lag=True)`` stages the owned matrices instead of solving them (``stage``:
+  gns_kernels.distributed._share_host, the noise pool folded now) and ``submit`` starts a
+  host job that solves them (spectral.host.HostJob: float64 eigvalsh on a CPU thread);
+  ``join`` -- at the next measurement, where that one launches (the hooks:
+  ``Measurement.record_nuclear``) -- waits for the job, adds the host rows to the device
+  rows (``part``) and starts the share all-reduce then: measurement k's vector rides
+  measurement k+F's one extra collective. ``launch`` without lag joins at once.
+
 With one rank the solver runs everything and no collective is issued. Nothing here reads
 a device value on the host: the totals stay device tensors until ``read()`` (called when
 the estimate is first read).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..spectral.deviations import deviation_sums
 from ..stats.pool import NoisePool
+from ..spectral.host import HostJob
+from ._share_host import HostStaged, host_rows, stage_host
 from ._share_solve import ShareSolver
 from ._share_vector import share_columns, share_rows, share_totals
+from .._validation import warn_user as _warn_user
 from ._stats import exact_sum
+from .config import hook_method
 
 Tensor = torch.Tensor
 
@@ -104,6 +118,7 @@ class SolveShare:
         # this rank's matrices, kept from their parts, and their one solve (``_solve_kept``)
         self.solver = ShareSolver(self.rows, scale, bias_correction, num_samples, batch_size, hints,
                                   method, self.gauss, self.pool, float(grad_scale))
+        self.method = method
         self.world = world
         self.rank = rank
         self.scale = scale
@@ -120,6 +135,12 @@ class SolveShare:
         self.stream = None  # CUDA: the side stream the solves run on
         self.future = None  # of the share all-reduce (None: nothing to share / one rank)
         self.reduced: Optional[Tensor] = None
+        # the host route (module docstring, "host route"): the staged solve, its job, the
+        # monotonic time it was submitted, and this rank's full part once known
+        self.staged: Optional[HostStaged] = None
+        self.job: Optional[HostJob] = None
+        self.submitted: Optional[float] = None
+        self.full: Optional[Tensor] = None
 
     # ----------------------------------------------------------- assignment
     def _owners(self, ks: Sequence[int], keys: Optional[Sequence] = None) -> list:
@@ -143,9 +164,11 @@ class SolveShare:
             self.sticky[keys[i]] = o
         return [o == self.rank for o in owners]
 
-    def _run(self, qa: Optional[Tensor], L: int) -> None:
-        """The solver's one solve (``ShareSolver.solve``) of this rank's part, on a side
-        stream on CUDA (where this rank owns a matrix), inline elsewhere."""
+    def _run(self, qa: Optional[Tensor], L: int, fn: Callable) -> Any:
+        """fn(qa, L, device) -> (result, inputs): the solver's one solve of this rank's part
+        (``ShareSolver.solve``) or the host route's staging (``_share_host.stage_host``),
+        on a side stream on CUDA (where this rank owns a matrix), inline elsewhere.
+        Returns the result."""
         kept = self.solver.kept
         like = kept[0].gram if kept else None
         if like is not None and like.device.type == "cuda":
@@ -159,12 +182,12 @@ class SolveShare:
                     self.pool.stream = self.stream
             self.stream.wait_stream(torch.cuda.current_stream(like.device))
             with torch.cuda.stream(self.stream):
-                part, inputs = self.solver.solve(qa, L, self.device)
+                out, inputs = fn(qa, L, self.device)
             for t in inputs:  # freed by the caller's stream after this call
                 t.record_stream(self.stream)
         else:
-            part, inputs = self.solver.solve(qa, L, self.device)
-        self.parts.append(part)
+            out, inputs = fn(qa, L, self.device)
+        return out
 
     # ----------------------------------------------------------- parts
     def add_grads(self, mean_grams: Sequence[Tensor], mean_grads: Sequence[Tensor],
@@ -268,13 +291,18 @@ class SolveShare:
         self.solved = True
         qa = torch.stack([torch.cat(self.qa_q), torch.cat(self.qa_a)]) if self.qa_q else None
         self.qa_q, self.qa_a = [], []
-        self._run(qa, L)
+        self.parts.append(self._run(qa, L, self.solver.solve))
 
     # ----------------------------------------------------------- sharing
     def vector(self) -> Optional[Tensor]:
         """The float64 rows x L vector of this rank ([noise (L), signal (L), used64 (L)],
         plus the rows of share_rows; None: no matrix), after the one solve
         (``_solve_kept``); on CUDA formed on the side stream the solve ran on."""
+        if self.is_host():  # staged, solved on a host thread and waited for here
+            self.stage()
+            self.submit()
+            part = self.part()
+            return None if part is None else part.reshape(-1)
         self._solve_kept()
         if not self.parts:
             return None
@@ -283,13 +311,29 @@ class SolveShare:
                 return torch.cat(self.parts, dim=1).reshape(-1)
         return torch.cat(self.parts, dim=1).reshape(-1)
 
-    def launch(self, group, all_reduce: Callable) -> None:
+    def launch(self, group, all_reduce: Callable, lag: bool = False) -> None:
         """Solve this rank's share and form its vector (``vector``: the one solve of the
         measurement), then start the one share all-reduce (async; on CUDA on the side
-        stream). With one rank nothing is sent. all_reduce: torch.distributed.all_reduce."""
+        stream). With one rank nothing is sent. all_reduce: torch.distributed.all_reduce.
+
+        The host route (``is_host``): the solve is staged and submitted to a host job
+        (``stage``, ``submit``); lag=True (the hooks) returns then -- ``join`` finishes it
+        later, at the next measurement, with that measurement's collective; lag=False waits
+        for the job here and shares at once (``join``)."""
+        if self.is_host():
+            self.stage()
+            if lag:
+                return
+            self.submit()
+            self.join(group, all_reduce)
+            return
         vec = self.vector()
         if vec is None:
             return
+        self._share(vec, group, all_reduce)
+
+    def _share(self, vec: Tensor, group, all_reduce: Callable) -> None:
+        """Start the share all-reduce of ``vec`` (none with one rank); ``reduced`` = vec."""
         if self.world > 1:
             if self.stream is not None:
                 with torch.cuda.stream(self.stream):
@@ -297,6 +341,106 @@ class SolveShare:
             else:
                 self.future = all_reduce(vec, group=group, async_op=True).get_future()
         self.reduced = vec
+
+    # ----------------------------------------------------------- the host route
+    def is_host(self) -> bool:
+        """Whether this share runs the host route (its method on its device,
+        ``config.hook_method``; a share without a part is on the CPU)."""
+        return hook_method(self.method, self.device if self.device is not None else "cpu") == "host"
+
+    def stage(self) -> None:
+        """The host route's staging (gns_kernels.distributed._share_host.stage_host): the
+        matrices this rank owns formed on the device (the noise pool folded now), copied to
+        the host (CUDA: pinned memory, an event; no wait), the device rows formed. Once."""
+        if self.solved:
+            return
+        self.solved = True
+        self.hints = None  # the host route reports nothing for the eigenvalue path's hints
+        L = len(self.shapes)
+        if L == 0:
+            return
+        qa = torch.stack([torch.cat(self.qa_q), torch.cat(self.qa_a)]) if self.qa_q else None
+        self.qa_q, self.qa_a = [], []
+        self.staged = self._run(qa, L, self._stage_host)
+
+    def _stage_host(self, qa, L: int, dev) -> tuple:
+        staged = stage_host(self.solver, qa, L, dev)
+        return staged, staged.inputs
+
+    def submit(self) -> None:
+        """Start the staged solve's host job (spectral.host.HostJob: one background thread,
+        which waits for the copies' event itself); the monotonic time is ``submitted``."""
+        st = self.staged
+        if st is None or self.job is not None or self.full is not None:
+            return
+        self.job = HostJob(st.items, pair=st.pair, event=st.event)
+        self.submitted = time.monotonic()
+        self.staged = st._replace(items=[], inputs=[], event=None)  # the job holds the matrices
+
+    def wait(self) -> float:
+        """Wait for the host job (a no-op without one, or once done); seconds waited."""
+        job = self.job
+        if job is None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            job.result()
+        except Exception:  # handled (warned, NaN) by part()
+            pass
+        return time.monotonic() - t0
+
+    def part(self) -> Optional[Tensor]:
+        """This rank's full rows x L float64 part (device rows + host rows; None without
+        a matrix), after the host job (waits for it). On CUDA formed on the side stream, the
+        host rows copied from pinned memory without blocking. Computed once. A job that
+        failed warns and gives NaN host rows: the measurement is invalid on every rank."""
+        if self.full is not None:
+            return self.full
+        self.submit()  # a no-op once submitted
+        st = self.staged
+        if st is None:
+            return None
+        self.wait()
+        host = None
+        if self.job is not None:
+            try:
+                sums = self.job.result()
+            except Exception as exc:  # as the other routes' solver failures: invalid, warned
+                _warn_user(f"gns_kernels: the host solve of nuclear statistics failed ({exc!r}); "
+                           "this measurement is marked invalid")
+                sums = torch.full((4, len(st.spread)), float("nan"), dtype=torch.float64)
+            self.job = None
+            host = host_rows(st, sums, self.rows, st.device.shape[1],
+                             correct=self.solver.bias_correction and not self.gauss, gauss=self.gauss,
+                             num_samples=self.num_samples, batch_size=float(self.solver.batch_size))
+        dev_part = st.device
+        if host is None:
+            self.full = dev_part
+        elif self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.full = dev_part + host.pin_memory().to(dev_part.device, non_blocking=True)
+        else:
+            self.full = dev_part + host.to(dev_part.device)
+        return self.full
+
+    def restore(self, part: Tensor) -> None:
+        """Take ``part`` (rows x L float64, a checkpoint's record of ``part()``) as this
+        rank's full part: ``join`` then shares it as the saved run would have."""
+        self.solved = True
+        self.hints = None
+        self.full = part
+
+    def join(self, group, all_reduce: Callable, device=None) -> None:
+        """Finish the host route: this rank's full part (``part``: waits for the host job),
+        then the share all-reduce (async, as ``launch``'s; none with one rank). device: where
+        a restored part goes (the joining measurement's device; default: where it is)."""
+        vec = self.part()
+        if vec is None:
+            return
+        if device is not None and vec.device != torch.device(device):  # a restored part
+            dev = torch.device(device)
+            vec = vec.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else vec.to(dev)
+        self._share(vec.reshape(-1), group, all_reduce)
 
     def finish_blocking(self, group, all_reduce: Callable) -> None:
         """The share all-reduce, waited for (FSDP2 finishes on the calling thread)."""

@@ -15,6 +15,10 @@ Validity: a rank whose solved inputs are non-finite (non-finite gradients on som
 writes NaN for the values it owns in that part; a solver failure likewise (with a
 warning). NaN survives the sum, so the measurement is invalid on every rank.
 
+The host route (method "host"; "auto" off the CPU: ``ShareSolver.resolved``) does not
+call ``solve``: the share stages the kept matrices instead
+(gns_kernels.distributed._share_host) and a host thread solves them.
+
 Nothing here reads a device value on the host.
 """
 from __future__ import annotations
@@ -26,11 +30,12 @@ import torch
 from .._validation import warn_user as _warn_user
 from ..spectral.grams import grams64_on_sides, grams_on_sides
 from ..spectral.nuclear import NuclearRequest, nuclear_stats
-from ..spectral.trace import NEWTON_METHODS, resolve_method
+from ..spectral.trace import NEWTON_METHODS
 from ..stats.pool import NoisePool
 from ..spectral.pooled import pooled_sqrt_traces
 from ..stats.pooled import pool_folder, pooled_sums
 from ._stats import all_finite
+from .config import hook_method
 
 Tensor = torch.Tensor
 
@@ -100,15 +105,27 @@ class ShareSolver:
         self.grad_scale = grad_scale
         self.kept: list[KeptMatrix] = []  # this rank's matrices, from their parts until the solve
 
-    def kw(self) -> dict:
-        """The solver arguments of the solve's nuclear_stats calls (their common part)."""
+    def kw(self, device) -> dict:
+        """The solver arguments of the solve's nuclear_stats calls (their common part), the
+        method resolved for ``device`` (``resolved``)."""
         return dict(scale=self.scale, bias_correction=self.bias_correction,
                     num_samples=self.num_samples, batch_size=self.batch_size,
-                    method=self.method, eig_hints=self.hints)
+                    method=self.resolved(device), eig_hints=self.hints)
+
+    def resolved(self, device) -> str:
+        """The solver this share runs on ``device``: 'eigh', 'newton' or 'host'
+        (gns_kernels.distributed.config.hook_method: 'auto' is 'eigh' on CPU tensors, the
+        host route elsewhere)."""
+        return hook_method(self.method, device)
 
     def newton(self, device) -> bool:
         """Whether this share's method resolves to the Newton path on ``device``."""
-        return resolve_method(self.method, device) in NEWTON_METHODS
+        return self.resolved(device) in NEWTON_METHODS
+
+    def host(self, device) -> bool:
+        """Whether this share's method resolves to the host route on ``device`` (staged by
+        gns_kernels.distributed._share_host, solved on a host thread)."""
+        return self.resolved(device) == "host"
 
     def mean_grad_gram_op(self, device) -> Callable:
         """The Gram function of the mean gradients D D^T: float64 products on every route,
@@ -235,7 +252,7 @@ class ShareSolver:
                 out[rows["q"]:rows["q"] + 2] = qa.to(**f64)
             return out
         # the solver's arguments
-        kw = self.kw()
+        kw = self.kw(dev)
         grams = [e.gram for e in kept]
         shapes = [e.shape for e in kept]
         keys = [e.key for e in kept]
@@ -248,7 +265,7 @@ class ShareSolver:
         nan = torch.full((), float("nan"), **f64)
 
         # the solver's calls
-        newton = resolve_method(self.method, dev) in NEWTON_METHODS
+        newton = self.newton(dev)
         dd = [e.dd for e in kept]
         if todo:
             on_sides = grams64_on_sides  # every route, as nuclear_stats (issue 43 item 5)
@@ -273,7 +290,7 @@ class ShareSolver:
             pool = pooled_sums(res.pooled, folds, n, dev)
         elif self.pool is not None and res.covariances:
             pool = pooled_sqrt_traces(self.pool, keys, [C for _, C in res.covariances], shapes,
-                                      self.num_samples, self.grad_scale, self.method, self.hints, raw=True)
+                                      self.num_samples, self.grad_scale, kw["method"], self.hints, raw=True)
 
         # the rows
         if newton:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import check_signal
+from ..spectral.solver import HostConfig
 from ..spectral.trace import METHODS as SOLVE_METHODS
 from ..stats.dof import GAUSS_SUMS_MIN_SAMPLES, resolve_nuclear_dof
 from ..stats.gns import GEOMETRIES
@@ -29,21 +30,30 @@ from ..stats.pool_state import check_pool_beta
 
 Tensor = torch.Tensor
 
-__all__ = ["GNSConfig", "HOOK_METHODS", "check_hook_method", "check_count", "unique_params",
-           "config_field"]
+__all__ = ["GNSConfig", "HOOK_METHODS", "check_hook_method", "hook_method", "check_count",
+           "unique_params", "config_field"]
 
 # The solvers the hook states run. "newton-tf32" (gk.sqrt_trace / gk.nuclear_stats keep it
 # as an explicit experiment) is refused: the hooks' noise and pool chains are float64
 # whatever the method, so TF32 reaches only the signal Grams, and there its rounding of a
 # steep spectrum loses the tail that carries much of the sqrt-trace (docs/spectral.md).
-# "host": the hooks' lagged host route: issue 43, next step
-HOOK_METHODS = tuple(m for m in SOLVE_METHODS if m not in ("newton-tf32", "host"))
+# "host": the lagged host route (float64 eigvalsh on CPU threads; the estimate of step k
+# is readable at the next measurement, docs/distributed.md "The host route").
+HOOK_METHODS = tuple(m for m in SOLVE_METHODS if m != "newton-tf32")
 
 ShiftSpec = Union[None, str, Mapping, Callable]
 
 
-def check_hook_method(method) -> str:
-    """``method`` if the hook states accept it, else ValueError naming ``method``."""
+def check_hook_method(method):
+    """``method`` if the hook states accept it (one of HOOK_METHODS, or a HostConfig with
+    ``max_pending=1``), else ValueError naming ``method``."""
+    if isinstance(method, HostConfig):
+        if method.max_pending != 1:
+            raise ValueError(
+                f"method: the hook states keep at most one host solve in flight (the join of "
+                f"measurement k waits for it at the next measurement: deterministic), so "
+                f"HostConfig(max_pending=1), got max_pending={method.max_pending}")
+        return method
     if isinstance(method, str) and method == "newton-tf32":
         raise ValueError(
             "method: 'newton-tf32' is not accepted by the hook states: TF32 products of the "
@@ -52,8 +62,30 @@ def check_hook_method(method) -> str:
             "shapes, CPU emulation), while the noise and the pool stay float64 anyway; use "
             "'newton' (TF32 stays an experiment of gk.sqrt_trace / gk.nuclear_stats)")
     if not isinstance(method, str) or method not in HOOK_METHODS:
-        raise ValueError(f"method: expected one of {HOOK_METHODS}, got {method!r}")
+        raise ValueError(f"method: expected one of {HOOK_METHODS} or a HostConfig, got {method!r}")
     return method
+
+
+def hook_method(method, device) -> str:
+    """The solver the hooks run for ``method`` (a hook state's, checked) on ``device`` (the
+    measured gradients'): "eigh", "newton" or "host". The hooks' one device choice (issue 43
+    item 4):
+
+    - "auto" on CPU tensors: "eigh" (the CPU default: LAPACK on the CPU threads, solved
+      at once; nothing lags);
+    - "auto" on any other device (CUDA): "host" -- the device forms the Grams and the
+      float64 matrices and copies them to the host, CPU threads solve them (float64
+      eigvalsh) while training goes on, and the estimate of step k is read at the next
+      measurement. It takes the O(k^3) solves off the GPU, and it never runs a float64
+      matrix chain on the GPU, whose float64 rate is 1/64 of float32 on L40S / A10 /
+      RTX-class parts (the Newton route's chain is float64);
+    - a HostConfig: "host"; any other string: itself (``method=`` overrides the choice).
+    """
+    if isinstance(method, HostConfig):
+        return "host"
+    if method != "auto":
+        return method
+    return "eigh" if torch.device(device).type == "cpu" else "host"
 
 
 def check_count(name: str, value, minimum: int = 1) -> int:
@@ -121,14 +153,18 @@ class GNSConfig:
             the reduced gradient and, under DDP, one more all-reduce of one float64;
             nuclear one more sqrt-trace per matrix (of its pooled covariance), solved by
             the rank that solves its noise.
-        method: the nuclear sqrt-trace solver the hooks run, as ``gk.nuclear_stats``'s
-            and ``gk.sqrt_trace``'s: "auto" (default: eigenvalues on CPU tensors, the
-            coupled Newton iteration on GPUs), "eigh" or "newton" (e.g. the GPU path on
-            CPU tensors, for tests and bench/bench_hook_ops.py). Not saved by
-            ``state_dict()``. "newton-tf32" is refused (ValueError): in the hooks TF32
-            reaches only the signal, which it left 18% low on the hook benchmark (CPU
-            emulation); it stays available on ``gk.sqrt_trace`` / ``gk.nuclear_stats`` as
-            an experiment.
+        method: the nuclear sqrt-trace solver the hooks run: "auto" (default: eigenvalues
+            on CPU tensors, the host route on GPUs; ``hook_method``), "eigh", "newton"
+            (e.g. the old GPU path on CPU tensors, for tests and bench/bench_hook_ops.py)
+            or "host" (also a ``gk.spectral.HostConfig()``; its max_pending must be 1): the
+            matrices copied to the host and solved there by float64 eigvalsh on a CPU
+            thread while training goes on; the estimate of the measurement of step k is
+            readable from the next measurement on (``estimate.step`` k,
+            ``estimate.available_step`` the later step; docs/distributed.md "The host
+            route"). Not saved by ``state_dict()``. "newton-tf32" is refused (ValueError):
+            in the hooks TF32 reaches only the signal, which it left 18% low on the hook
+            benchmark (CPU emulation); it stays available on ``gk.sqrt_trace`` /
+            ``gk.nuclear_stats`` as an experiment.
 
     Equality compares ``params``, ``shift`` (unless a string) and ``process_group`` by
     identity and the other fields by value.
@@ -142,7 +178,7 @@ class GNSConfig:
     nuclear_dof: str = "auto"
     signal: str = "raw"
     pool_beta: Optional[float] = 0.9
-    method: str = "auto"
+    method: Union[str, HostConfig] = "auto"
 
     # nuclear_dof values the hook states accept (the hooks cannot form 'data': it needs
     # cross-sample fourth moments); MicroBatchGNS accepts fewer (its own _NUCLEAR_DOFS)

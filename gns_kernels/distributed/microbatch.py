@@ -57,6 +57,7 @@ from typing import Iterable, Optional
 import torch
 
 from .._validation import warn_user as _warn_user
+from ._measurement import LaggedMeasurement
 from ._micro_measure import measure_micro_batches
 from ._micro_sums import MicroSums, SyncMicro
 from .config import GNSConfig, unique_params
@@ -302,7 +303,11 @@ class MicroBatchGNS(GNSHookState):
             self._sums.poison()
         self._read_host_pending()  # an unread CPU measurement reports its eigensolver hints first
         settings = self.settings(live, num_samples=A, per_sample=False)
-        self.record(measure_micro_batches(settings, A, self._sums, live, grads))
+        res = measure_micro_batches(settings, A, self._sums, live, grads)
+        if isinstance(res, LaggedMeasurement):  # the host route: joins the previous one
+            self.record_lagged(res, None, None)
+        else:
+            self.record(res)
 
     def _backward_seen(self) -> None:
         self._backwards += 1

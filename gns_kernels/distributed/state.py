@@ -23,6 +23,19 @@ estimator (``MicroBatchGNS``, a subclass) and the FSDP2 hooks. It holds
   synchronization per measurement, paid by the reader. (A measurement on the CPU that was
   never read is materialized when the next one starts, so the eigensolver hints it
   reports are in effect for it.)
+- the host route (nuclear, ``method="host"``, and "auto" on GPUs): the measurement of
+  step k is solved on a host thread while training goes on and joins at the next
+  measurement k' (k + F), whose one extra collective carries its shared vector
+  (``record_lagged``). The estimate is then that of step k (``estimate_step`` and
+  ``estimate.step`` k, its batch size and loss scale k's: ``estimate_grad_scale``),
+  readable from step k' on (``estimate_available_step`` and ``estimate.available_step``
+  k'). ``lagged_step``: the measurement awaiting its join. The join waits for the host
+  job when it is not done (one job in flight at most; deterministic: the values never
+  depend on timing), with a one-time RuntimeWarning when it waited longer than 5% of the
+  time since the job started (and 10 ms) that names the F at which the route keeps up
+  on this machine. ``state_dict()`` waits for the job and records this rank's part
+  (gns_kernels.distributed._checkpoint, "lagged"), so a resumed run joins it as the
+  uninterrupted run would (bit-exact).
 
 A measurement reads the state once, where it starts: ``settings()`` returns a frozen
 ``Settings`` (_settings.py: the configuration, the nuclear dof for its samples, the noise
@@ -70,16 +83,19 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+import math
+
 from .._dcp_guard import refuse_unwrapped_dcp
+from .._validation import warn_user as _warn_user
 from ..stats.gns import GEOMETRIES
 from ..stats.pool import NoisePool
 from ..spectral.hints import EigHints
 from ._checkpoint import hook_state_dict, load_hook_state_dict
-from ._measurement import LastMeans, MeasurementPlan, Sums, resolve_shift
+from ._measurement import LaggedMeasurement, LastMeans, MeasurementPlan, Sums, resolve_shift
 from ._pool_keys import PoolKeys
 from ._schedule_reader import ScheduleReader
 from ._settings import Settings
-from .config import HOOK_METHODS, GNSConfig, ShiftSpec, check_hook_method, config_field
+from .config import HOOK_METHODS, GNSConfig, ShiftSpec, check_hook_method, config_field, hook_method
 
 Tensor = torch.Tensor
 
@@ -167,6 +183,13 @@ class GNSHookState(ScheduleReader):
         self._estimate = None
         self._pending = None  # statistics of the last measurement, not yet read
         self.estimate_step: Optional[int] = None
+        # the host route: the step the estimate became readable at (its own step when it
+        # did not lag), the measured step's loss scale (None: not carried), and the
+        # measurement awaiting its join (a LaggedMeasurement)
+        self.estimate_available_step: Optional[int] = None
+        self.estimate_grad_scale: Optional[float] = None
+        self._lagged: Optional[LaggedMeasurement] = None
+        self._warned_wait = False
         self._last_mean = LastMeans()  # shift="last": the kept float32 mean gradients
         self._current = None  # the transport's context of the synchronized backward in progress
         # nuclear eigensolver cost hints by parameter shape (spectral.EigHints), applied
@@ -189,9 +212,10 @@ class GNSHookState(ScheduleReader):
     pool_beta = config_field("pool_beta")
 
     @property
-    def method(self) -> str:
-        """The nuclear sqrt-trace solver of the hooks ("auto", "eigh" or "newton");
-        settable: a new config, checked ("newton-tf32" is refused: ``check_hook_method``)."""
+    def method(self):
+        """The nuclear sqrt-trace solver of the hooks ("auto", "eigh", "newton", "host" or
+        a HostConfig; GNSConfig.method); settable: a new config, checked ("newton-tf32" is
+        refused: ``check_hook_method``)."""
         return self._config.method
 
     @method.setter
@@ -248,18 +272,21 @@ class GNSHookState(ScheduleReader):
     def settings(self, params: Sequence[Tensor] = (), num_samples: Optional[int] = None,
                  per_sample: bool = True) -> Settings:
         """The settings of a measurement starting now, read once (a frozen ``Settings``):
-        the configuration, the nuclear dof for ``num_samples`` samples (``per_sample`` as
+        the configuration, the nuclear solver for ``params``' device (``hook_method``), the
+        nuclear dof for ``num_samples`` samples (``per_sample`` as
         ``resolved_nuclear_dof``; None without ``num_samples``), the noise-pool keys of
         ``params``, the schedule's step, batch size and loss scale, the noise pool, its solve
         owners and the eigensolver hints. The micro-batch measurement takes them here and
         reads nothing else from the state."""
         cfg = self._config
+        method = hook_method(cfg.method, params[0].device if len(params) else "cpu")
         l1_debiased = cfg.l1_debiased
         dof = None if num_samples is None else cfg.resolved_nuclear_dof(num_samples, per_sample)
         sched = self.schedule
         return Settings(config=cfg, l1_debiased=l1_debiased, dof=dof, keys=self._keys.keys(params),
                         step=sched.step, batch_size=float(sched.batch_size), grad_scale=sched.grad_scale,
-                        pool=self.pool, pool_owners=self._keys.owners, eig_hints=self.eig_hints)
+                        pool=self.pool, pool_owners=self._keys.owners, eig_hints=self.eig_hints,
+                        method=method)
 
     def measures(self, param: Tensor) -> bool:
         """Whether ``param`` contributes to the statistics of this geometry."""
@@ -329,9 +356,65 @@ class GNSHookState(ScheduleReader):
     def record(self, sums: Sums) -> None:
         """Record a measurement's summed statistics (a ``Sums``, the transports' one
         record): ``estimate`` (identical on every rank) is built from them on its first
-        read, and ``estimate_step`` = ``sums.step`` now."""
+        read, and ``estimate_step`` = ``sums.step`` now (``estimate_available_step``:
+        ``sums.available_step``, or ``sums.step`` when it did not lag). A measurement that
+        did not lag while a host measurement awaits its join (the method or the device
+        changed) drops that one, with a warning."""
+        if self._lagged is not None and sums.available_step is None:
+            self._drop_lagged(f"the measurement of step {sums.step} did not run the host route")
         self._pending = sums
         self.estimate_step = sums.step
+        self.estimate_available_step = sums.step if sums.available_step is None else sums.available_step
+        self.estimate_grad_scale = sums.grad_scale
+
+    # ---------------------------------------------------------------- the host route's lag
+    @property
+    def lagged_step(self) -> Optional[int]:
+        """The step of the host-route measurement awaiting its join (its estimate becomes
+        readable at the next measurement), None when there is none."""
+        return None if self._lagged is None else self._lagged.step
+
+    def record_lagged(self, new: LaggedMeasurement, group, all_reduce) -> None:
+        """A host-route measurement ``new`` was staged (the transports, where a measurement
+        launches its collective: never in a collective's callback): join the one awaiting
+        its join (wait for its host job, start its share all-reduce with ``group`` /
+        ``all_reduce``, none with one rank) and record it, readable from ``new.step`` on;
+        then submit ``new``'s host job and keep it until the next measurement."""
+        prev, self._lagged = self._lagged, None
+        if prev is not None:
+            dev = new.share.device
+            sums, waited, interval = prev.join(group, all_reduce, new.step, device=dev)
+            self._note_wait(prev.step, new.step, waited, interval)
+            self.record(sums)
+        new.submit()
+        self._lagged = new
+
+    def _note_wait(self, step: int, available: int, waited: float, interval: Optional[float]) -> None:
+        """Warn once when a join waited for its host job longer than 5% of the interval
+        since the job's submit (and 10 ms): the host route does not keep up at this F."""
+        if self._warned_wait or interval is None or waited <= max(0.05 * interval, 0.01):
+            return
+        self._warned_wait = True
+        gap = max(1, available - step)
+        job = interval + waited  # the job ended about when the wait did
+        keep = max(gap, math.ceil(gap * job / interval)) if interval > 0 else None
+        _warn_user(
+            f"{type(self).__name__}: the host solve of the measurement of step {step} took about "
+            f"{job:.3g} s; the join at step {available} waited {waited:.3g} s for it "
+            f"({100 * waited / max(interval, 1e-12):.0f}% of the {interval:.3g} s since it was "
+            "submitted), so training stalls there at every measurement. On this machine the "
+            "host route keeps up from about every="
+            + (f"{keep}" if keep is not None else "?")
+            + f" (measuring every {gap} steps now), or with more CPU cores for the process "
+            "(the values do not depend on it: the join waits). Said once")
+
+    def _drop_lagged(self, why: str) -> None:
+        lagged, self._lagged = self._lagged, None
+        if lagged is None:
+            return
+        lagged.cancel()
+        _warn_user(f"{type(self).__name__}: the host-route measurement of step {lagged.step} "
+                   f"awaiting its join is dropped ({why}); it gives no estimate")
 
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
                            nuc_signal, step: int, *, nuc_signal_debiased=None,
@@ -364,6 +447,8 @@ class GNSHookState(ScheduleReader):
 
         pending, self._pending = self._pending, None
         cfg, batch_size = self._config, self.schedule.batch_size  # read once, before the sums
+        if pending.batch_size is not None:  # a lagged measurement: the measured step's B
+            batch_size = pending.batch_size
         sums = pending.read()
         self.eig_hints.apply()
         est = estimate_from_sums(
@@ -372,6 +457,8 @@ class GNSHookState(ScheduleReader):
         self.estimate_step = sums.step
         if est is not None and _HAS_STEP_FIELD:
             est = dataclasses.replace(est, step=sums.step)
+            if sums.available_step is not None:
+                est = dataclasses.replace(est, available_step=sums.available_step)
         self._estimate = est
 
     # ---------------------------------------------------------------- checkpoints
@@ -380,7 +467,8 @@ class GNSHookState(ScheduleReader):
         to resume (the estimate and a 'last' shift are not kept; gns_kernels.distributed.
         _checkpoint says what is saved). Reads a measurement not yet read (its hints). The
         pool is saved only with a parameter order (``params`` or ``bind_params``; otherwise
-        a RuntimeWarning says it is left out)."""
+        a RuntimeWarning says it is left out). A host-route measurement awaiting its join:
+        waits for its host job and records this rank's part ("lagged")."""
         refuse_unwrapped_dcp(type(self).__name__)  # the pool is this rank's
         if self._pending is not None:
             self._materialize()

@@ -154,12 +154,17 @@ class GNSTrainerCallback(_TrainerCallback):
             return
         k = state.global_step - 1
         est = self.gns.estimate
-        if est is None or self.gns.estimate_step != k:
+        # the estimate readable at step k: measured at k, or on the hooks' host route at
+        # k - F (available at k; its step says which)
+        avail = getattr(self.gns, "estimate_available_step", None)
+        if est is None or (self.gns.estimate_step if avail is None else avail) != k:
             return
         row = {"step": k, "batch_size": self.gns.batch_size,
                "accum_steps": self.gns.micro_batches, "valid": bool(est.valid),
                "gns": est.gns, "noise": est.noise, "signal": est.signal,
                "noise_pooled": est.noise_pooled if est.noise_pooled is not None else math.nan}
+        if getattr(est, "available_step", None) is not None:   # lagged: what it measured
+            row.update(measured_step=est.step, batch_size=est.batch_size)
         self.history.append(row)
         if self.writer is not None:
             self.writer.write(row)

@@ -71,7 +71,7 @@ class GNSEstimate:
     uncorrected noise (equal to noise when bias_corrected is False; None if not known).
     step: the optimizer step the samples were measured at, when the producer knows it
     (None otherwise); AdaptiveBatchSize.update skips an estimate whose step differs from
-    the step it is given (a stale measurement).
+    the step it is given (a stale measurement), unless ``available_step`` says otherwise.
     signal_kind: 'raw' (signal is the paper's) or 'debiased' (signal is the bias-reduced
     one of the module docstring; AdaptiveBatchSize(signal=...) checks it). signal_raw: the
     paper's raw signal (equal to signal when signal_kind is 'raw'; nan when invalid).
@@ -83,6 +83,11 @@ class GNSEstimate:
     estimate's units. It is the noise EMA the controller uses in place of its own
     (``AdaptiveBatchSize.update``); nan when invalid; None without a pool (gk.estimate,
     l2, the paper's raw estimator). pool_beta: that pool's EMA factor (None without one).
+    available_step: a lagged estimate's (the hooks' host route, docs/distributed.md) step
+    at which it became readable, later than ``step`` (the measurement of step k is read
+    at the next measurement, k + F); None for an estimate readable at its own step (every
+    other route, gk.estimate). AdaptiveBatchSize.update(k, est) takes an estimate with
+    available_step == k (and step <= k) as current. Its batch_size is the measured step's.
     """
 
     gns: float
@@ -101,6 +106,7 @@ class GNSEstimate:
     nuclear_dof: str | None = None
     noise_pooled: float | None = None
     pool_beta: float | None = None
+    available_step: int | None = None
 
     @property
     def gns_unbiased_signal(self) -> float | None:

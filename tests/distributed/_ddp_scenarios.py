@@ -119,6 +119,34 @@ def _est_tuple(e):
             getattr(e, "signal_raw", None), getattr(e, "noise_pooled", None))
 
 
+def nuclear_ref64(samples, B, bias_correction=True) -> tuple:
+    """An independent float64 reference of the nuclear noise and signal: samples[j][l] the
+    2-D gradients of sample j; per matrix l on its smaller side, C_l = B / (R - 1) (mean_j
+    G_j G_j^T - G G^T) and float64 eigvalsh; the noise corrected with the 'columns' dof
+    (stats.bias.nuclear_sqrt_trace_corrected) when bias_correction; the signal the float64
+    singular values of the mean G. Returns ((sum_l tr C_l^{1/2})^2, (sum_l ||G_l||_S1)^2)."""
+    from gns_kernels.spectral import smaller_side
+    from gns_kernels.stats.bias import nuclear_sqrt_trace_corrected
+
+    R = len(samples)
+    scale = B / (R - 1)
+    nsum = ssum = 0.0
+    for l in range(len(samples[0])):
+        xs = [s_[l].double() for s_ in samples]
+        row = smaller_side(tuple(xs[0].shape)) == "row"
+        gram = (lambda x: x @ x.T) if row else (lambda x: x.T @ x)
+        G = torch.stack(xs).mean(0)
+        C = scale * (torch.stack([gram(x) for x in xs]).mean(0) - gram(G))
+        lam = torch.linalg.eigvalsh(C)
+        other = xs[0].shape[1] if row else xs[0].shape[0]
+        if bias_correction:
+            nsum += float(nuclear_sqrt_trace_corrected(lam, R, B, other_dim=other, dof_model="columns"))
+        else:
+            nsum += float(lam.clamp_min(0).sqrt().sum())
+        ssum += float(torch.linalg.svdvals(G).sum())
+    return nsum ** 2, ssum ** 2
+
+
 def _pooled_reference(history, geometry, ref_noise):
     """The noise pool's expected noise_pooled after the measurements in ``history``
     (gns_kernels.reference.pooled_noise, float64, beta 0.9): l1 (sum of the per-parameter
@@ -138,7 +166,27 @@ def _pooled_reference(history, geometry, ref_noise):
 def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, shift=None,
              subset=False, bias_correction=True, bucket_cap_mb=0.001, accumulate=1,
              as_view=False, static_graph=False, nan_at=None, micro=False, nuclear_dof=None,
-             signal="raw"):
+             signal="raw", method=None, delay=None):
+    """method: the hook state's (None: its default); delay: seconds the host route's job
+    sleeps before each matrix (spectral.host._DELAY; None: no delay), for the lag tests
+    (tests/distributed/test_host_lag.py), whose records also carry the estimate's step and
+    available step and a float64 reference (``ref64``)."""
+    from gns_kernels.spectral import host as _host
+
+    _host._DELAY = None if delay is None else (lambda i: delay)
+    try:
+        return _run_hook(rank, world, geometry=geometry, dtype=dtype, steps=steps, every=every,
+                         shift=shift, subset=subset, bias_correction=bias_correction,
+                         bucket_cap_mb=bucket_cap_mb, accumulate=accumulate, as_view=as_view,
+                         static_graph=static_graph, nan_at=nan_at, micro=micro,
+                         nuclear_dof=nuclear_dof, signal=signal, method=method)
+    finally:
+        _host._DELAY = None
+
+
+def _run_hook(rank, world, *, geometry, dtype, steps, every, shift, subset, bias_correction,
+              bucket_cap_mb, accumulate, as_view, static_graph, nan_at, micro, nuclear_dof,
+              signal, method):
     dtype = getattr(torch, dtype)
     base = _model(dtype)
     hooked, plain, local = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -161,6 +209,8 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
     extra = dict(signal=signal)
     if nuclear_dof is not None:
         extra["nuclear_dof"] = nuclear_dof
+    if method is not None:
+        extra["method"] = method
     if micro:
         state = MicroBatchGNS(hp, geometry=geometry, every=every, batch_size=B,
                               micro_batches=accumulate, bias_correction=bias_correction, **extra)
@@ -212,7 +262,9 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
         buckets = rec.buckets[n_buckets0:]
         payloads = rec.payloads[n_payload0:]
         solved = rec.solved[n_solved0:]
-        est = _est_tuple(state.estimate) if measuring else None  # the first read: after backward
+        e = state.estimate if measuring else None  # the first read: after backward
+        est = _est_tuple(e)
+        est_steps = None if e is None else (e.step, e.available_step)
         # expectation from the gathered local gradients
         if micro:
             mine = [t for s in samples for t in s]
@@ -229,7 +281,7 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
             ref_shift = [shift_tensors[i] for i in idx]
         elif shift == "last" and last_mean is not None:
             ref_shift = [last_mean[i] for i in idx]
-        ref = None
+        ref = ref64 = None
         if measuring:
             try:
                 kw = dict(MICRO_ESTIMATE_KW) if micro else ({"nuclear_dof": nuclear_dof} if nuclear_dof else {})
@@ -237,6 +289,8 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
                                   shift=ref_shift, signal=signal, **kw)
             except Exception as exc:  # recorded, asserted in the parent
                 ref = repr(exc)
+            if method is not None and geometry == "nuclear" and ref_shift is None:
+                ref64 = nuclear_ref64([[t for t in s_ if t.dim() == 2] for s_ in sel], B, bias_correction)
             if shift == "last":
                 last_mean = [p.grad.detach().float().clone() for p in hp]
         ref_pooled = None
@@ -249,7 +303,11 @@ def run_hook(rank, world, *, geometry="l1", dtype="float32", steps=4, every=2, s
             "measuring": measuring,
             "state_step": state.step,
             "estimate_step": state.estimate_step,
+            "available_step": getattr(state, "estimate_available_step", None),
+            "lagged_step": getattr(state, "lagged_step", None),
             "est": est,
+            "est_steps": est_steps,
+            "ref64": ref64,
             "solved": solved,
             "hints": state.eig_hints.state_dict() if measuring else None,
             "ref": _est_tuple(ref) if not isinstance(ref, str) and ref is not None else ref,

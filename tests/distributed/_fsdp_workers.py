@@ -134,7 +134,9 @@ def _est(e):
 def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard=True,
              placement="default", accumulate=1, nan_at=None, subset=False, bias_correction=True,
              force_sum=False, ddp=True, unused=False, reuse_input=True,
-             after_remove=False, signal="raw"):
+             after_remove=False, signal="raw", method=None):
+    """method: the hook states' (FSDP2's and the DDP comparison's; None: their default)."""
+    extra = {} if method is None else {"method": method}
     base = _model(unused)
     local = copy.deepcopy(base)
     local_dtype = torch.float32
@@ -153,14 +155,14 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
     measured = [p for p in hp if p.dim() == 2] if subset else None
     B = LOCAL_BATCH * world * accumulate
     state = GNSHookState(geometry, every=every, batch_size=B, params=measured,
-                         bias_correction=bias_correction, signal=signal)
+                         bias_correction=bias_correction, signal=signal, **extra)
     handle = attach_fsdp_gns(hooked, state, reuse_input=reuse_input)
     ddp_model = ddp_state = None
     if ddp:
         ddp_model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001)
         dmeasured = [p for p in ddp_model.parameters() if p.dim() == 2] if subset else None
         ddp_state = GNSHookState(geometry, every=every, batch_size=B, params=dmeasured,
-                                 bias_correction=bias_correction, signal=signal, **_NUCLEAR_DOF)
+                                 bias_correction=bias_correction, signal=signal, **_NUCLEAR_DOF, **extra)
         ddp_model.register_comm_hook(ddp_state, ddp_gns_hook)
     groups = len(handle.reduce_scatters)
     hp_all = hp
@@ -232,6 +234,9 @@ def run_fsdp(rank, world, *, geometry="l1", steps=3, every=1, mp="none", reshard
             "measuring": measuring,
             "state_step": state.step,
             "estimate_step": state.estimate_step,
+            "available_step": getattr(state, "estimate_available_step", None),
+            "ddp_steps": None if ddp_state is None else (ddp_state.estimate_step,
+                                                         getattr(ddp_state, "estimate_available_step", None)),
             "est": est,
             "ref": ref,
             "ref_pooled": ref_pooled,

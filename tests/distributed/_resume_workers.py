@@ -34,6 +34,11 @@ SCENARIOS = {
     "l2_buckets": dict(geometry="l2", permuted=True, bucket_cap_mb=0.02),
     # the model form: AdaptiveBatching(ddp, ...) builds and registers the hook, batches()
     "nuclear_model_form": dict(geometry="nuclear", model_form=True),
+    # the host route (issue 43): the checkpoint is taken while the host job of the step
+    # before is in flight (delayed), and the resumed run joins the recorded part
+    "nuclear_host": dict(geometry="nuclear", method="host", delay=0.05),
+    "nuclear_micro_host": dict(geometry="nuclear", micro=True, method="host", delay=0.05,
+                               signal="debiased"),
 }
 DIMS = (32, 64, 64, 64, 10)
 
@@ -75,12 +80,30 @@ def _model(permuted: bool):
 
 
 def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=False,
-            bucket_cap_mb=None, signal="raw", steps=6, save_at=3, prime=False, model_form=False):
+            bucket_cap_mb=None, signal="raw", steps=6, save_at=3, prime=False, model_form=False,
+            method=None, delay=None):
     """One scenario; returns {rows, layout, weights, position}. prime: before the hook is
     registered and the checkpoint loaded, one synchronized forward / backward on a zero
     batch, so that DDP rebuilds its buckets (in the order the gradients became ready)
     before the first resumed step (docs/coordinator.md). model_form: the coordinator is
-    built on the DDP model and the loop is ``coord.batches`` (no layout is recorded)."""
+    built on the DDP model and the loop is ``coord.batches`` (no layout is recorded).
+    method: the hook state's; delay: seconds the host route's job sleeps before each
+    matrix (spectral.host._DELAY) -- the result then also says whether that job was still
+    in flight when the checkpoint was taken ("inflight_at_save") and whether the
+    checkpoint recorded its part ("lagged_saved")."""
+    from gns_kernels.spectral import host as _host
+
+    _host._DELAY = None if delay is None else (lambda i: delay)
+    try:
+        return _run_one(rank, world, path=path, geometry=geometry, resume=resume, micro=micro,
+                        permuted=permuted, bucket_cap_mb=bucket_cap_mb, signal=signal, steps=steps,
+                        save_at=save_at, prime=prime, model_form=model_form, method=method)
+    finally:
+        _host._DELAY = None
+
+
+def _run_one(rank, world, *, path, geometry, resume, micro, permuted, bucket_cap_mb, signal,
+             steps, save_at, prime, model_form, method):
     model = _model(permuted)
     ddp = DDP(model, **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
     if prime:
@@ -90,11 +113,12 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
     B0 = 8 * world  # two micro-batches of 4 per rank
     if model_form:
         return _run_model_form(ddp, model, opt, B0, path, geometry, resume, steps, save_at)
+    extra = {} if method is None else {"method": method}
     if micro:
         state = MicroBatchGNS(model.parameters(), geometry=geometry, every=1, batch_size=B0,
-                              micro_batches=2, signal=signal)
+                              micro_batches=2, signal=signal, **extra)
     else:
-        state = GNSHookState(geometry=geometry, every=1, batch_size=B0, signal=signal)
+        state = GNSHookState(geometry=geometry, every=1, batch_size=B0, signal=signal, **extra)
     names = {id(p): i for i, p in enumerate(model.parameters())}
     layout = []
 
@@ -107,10 +131,14 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
                              max_batch_size=8 * B0, theta=0.3)
     loader = _resume_and_loader(coord, model, opt, path, resume)
     rows = []
+    inflight = saved = None
     for k in coord.steps(max_steps=steps):
         if not resume and k == save_at:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "coord": coord.state_dict()}, path)
+            lagged = getattr(state, "_lagged", None)
+            inflight = lagged is not None and lagged.share.job is not None and not lagged.share.job.done()
+            ckpt = coord.state_dict()
+            saved = "lagged" in ckpt["hook"]
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "coord": ckpt}, path)
         for (x, y), sync in coord.micro_batches(loader, ddp):
             with sync:
                 (F.cross_entropy(ddp(x), y) / coord.accum_steps).backward()
@@ -119,7 +147,8 @@ def run_one(rank, world, *, path, geometry, resume=False, micro=False, permuted=
         coord.step()
         rows.append(coord.metrics())
     return {"rows": rows, "layout": layout, "position": coord.sampler.position,
-            "weights": [p.detach().clone() for p in model.parameters()]}
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "inflight_at_save": inflight, "lagged_saved": saved}
 
 
 def _resume_and_loader(coord, model, opt, path, resume):

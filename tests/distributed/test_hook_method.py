@@ -47,11 +47,38 @@ def test_method_setter_checks_and_keeps_the_old_value():
 
 
 def test_hook_methods():
-    assert HOOK_METHODS == ("auto", "eigh", "newton")
+    assert HOOK_METHODS == ("auto", "eigh", "newton", "host")
     for m in HOOK_METHODS:
         assert check_hook_method(m) == m
     with pytest.raises(ValueError, match="method"):
         check_hook_method(None)
+
+
+def test_host_config_needs_one_job_in_flight():
+    from gns_kernels.spectral import HostConfig
+
+    cfg = HostConfig()
+    assert check_hook_method(cfg) is cfg
+    st = gk.GNSHookState("nuclear", every=1, batch_size=8, method=cfg)
+    assert st.method == cfg
+    with pytest.raises(ValueError, match=r"max_pending=1\), got max_pending=2"):
+        check_hook_method(HostConfig(max_pending=2))
+    with pytest.raises(ValueError, match="max_pending"):
+        gk.GNSHookState("nuclear", every=1, batch_size=8, method=HostConfig(max_pending=2))
+
+
+def test_hook_method_chooses_by_device():
+    """Issue 43 item 4: 'auto' keeps the eigenvalue route on CPU tensors and takes the host
+    route elsewhere (never the float64 Newton chain on a GPU); method= overrides."""
+    from gns_kernels.distributed.config import hook_method
+    from gns_kernels.spectral import HostConfig
+
+    assert hook_method("auto", torch.device("cpu")) == "eigh"
+    assert hook_method("auto", "cuda") == "host"
+    assert hook_method("auto", torch.device("cuda", 1)) == "host"
+    for m in ("eigh", "newton", "host"):
+        assert hook_method(m, "cpu") == m and hook_method(m, "cuda") == m
+    assert hook_method(HostConfig(), "cpu") == "host"
 
 
 def test_newton_tf32_stays_an_experiment_of_the_spectral_ops():

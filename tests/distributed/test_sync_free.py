@@ -60,6 +60,36 @@ def test_nuclear_share_path_is_sync_free(method, bias_correction, world, rank):
     assert totals.shape == (2,)
 
 
+@pytest.mark.parametrize("dof,signal", [("columns", "raw"), ("gauss-sums", "debiased")])
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
+def test_host_route_staging_is_sync_free(dof, signal, pooled, world, rank):
+    """The host route up to its job's submit (issue 43): the owned matrices formed, the
+    noise pool folded, the device rows written (``SolveShare.stage``), all on fake tensors
+    (the job's solve runs on a host thread, on host data, outside the hooks' path)."""
+    from gns_kernels.stats.pool import NoisePool
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            share = SolveShare(world, rank, 3.0, True, 4, 8.0, hints=spectral.EigHints(), method="host",
+                               dof=dof, signal=signal, pool=NoisePool(0.9) if pooled else None,
+                               owners={} if pooled else None)
+            for i, shift in enumerate((True, False)):
+                grams, grads, shifts = _fake_bucket(shift)
+                devs = [torch.randn(g.shape) for g in grads] if dof == "gauss-sums" else None
+                share.add_grads(grams, grads, shifts, devs, [(i, j) for j in range(3)] if pooled else None)
+            assert share.is_host()
+            share.stage()
+            st = share.staged
+    rows = len(share.rows)
+    assert st.device.shape == (rows, 6) and st.device.dtype == torch.float64
+    kinds = 2 + pooled + (signal == "debiased")  # noise, signal, pooled, debiased per owned matrix
+    assert len(st.items) == kinds * len(set(j for _, j in st.spread)) == len(st.pair) == len(st.spread)
+    assert st.event is None and share.job is None
+    assert st.items or world > 1
+
+
 @pytest.mark.parametrize("method", ["newton", "eigh"])
 @pytest.mark.parametrize("signal", ["raw", "debiased"])
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
