@@ -20,7 +20,8 @@ Routes (A symmetric, (..., m, m); A_+ its positive part):
         difference) copied to the CPU, float64 eigvalsh there (LAPACK with MKL's default
         thread count), sum_i sqrt(max(lambda_i, 0)) and the pair sums from the eigenvalues.
         ``sqrt_trace`` / ``nuclear_stats`` run it synchronously (one host sync: the copy);
-        max_pending is read only by the hooks' lagged use (issue 43, next step).
+        the hook states run it lagged (docs/distributed.md, "The host route") and read
+        max_pending, which they accept at 1 only (one job in flight).
 
 Method strings (``gk.sqrt_trace(A, method=...)``, ``gk.nuclear_stats(..., method=...)``,
 the hook states' ``method``): METHODS = ("auto", "eigh", "newton", "newton-tf32", "host"). Each
@@ -48,7 +49,7 @@ __all__ = ["SolverConfig", "EighConfig", "NewtonConfig", "HostConfig", "METHODS"
 # "newton-tf32": the Newton path with TF32 products (operands rounded to nearest), opt in
 # (newton.NEWTON_PRECISIONS) of sqrt_trace / nuclear_stats; the hook states refuse it
 # (distributed.config.check_hook_method: it left the hooks' signal 18% low in emulation);
-# "host": float64 eigvalsh on the CPU (HostConfig; the hooks do not run it yet)
+# "host": float64 eigvalsh on the CPU (HostConfig; the hook states run it lagged)
 METHODS = ("auto", "eigh", "newton", "newton-tf32", "host")
 NEWTON_METHODS = ("newton", "newton-tf32")
 
@@ -121,9 +122,11 @@ class HostConfig(SolverConfig):
     float64 from the float32 inputs), so within rounding of it.
 
     max_pending: the number of host solves a hook state may have in flight before the
-      next measurement waits for the oldest (an int >= 1; default 1). Read only by the
-      hooks' lagged host route (issue 43, next step); ``sqrt_trace`` and
-      ``nuclear_stats`` solve synchronously and do not read it.
+      next measurement waits for the oldest (an int >= 1; default 1). The hook states
+      accept 1 only (their back-up policy: the join of measurement k waits for its job at
+      the next measurement; a deeper queue is not built) and refuse others at
+      construction; ``sqrt_trace`` and ``nuclear_stats`` solve synchronously and do not
+      read it.
     A bad field raises ValueError naming it."""
 
     max_pending: int = 1
