@@ -506,9 +506,10 @@ def _fmt(v, unit="ms", scale=1.0):
 def hook_routes(dev):
     """[(label, GNSHookState kwargs)]: the device's default route first ("auto"), then
     every other solver the hook states accept that is not the default's."""
+    from gns_kernels.distributed.config import hook_method
     from gns_kernels.distributed.state import HOOK_METHODS
 
-    default = "newton" if dev == "cuda" else "eigh"
+    default = hook_method("auto", dev)  # the hooks' device choice ('host' on CUDA)
     out = [(f"method auto (= {default})", {})]
     out += [(f"method {m}", {"method": m}) for m in HOOK_METHODS if m not in ("auto", default)]
     return out
