@@ -351,10 +351,10 @@ def host_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = S
     owned matrix the mean gradient's Gram D D^T in float64 (2 m^2 n FP64 FLOPs) and C =
     scale (mean Gram - D D^T) in float64 (read 4 + 8, write 8 bytes per element); the pool
     (on) its EMA update of P in float64 (read C and P, write P: 24 bytes per element); no
-    solve, no pair sum. ``copy``: the bytes copied to the host per owned matrix (C, the
-    signal Gram and the pooled P, float64: 8 m^2 each), on the copy engine (overlapped with
-    compute: listed, not added to the GPU total). Launches: a few element-wise kernels per
-    owned matrix (``staging_launches``), booked at the launch cost."""
+    solve, no pair sum. ``copy``: the bytes copied to the host per owned matrix (C and the
+    signal Gram float64, 8 m^2 each; the pooled P float32, 4 m^2), on the copy engine
+    (overlapped with compute: listed, not added to the GPU total). Launches: the staging's
+    aten ops as built (``staging_launches``, counted on CPU), booked at the launch cost."""
     t = Terms()
     n_param = sum(a * b for a, b in shapes)
     gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
@@ -383,18 +383,57 @@ def host_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = S
     t.seconds["pool"] = t.bytes["pool"] / hw.copy_rate()
     t.flops["solves"] = t.flops["bias"] = 0
     t.seconds["solves"] = t.seconds["bias"] = 0.0
-    per = 3 if s.pool else 2  # matrices copied per owned matrix: C, signal Gram, pooled P
-    t.bytes["copy"] = sum(ms[i] ** 2 for i in owned) * 8 * per
-    t.launches = len(owned) * staging_launches(s.pool)
+    # copied per owned matrix: C and the signal Gram (float64), the pooled P (float32)
+    t.bytes["copy"] = sum(ms[i] ** 2 for i in owned) * (16 + (4 if s.pool else 0))
+    t.launches = staging_launches(s.pool, len(owned), len({ms[i] for i in owned}))
     t.seconds["launch"] = t.launches * hw.launch_s
     return t
 
 
-def staging_launches(pool: bool) -> int:
-    """Kernels per owned matrix of the host route's staging (assumed, not counted: float64
-    D D^T, C's subtraction and scaling, the pool's EMA update and its two pair moments, and
-    one non-blocking copy per staged matrix)."""
-    return 4 + (3 if pool else 0) + (3 if pool else 2)
+@functools.lru_cache(maxsize=None)
+def staging_counts(pool: bool = True) -> tuple:
+    """(per Gram size, per owned matrix): the non-view aten ops of the host route's
+    staging AS BUILT, counted on CPU by running it (gns_kernels.distributed._share's
+    ``SolveShare.add_grads`` + ``stage`` with method 'host', one rank, the 'columns' dof,
+    raw signal; the noise pool on or off): the ops of one and of two owned matrices of one
+    Gram size, so launches = a + b n per size. On CUDA the pinned copies add one copy per
+    staged stack (not counted here: a copy engine transfer)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gns_kernels.distributed._share import SolveShare
+    from gns_kernels.stats.pool import NoisePool
+
+    class _Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.__name__ not in ("detach.default", "lift_fresh.default"):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(n: int) -> int:
+        g = torch.Generator().manual_seed(n)
+        grads = [torch.randn(6, 9, generator=g) for _ in range(n)]
+        grams = [(d @ d.T) for d in grads]
+        share = SolveShare(1, 0, 3.0, True, 4, 8.0, method="host", dof="columns",
+                           pool=NoisePool(0.9) if pool else None, owners={} if pool else None)
+        with _Launches() as mode:
+            share.add_grads(grams, grads, None, None, [(0, j) for j in range(n)] if pool else None)
+            share.stage()
+        return mode.n
+
+    one, two = count(1), count(2)
+    return one - (two - one), two - one
+
+
+def staging_launches(pool: bool, n_owned: int = 1, sizes: int = 1) -> int:
+    """Kernels of the host route's staging for ``n_owned`` owned matrices in ``sizes``
+    Gram sizes (``staging_counts``, counted on CPU from the package)."""
+    a, b = staging_counts(pool)
+    return a * sizes + b * n_owned
 
 
 def host_core_s(shapes: list, ranks: int, s: Solver = Solver(), host_s=host_solve_s) -> float:

@@ -142,9 +142,11 @@ def test_host_step_one_matrix_one_rank():
     assert t.flops["grams"] == 48 and t.seconds["grams"] == pytest.approx(24 + 48 + 16 + 80)
     assert t.seconds["solves"] == t.seconds["bias"] == 0.0 and t.seconds["collective"] == 0.0
     assert t.bytes["copy"] == 4 * 8 * 2  # C and the signal Gram, float64 (no pool)
-    assert t.launches == mg.staging_launches(False)
+    a, b = mg.staging_counts(False)
+    assert t.launches == a + b and a >= 0 and b > 0
     pooled = mg.host_step([(2, 3)], 1, HW, replace(S, pool=True))
-    assert pooled.bytes["copy"] == 4 * 8 * 3 and pooled.bytes["pool"] == 4 * 24
+    assert pooled.bytes["copy"] == 4 * (8 * 2 + 4) and pooled.bytes["pool"] == 4 * 24
+    assert mg.staging_launches(True, 11, 1) == mg.staging_counts(True)[0] + 11 * mg.staging_counts(True)[1]
     calls = []
 
     def fake(m, pair):
