@@ -13,10 +13,18 @@ import torch
 from ..stats.pool import NoisePool
 from ..stats.pooled import pool_folder, pooled_sums, pooled_values
 from .nuclear import NuclearRequest, nuclear_stats
+from .solver import EighConfig, resolve_method
 
 Tensor = torch.Tensor
 
-__all__ = ["pooled_sqrt_traces"]
+__all__ = ["pooled_sqrt_traces", "POOL_EIGH_TOL"]
+
+# The eigenvalue route's error bound for the pooled matrices (relative, per sqrt-trace): the
+# pooled noise is the controller's input and the square of sum_l tr(P_l^{1/2}), so a bound
+# of 2.5e-5 keeps it within 5e-5 of float64 eigh (the per-measurement solves keep EIGH_TOL):
+# the pooled noise then agrees with the host and Newton routes' to 1e-4 (bench/truth.py
+# --pooled --methods, bench/RESULTS.md), where EIGH_TOL = 5e-4 let it differ by 1.5e-4.
+POOL_EIGH_TOL = 2.5e-5
 
 
 def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
@@ -27,8 +35,10 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
     new = 1.0 where the pool has no pair yet: the caller uses the measurement's own
     corrected noise there; the value is then 0), NaN values where a covariance is not
     finite; raw: the uncorrected Tensor[4, L] of ``pooled_sums`` instead. The sqrt-traces and
-    pair sums of the pooled matrices come from the package's solver (eigenvalues or Newton)
-    in one call, of their positive parts; no host synchronization. (The hooks' Newton path
+    pair sums of the pooled matrices come from the package's solver (eigenvalues, Newton or
+    host) in one call, of their positive parts; no host synchronization on the eigenvalue
+    and Newton routes. ``method`` 'eigh' (or 'auto' on CPU) solves with EighConfig(tol=
+    POOL_EIGH_TOL), a tighter bound than the per-measurement solves' (module constant). (The hooks' Newton path
     folds inside the noise solve instead: ``pool_folder``.)"""
     L = len(covs)
     dev = covs[0].device
@@ -42,6 +52,8 @@ def pooled_sqrt_traces(pool: NoisePool, keys: Sequence, covs: Sequence[Tensor],
         for j, l in enumerate(ls):
             Ps[l] = P[j]
     zeros = [torch.zeros_like(P) for P in Ps]
+    if isinstance(method, str) and resolve_method(method, dev) == "eigh":
+        method = EighConfig(tol=POOL_EIGH_TOL)  # an EighConfig given is used as it is
     sums = nuclear_stats(Ps, None, 1.0, mean_grad_grams=zeros, shapes=shapes, method=method, eig_hints=hints,
                          request=NuclearRequest(select=([True] * L, [False] * L), record_hints=False,
                                                 sums=True)).sums
