@@ -26,7 +26,8 @@ PARAMS = list(torch.nn.Linear(4, 3).parameters())
     ({"pool_beta": 1.0}, ValueError, r"^pool_beta: expected None or a number in \[0, 1\)"),
     ({"pool_beta": "0.9"}, TypeError, r"^pool_beta: expected None or a number in \[0, 1\), got str"),
     ({"method": "newton-tf32"}, ValueError, r"^method: 'newton-tf32' is not accepted by the hook states"),
-    ({"method": "svd"}, ValueError, r"^method: expected one of \('auto', 'eigh', 'newton'\), got 'svd'"),
+    ({"method": "svd"}, ValueError,
+     r"^method: expected one of \('auto', 'eigh', 'newton', 'host'\) or a HostConfig, got 'svd'"),
 ])
 def test_each_bad_argument_is_named(kwargs, error, match):
     with pytest.raises(error, match=match):
