@@ -109,25 +109,10 @@ class Hardware:
         return self.hbm_bw * self.hbm_eff
 
 
-@functools.lru_cache(maxsize=None)
-def solver_counts(precision: str = "float64") -> dict:
-    """What the package's Newton chain issues, counted on CPU by running it (cached):
-    trace (float64 or tf32 products per matrix for its sqrt-trace; trace_unprojected: a
-    float64 signal Gram's, which skips the positive-part step), pair (extra float64
-    products per matrix whose pair sum is needed), launches (non-view aten ops of one
-    chain: a chunk, with and without pair rows; independent of the batch size), for
-    ``precision`` "float64" (NOISE_NEWTON, the default chain) or "tf32" (the opt-in's
-    signal chain, check_newton_args defaults)."""
-    import torch
+def _launch_counter():
+    """A TorchDispatchMode counting the non-view aten ops run under it (``.n``): the
+    kernels a GPU would launch for them."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from gns_kernels.spectral import precision as P
-    from gns_kernels.spectral.newton import check_newton_args
-    from gns_kernels.spectral.nuclear import NOISE_NEWTON
-    from gns_kernels.spectral.pairsum import pair_impl
-
-    it, ep = NOISE_NEWTON if precision == "float64" else check_newton_args(None, None, precision)
-    A = (torch.eye(4, dtype=torch.float64) + 0.1).expand(2, 4, 4).contiguous()
 
     class _Launches(TorchDispatchMode):
         def __init__(self):
@@ -139,9 +124,31 @@ def solver_counts(precision: str = "float64") -> dict:
                 self.n += 1
             return func(*args, **(kwargs or {}))
 
+    return _Launches()
+
+
+@functools.lru_cache(maxsize=None)
+def solver_counts(precision: str = "float64") -> dict:
+    """What the package's Newton chain issues, counted on CPU by running it (cached):
+    trace (float64 or tf32 products per matrix for its sqrt-trace; trace_unprojected: a
+    float64 signal Gram's, which skips the positive-part step), pair (extra float64
+    products per matrix whose pair sum is needed), launches (non-view aten ops of one
+    chain: a chunk, with and without pair rows; independent of the batch size), for
+    ``precision`` "float64" (NOISE_NEWTON, the default chain) or "tf32" (the opt-in's
+    signal chain, check_newton_args defaults)."""
+    import torch
+
+    from gns_kernels.spectral import precision as P
+    from gns_kernels.spectral.newton import check_newton_args
+    from gns_kernels.spectral.nuclear import NOISE_NEWTON
+    from gns_kernels.spectral.pairsum import pair_impl
+
+    it, ep = NOISE_NEWTON if precision == "float64" else check_newton_args(None, None, precision)
+    A = (torch.eye(4, dtype=torch.float64) + 0.1).expand(2, 4, 4).contiguous()
+
     out = {}
     for rows, proj in ((0, -1), (2, -1), (0, 0)):
-        with P.record_matmuls() as log, _Launches() as mode:
+        with P.record_matmuls() as log, _launch_counter() as mode:
             pair_impl(A, it, ep, None, True, precision, "float64", rows, proj)
         out[rows, proj] = (len(log), mode.n)
     res = {"trace": out[0, -1][0], "pair": out[2, -1][0] - out[0, -1][0], "launches": out[0, -1][1],
@@ -399,20 +406,9 @@ def staging_counts(pool: bool = True) -> tuple:
     Gram size, so launches = a + b n per size. On CUDA the pinned copies add one copy per
     staged stack (not counted here: a copy engine transfer)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from gns_kernels.distributed._share import SolveShare
     from gns_kernels.stats.pool import NoisePool
-
-    class _Launches(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view and func.__name__ not in ("detach.default", "lift_fresh.default"):
-                self.n += 1
-            return func(*args, **(kwargs or {}))
 
     def count(n: int) -> int:
         g = torch.Generator().manual_seed(n)
@@ -420,7 +416,7 @@ def staging_counts(pool: bool = True) -> tuple:
         grams = [(d @ d.T) for d in grads]
         share = SolveShare(1, 0, 3.0, True, 4, 8.0, method="host", dof="columns",
                            pool=NoisePool(0.9) if pool else None, owners={} if pool else None)
-        with _Launches() as mode:
+        with _launch_counter() as mode:
             share.add_grads(grams, grads, None, None, [(0, j) for j in range(n)] if pool else None)
             share.stage()
         return mode.n

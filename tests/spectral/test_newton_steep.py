@@ -11,40 +11,29 @@ the float64 noise iteration the float32 iteration came out up to 1.3% low here (
 bound)."""
 from __future__ import annotations
 
-import math
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import gns_kernels as gk
 
-
-def _sqrt_trace64(M):
-    return torch.linalg.eigvalsh(0.5 * (M + M.T)).clamp_min(0).sqrt().sum().item()
+# the family's measurement (bench/accuracy_family.py: the same generator and definitions)
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "accuracy_family.py"
+if "accuracy_family" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("accuracy_family", _PATH)
+    sys.modules["accuracy_family"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["accuracy_family"])
+af = sys.modules["accuracy_family"]
 
 
 def _case(gen, k, n, R, spec, p, decades, ratio, rank_def):
     """(newton noise, eigh of C_in, e_in) of one random measurement."""
-    lam = (torch.arange(1, k + 1, dtype=torch.float64) ** (-p) if spec == "power" else
-           (10.0 ** (-decades * torch.rand(k, generator=gen, dtype=torch.float64))).sort(descending=True).values)
-    if rank_def:
-        lam[max(1, k // 3):] = 0
-    U, _ = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))
-    half = U * lam.sqrt()
-    G = torch.randn(k, n, generator=gen, dtype=torch.float64)
-    G = G / G.norm() * ratio * lam.sum().sqrt()  # ||G||_F = ratio x the noise's scale
-    samples = [G + half @ torch.randn(k, n, generator=gen, dtype=torch.float64) / math.sqrt(n)
-               for _ in range(R)]
-    scale = 8.0 * R / (R - 1)
-    mean = torch.stack(samples).mean(0)
-    C = scale * (torch.stack([x @ x.T for x in samples]).mean(0) - mean @ mean.T)
-    s32 = [x.float() for x in samples]
-    A32 = torch.stack([x @ x.T for x in s32]).mean(0)
-    D32 = torch.stack(s32).mean(0)
-    C_in = scale * (A32.double() - D32.double() @ D32.double().T)
-    truth, t_in = _sqrt_trace64(C), _sqrt_trace64(C_in)
-    noise, _ = gk.nuclear_stats([A32], [D32], scale=scale, method="newton")
-    return noise[0].item(), t_in, abs(t_in - truth) / truth
+    m = af.measurement(gen, k, n, R, spec, p, decades, ratio, rank_def)
+    noise, _ = gk.nuclear_stats([m["A32"]], [m["D32"]], scale=m["scale"], method="newton")
+    return noise[0].item(), m["t_in"], m["e_in"]
 
 
 def _family(seed: int, count: int, sides):
