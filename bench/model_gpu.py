@@ -253,6 +253,34 @@ class Terms:
         return max(self.seconds, key=self.seconds.get)
 
 
+def _rank_terms(t: "Terms", shapes: list, ranks: int, hw: "Hardware", s: "Solver",
+                grad_itemsize: int) -> tuple:
+    """The terms every S1 route pays on one rank, written into t: pack (read the gradients
+    in the bucket's dtype, write float32; copy the Grams in: read + write), the collective
+    (the extra bytes over plain DDP: the Grams, the float32 widening of the gradients; then
+    one small collective sharing the per-matrix results, latency only) and the
+    'gauss-sums' dof at R >= 3 (one deviation Gram per matrix, read for two norms).
+    Returns (ms: the Gram sides, owned: the busiest rank's matrices by the package's
+    assignment, gram_elems)."""
+    n_param = sum(a * b for a, b in shapes)
+    gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
+    t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
+    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
+    ms = [min(a, b) for a, b in shapes]
+    owned = busiest_rank_matrices(ms, ranks)
+    t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
+    t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
+                               + (hw.coll_latency if ranks > 1 else 0.0))
+    if s.dof_grams and ranks >= 3:
+        t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
+        t.seconds["dof"] = (t.flops["dof"] / hw.matmul_rate(s.gram_precision)
+                            + gram_elems * 4 / hw.copy_rate())
+    else:
+        t.flops["dof"] = 0
+        t.seconds["dof"] = 0.0
+    return ms, owned, gram_elems
+
+
 def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = Solver(),
                  grad_itemsize: int = 4) -> Terms:
     """Predicted added cost of one S1 measurement on one rank (see the module docstring).
@@ -261,15 +289,7 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     bucket (4 float32, 2 bf16).
     """
     t = Terms()
-    n_param = sum(a * b for a, b in shapes)
-    gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
-    # pack: read gradients (bucket dtype) + write float32; copy Grams in (read + write)
-    t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
-    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
-    # the matrices this rank owns: the package's assignment (both solves of a matrix on one
-    # rank, greedy LPT by 2 m^3), taking the busiest rank
-    ms = [min(a, b) for a, b in shapes]
-    owned = busiest_rank_matrices(ms, ranks)
+    ms, owned, gram_elems = _rank_terms(t, shapes, ranks, hw, s, grad_itemsize)
     # Grams: the local ones of every matrix; the mean gradient's Gram and C (read 2 Grams,
     # write 1) only for the owned matrices
     local = sum(gram_flops(a, b) for a, b in shapes)
@@ -277,11 +297,6 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     t.bytes["grams"] = gram_elems * 4 + sum(ms[i] ** 2 for i in owned) * 12
     t.seconds["grams"] = (t.flops["grams"] / hw.matmul_rate(s.gram_precision)
                           + t.bytes["grams"] / hw.copy_rate())
-    # collective: the extra bytes over plain DDP (Grams; float32 widening of the gradients),
-    # then one small collective sharing the per-matrix results (latency only)
-    t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
-    t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
-                               + (hw.coll_latency if ranks > 1 else 0.0))
     # solves: the owned matrices' noise and signal traces (one chain per Gram size)
     noise = sum(newton_flops(ms[i], s) for i in owned)
     sig = sum(s.signal_products * 2 * ms[i] ** 3 for i in owned)
@@ -291,14 +306,6 @@ def nuclear_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver 
     pair = sum(s.pair_products * 2 * ms[i] ** 3 for i in owned)
     t.flops["bias"] = int(pair)
     t.seconds["bias"] = pair / hw.matmul_rate(s.precision)
-    # gauss-sums dof (R >= 3): one deviation Gram per matrix, plus reading it for two norms
-    if s.dof_grams and ranks >= 3:
-        t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
-        t.seconds["dof"] = (t.flops["dof"] / hw.matmul_rate(s.gram_precision)
-                            + gram_elems * 4 / hw.copy_rate())
-    else:
-        t.flops["dof"] = 0
-        t.seconds["dof"] = 0.0
     # noise pool: the owned matrices' pool update, their pooled trace and pair sum (same chain)
     if s.pool:
         t.bytes["pool"] = sum(ms[i] ** 2 for i in owned) * 24
@@ -363,28 +370,13 @@ def host_step(shapes: list, ranks: int, hw: Hardware = Hardware(), s: Solver = S
     (overlapped with compute: listed, not added to the GPU total). Launches: the staging's
     aten ops as built (``staging_launches``, counted on CPU), booked at the launch cost."""
     t = Terms()
-    n_param = sum(a * b for a, b in shapes)
-    gram_elems = sum(min(a, b) ** 2 for a, b in shapes)
-    t.bytes["pack"] = n_param * (grad_itemsize + 4) + gram_elems * 8
-    t.seconds["pack"] = t.bytes["pack"] / hw.copy_rate()
-    ms = [min(a, b) for a, b in shapes]
-    owned = busiest_rank_matrices(ms, ranks)
+    ms, owned, gram_elems = _rank_terms(t, shapes, ranks, hw, s, grad_itemsize)
     local = sum(gram_flops(a, b) for a, b in shapes)
     dd = sum(gram_flops(*shapes[i]) for i in owned)
     t.flops["grams"] = local + dd
     t.bytes["grams"] = gram_elems * 4 + sum(ms[i] ** 2 for i in owned) * 20
     t.seconds["grams"] = (local / hw.matmul_rate(s.gram_precision) + dd / hw.matmul_rate("fp64")
                           + t.bytes["grams"] / hw.copy_rate())
-    t.bytes["collective"] = gram_elems * 4 + n_param * (4 - grad_itemsize)
-    t.seconds["collective"] = (allreduce_s(t.bytes["collective"], ranks, hw)
-                               + (hw.coll_latency if ranks > 1 else 0.0))
-    if s.dof_grams and ranks >= 3:
-        t.flops["dof"] = sum(gram_flops(a, b) for a, b in shapes)
-        t.seconds["dof"] = (t.flops["dof"] / hw.matmul_rate(s.gram_precision)
-                            + gram_elems * 4 / hw.copy_rate())
-    else:
-        t.flops["dof"] = 0
-        t.seconds["dof"] = 0.0
     t.bytes["pool"] = sum(ms[i] ** 2 for i in owned) * 24 if s.pool else 0
     t.flops["pool"] = 0
     t.seconds["pool"] = t.bytes["pool"] / hw.copy_rate()
