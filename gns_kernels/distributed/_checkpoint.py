@@ -67,6 +67,8 @@ def _lagged_state(state, lagged) -> dict:
     """The "lagged" entry (module docstring): waits for the host job."""
     share = lagged.share
     part = share.part()
+    if part is not None and share.stream is not None:  # formed on the side stream: wait for it
+        torch.cuda.current_stream(part.device).wait_stream(share.stream)
     rank, world = rank_world(state.process_group)
     names = sorted(share.rows, key=share.rows.get)
     return {"rank": rank, "world": world, "step": int(lagged.step),

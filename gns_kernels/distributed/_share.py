@@ -373,7 +373,8 @@ class SolveShare:
         st = self.staged
         if st is None or self.job is not None or self.full is not None:
             return
-        self.job = HostJob(st.items, pair=st.pair, event=st.event)
+        self.job = HostJob(st.items, pair=st.pair, event=st.event,
+                           device=st.device.device if st.event is not None else None)
         self.submitted = time.monotonic()
         self.staged = st._replace(items=[], inputs=[], event=None)  # the job holds the matrices
 
@@ -416,8 +417,11 @@ class SolveShare:
         dev_part = st.device
         if host is None:
             self.full = dev_part
-        elif self.stream is not None:
-            with torch.cuda.stream(self.stream):
+        elif dev_part.device.type == "cuda":
+            # pinned and non-blocking (a pageable copy would synchronize the stream), on the
+            # side stream when this share has one (a rank that owns no matrix has none)
+            with torch.cuda.stream(self.stream if self.stream is not None
+                                   else torch.cuda.current_stream(dev_part.device)):
                 self.full = dev_part + host.pin_memory().to(dev_part.device, non_blocking=True)
         else:
             self.full = dev_part + host.to(dev_part.device)

@@ -144,8 +144,8 @@ def stage_host(solver, qa: Optional[Tensor], L: int, dev) -> HostStaged:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             buf.copy_(t, non_blocking=True)
             host.append(buf)
-        event = torch.cuda.Event()
-        event.record()
+        event = torch.cuda.Event(blocking=True)  # the worker sleeps on it, it does not spin
+        event.record(torch.cuda.current_stream(dev))
         stacks = host
     elif dev.type != "cpu":
         stacks = [t.to("cpu") for t in stacks]

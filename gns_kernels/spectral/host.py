@@ -98,6 +98,8 @@ class HostJob:
       event: None, or a CUDA event (anything with .synchronize()) the worker waits on
         before the first item (the device's copy of the items is then complete); the
         waiting happens on the worker thread, never on the caller's.
+      device: None, or the CUDA device of the event: the worker makes it its current
+        device first (thread-local), so it touches no other GPU.
 
     done(): the worker has ended (result or error in place; the thread is gone).
     result(timeout=None): waits for the worker (TimeoutError after ``timeout`` seconds) and
@@ -110,7 +112,7 @@ class HostJob:
     """
 
     def __init__(self, items: Sequence[Any], fn: Optional[Callable[[Any], Any]] = None, *,
-                 pair: Optional[Sequence[bool]] = None, event=None):
+                 pair: Optional[Sequence[bool]] = None, event=None, device=None):
         self._items = list(items)
         if fn is None:
             self._pair = _check_pair(pair, len(self._items))
@@ -122,6 +124,7 @@ class HostJob:
             raise ValueError(f"fn: expected None or a callable item -> value, got {fn!r}")
         self._fn = fn
         self._event = event
+        self._device = None if device is None else torch.device(device)
         self._cancel = threading.Event()
         self._out: list = [None] * len(self._items)
         self._error: Optional[BaseException] = None
@@ -132,6 +135,10 @@ class HostJob:
 
     def _run(self) -> None:
         try:
+            if self._device is not None and self._device.type == "cuda":
+                # this thread's current device (thread-local): the event's, not device 0
+                # (a first CUDA call on another device would create a context there)
+                torch.cuda.set_device(self._device)
             if self._event is not None:
                 self._event.synchronize()
             for i, x in enumerate(self._items):

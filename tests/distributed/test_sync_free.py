@@ -181,7 +181,10 @@ def test_cuda_hook_measurement_has_no_host_sync(geometry):
 
     dev = torch.device("cuda")
     A, b = 2, 8
-    with _one_rank_micro(geometry, (37, 64, 21), A, b, bias_correction=False) as (model, ddp, mb):
+    # the Newton route, solved in the measurement (the hooks' CUDA default is the lagged
+    # host route: test_cuda_pooled_measurements_have_no_host_sync covers it)
+    with _one_rank_micro(geometry, (37, 64, 21), A, b, bias_correction=False,
+                         method="newton") as (model, ddp, mb):
         xs = torch.randn(A, b, 37, device=dev)
         ys = torch.randn(A, b, 21, device=dev)
         samples, prev = [], None
@@ -263,17 +266,19 @@ def _one_rank_micro(geometry: str, sizes: tuple, A: int, b: int, **kw):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
-def test_cuda_pooled_measurements_have_no_host_sync(geometry):
+@pytest.mark.parametrize("geometry,method", [("l1", "auto"), ("nuclear", "newton"), ("nuclear", "auto")])
+def test_cuda_pooled_measurements_have_no_host_sync(geometry, method):
     """The hooks' defaults (bias correction and the noise pool on): MicroBatchGNS under DDP
     (NCCL, one rank, 3 micro-batches), 4 measurement steps, every synchronized backward
     under set_sync_debug_mode('error'); the pooled noise read after each step matches
-    reference.pooled_noise (float64) on the micro-batch gradients."""
+    reference.pooled_noise (float64) on the micro-batch gradients -- for nuclear on CUDA
+    "auto" is the lagged host route: after step k the estimate is step k - 1's."""
     from gns_kernels import reference
 
     dev = torch.device("cuda")
     A, b, steps = 3, 8, 4
-    with _one_rank_micro(geometry, (23, 40, 13), A, b) as (model, ddp, mb):
+    lag = 1 if geometry == "nuclear" and method == "auto" else 0
+    with _one_rank_micro(geometry, (23, 40, 13), A, b, method=method) as (model, ddp, mb):
         hist, pooled = [], []
         for k in range(steps):
             model.zero_grad(set_to_none=True)
@@ -294,8 +299,12 @@ def test_cuda_pooled_measurements_have_no_host_sync(geometry):
                 mb.micro_step()
             hist.append((samples, A * b))
             est = mb.estimate
-            assert est.valid
+            if k < lag:  # the host route's first measurement is read at the next one
+                assert est is None or mb.estimate_step != k
+                pooled.append(None)
+                continue
+            assert est.valid and est.step == k - lag
             pooled.append(est.noise_pooled)
         want = reference.pooled_noise(hist, geometry, 0.9)
-        for k in range(1, steps):
-            assert pooled[k] == pytest.approx(sum(want[k]) ** 2, rel=1e-3), k
+        for k in range(1 + lag, steps):
+            assert pooled[k] == pytest.approx(sum(want[k - lag]) ** 2, rel=1e-3), k
