@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 if TYPE_CHECKING:  # types only: this module imports nothing of the package at run time
-    from ..pooling import NoisePool
+    from ..stats.pool import NoisePool
     from ..spectral.hints import EigHints
     from .config import GNSConfig
 

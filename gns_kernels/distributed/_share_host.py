@@ -32,18 +32,21 @@ a NaN pool_nu): NaN survives the sums, so the measurement is invalid on every ra
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import time
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .._validation import warn_user as _warn_user
 from ..spectral.grams import grams64_on_sides
+from ..spectral.host import HostJob
 from ..stats.bias import nuclear_sqrt_trace_corrected_from_sums
 from ..stats.pooled import pool_folder, pooled_sums
 from ._share_solve import column_index
 
 Tensor = torch.Tensor
 
-__all__ = ["HostStaged", "stage_host", "host_rows"]
+__all__ = ["HostStaged", "stage_host", "host_rows", "HostRoute"]
 
 
 class HostStaged(NamedTuple):
@@ -183,3 +186,109 @@ def host_rows(staged: HostStaged, sums: Tensor, rows: dict, L: int, *, correct: 
         else:
             out[rows["signal_deb"], col] = s[0]
     return out
+
+
+class HostRoute:
+    """The host route's part of a measurement's shared solve (gns_kernels.distributed.
+    _share.SolveShare, which inherits it): stage the owned matrices (``stage_host``),
+    submit the host job, wait for it, form this rank's part (``host_rows``) and share it
+    at the join. Reads SolveShare's fields (solver, rows, stream, device, method, the
+    staged solve, the job, the part) and its ``_run`` / ``_share``."""
+
+    def stage(self) -> None:
+        """The host route's staging (gns_kernels.distributed._share_host.stage_host): the
+        matrices this rank owns formed on the device (the noise pool folded now), copied to
+        the host (CUDA: pinned memory, an event; no wait), the device rows formed. Once."""
+        if self.solved:
+            return
+        self.solved = True
+        self.hints = None  # the host route reports nothing for the eigenvalue path's hints
+        L = len(self.shapes)
+        if L == 0:
+            return
+        qa = torch.stack([torch.cat(self.qa_q), torch.cat(self.qa_a)]) if self.qa_q else None
+        self.qa_q, self.qa_a = [], []
+        self.staged = self._run(qa, L, self._stage_host)
+
+    def _stage_host(self, qa, L: int, dev) -> tuple:
+        staged = stage_host(self.solver, qa, L, dev)
+        return staged, staged.inputs
+
+    def submit(self) -> None:
+        """Start the staged solve's host job (spectral.host.HostJob: one background thread,
+        which waits for the copies' event itself); the monotonic time is ``submitted``."""
+        st = self.staged
+        if st is None or self.job is not None or self.full is not None:
+            return
+        self.job = HostJob(st.items, pair=st.pair, event=st.event,
+                           device=st.device.device if st.event is not None else None)
+        self.submitted = time.monotonic()
+        self.staged = st._replace(items=[], inputs=[], event=None)  # the job holds the matrices
+
+    def wait(self) -> float:
+        """Wait for the host job (a no-op without one, or once done); seconds waited."""
+        job = self.job
+        if job is None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            job.result()
+        except Exception:  # handled (warned, NaN) by part()
+            pass
+        return time.monotonic() - t0
+
+    def part(self) -> Optional[Tensor]:
+        """This rank's full rows x L float64 part (device rows + host rows; None without
+        a matrix), after the host job (waits for it). On CUDA formed on the side stream, the
+        host rows copied from pinned memory without blocking. Computed once. A job that
+        failed warns and gives NaN host rows: the measurement is invalid on every rank."""
+        if self.full is not None:
+            return self.full
+        self.submit()  # a no-op once submitted
+        st = self.staged
+        if st is None:
+            return None
+        self.wait()
+        host = None
+        if self.job is not None:
+            try:
+                sums = self.job.result()
+            except Exception as exc:  # as the other routes' solver failures: invalid, warned
+                _warn_user(f"gns_kernels: the host solve of nuclear statistics failed ({exc!r}); "
+                           "this measurement is marked invalid")
+                sums = torch.full((4, len(st.spread)), float("nan"), dtype=torch.float64)
+            self.job = None
+            host = host_rows(st, sums, self.rows, st.device.shape[1],
+                             correct=self.solver.bias_correction and not self.gauss, gauss=self.gauss,
+                             num_samples=self.num_samples, batch_size=float(self.solver.batch_size))
+        dev_part = st.device
+        if host is None:
+            self.full = dev_part
+        elif dev_part.device.type == "cuda":
+            # pinned and non-blocking (a pageable copy would synchronize the stream), on the
+            # side stream when this share has one (a rank that owns no matrix has none)
+            with torch.cuda.stream(self.stream if self.stream is not None
+                                   else torch.cuda.current_stream(dev_part.device)):
+                self.full = dev_part + host.pin_memory().to(dev_part.device, non_blocking=True)
+        else:
+            self.full = dev_part + host.to(dev_part.device)
+        return self.full
+
+    def restore(self, part: Tensor) -> None:
+        """Take ``part`` (rows x L float64, a checkpoint's record of ``part()``) as this
+        rank's full part: ``join`` then shares it as the saved run would have."""
+        self.solved = True
+        self.hints = None
+        self.full = part
+
+    def join(self, group, all_reduce: Callable, device=None) -> None:
+        """Finish the host route: this rank's full part (``part``: waits for the host job),
+        then the share all-reduce (async, as ``launch``'s; none with one rank). device: where
+        a restored part goes (the joining measurement's device; default: where it is)."""
+        vec = self.part()
+        if vec is None:
+            return
+        if device is not None and vec.device != torch.device(device):  # a restored part
+            dev = torch.device(device)
+            vec = vec.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else vec.to(dev)
+        self._share(vec.reshape(-1), group, all_reduce)

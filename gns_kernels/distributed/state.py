@@ -79,23 +79,21 @@ mix units (``gk.AdaptiveBatching`` keeps it current).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
-import math
-
 from .._dcp_guard import refuse_unwrapped_dcp
-from .._validation import warn_user as _warn_user
 from ..stats.gns import GEOMETRIES
 from ..stats.pool import NoisePool
 from ..spectral.hints import EigHints
 from ._checkpoint import hook_state_dict, load_hook_state_dict
-from ._measurement import LaggedMeasurement, LastMeans, MeasurementPlan, Sums, resolve_shift
+from ._measurement import LaggedMeasurement, LastMeans, Sums
 from ._pool_keys import PoolKeys
 from ._schedule_reader import ScheduleReader
-from ._settings import Settings
-from .config import HOOK_METHODS, GNSConfig, ShiftSpec, check_hook_method, config_field, hook_method
+from ._state_lag import HostLag
+from ._state_plan import MeasurementPlanning
+from .config import HOOK_METHODS, GNSConfig, ShiftSpec, check_hook_method, config_field
 
 Tensor = torch.Tensor
 
@@ -111,7 +109,7 @@ def _estimate_has_step() -> bool:
 _HAS_STEP_FIELD = _estimate_has_step()
 
 
-class GNSHookState(ScheduleReader):
+class GNSHookState(ScheduleReader, MeasurementPlanning, HostLag):
     """State of the gradient-noise-scale comm hooks (see the module docstring): its
     configuration ``config`` (a GNSConfig, checked once) and its runtime state (the
     schedule it reads, the noise pool, the measurement in progress, the estimate).
@@ -232,75 +230,6 @@ class GNSHookState(ScheduleReader):
         """The dof mode of a nuclear measurement (``GNSConfig.resolved_nuclear_dof``)."""
         return self._config.resolved_nuclear_dof(num_samples, per_sample)
 
-    # ---------------------------------------------------------------- pool keys
-    def bind_params(self, params: Iterable[Tensor]) -> None:
-        """Fix the parameter order that keys the noise pool in ``state_dict()`` (the
-        position of each parameter in ``params``, e.g. the optimizer's param_groups order;
-        a tensor listed twice counts once). ``params=`` at construction does the same.
-        Entries already pooled under another key are re-keyed."""
-        self._keys.bind(params, self.pool)
-
-    @property
-    def has_param_order(self) -> bool:
-        """Whether a parameter order keys the noise pool (``params=`` or ``bind_params``),
-        so that ``state_dict()`` can save it."""
-        return self._keys.has_order
-
-    @property
-    def pool_owners(self) -> dict:
-        """Nuclear with a pool: pool key -> the rank that solves (and pools) that matrix."""
-        return self._keys.owners
-
-    @pool_owners.setter
-    def pool_owners(self, owners: dict) -> None:
-        self._keys.owners = owners
-
-    def pool_key(self, param: Tensor):
-        """The noise pool's key of ``param``: its position in the parameter order, else
-        ("id", id(param)) (not saved by ``state_dict()``)."""
-        return self.plan().key(param)
-
-    # ---------------------------------------------------------------- measurement plan
-    def plan(self) -> MeasurementPlan:
-        """The plan of a measurement starting now: per parameter, whether it is measured,
-        its shift, its noise-pool key and whether its mean is kept (``shift="last"``),
-        each resolved once (``MeasurementPlan.of``). The transports ask for it once per
-        measurement."""
-        return MeasurementPlan(ids=self._param_ids, matrices_only=self.geometry == "nuclear",
-                               shift=self.shift, last=self._last_mean, order=self._keys.order)
-
-    def settings(self, params: Sequence[Tensor] = (), num_samples: Optional[int] = None,
-                 per_sample: bool = True) -> Settings:
-        """The settings of a measurement starting now, read once (a frozen ``Settings``):
-        the configuration, the nuclear solver for ``params``' device (``hook_method``), the
-        nuclear dof for ``num_samples`` samples (``per_sample`` as
-        ``resolved_nuclear_dof``; None without ``num_samples``), the noise-pool keys of
-        ``params``, the schedule's step, batch size and loss scale, the noise pool, its solve
-        owners and the eigensolver hints. The micro-batch measurement takes them here and
-        reads nothing else from the state."""
-        cfg = self._config
-        method = hook_method(cfg.method, params[0].device if len(params) else "cpu")
-        l1_debiased = cfg.l1_debiased
-        dof = None if num_samples is None else cfg.resolved_nuclear_dof(num_samples, per_sample)
-        sched = self.schedule
-        return Settings(config=cfg, l1_debiased=l1_debiased, dof=dof, keys=self._keys.keys(params),
-                        step=sched.step, batch_size=float(sched.batch_size), grad_scale=sched.grad_scale,
-                        pool=self.pool, pool_owners=self._keys.owners, eig_hints=self.eig_hints,
-                        method=method)
-
-    def measures(self, param: Tensor) -> bool:
-        """Whether ``param`` contributes to the statistics of this geometry."""
-        return self.plan().measures(param)
-
-    def shift_for(self, param: Tensor) -> Optional[Tensor]:
-        """The shift tensor of ``param`` for the current measurement (None: no shift)."""
-        return resolve_shift(self.shift, self._last_mean, param)
-
-    def keep_mean(self, param: Tensor, mean_grad: Tensor) -> None:
-        """Store the measured mean gradient as the next shift (only when shift == 'last')."""
-        if isinstance(self.shift, str):  # only shift == "last" keeps the mean
-            self._last_mean.keep(param, mean_grad)
-
     # ---------------------------------------------------------------- hook protocol
     # What ddp_gns_hook and attach_fsdp_gns call, in this order, per synchronized backward:
     # micro_batches_for_sync() (DDP) and accepts_samples(S) at its start (a measurement
@@ -366,55 +295,6 @@ class GNSHookState(ScheduleReader):
         self.estimate_step = sums.step
         self.estimate_available_step = sums.step if sums.available_step is None else sums.available_step
         self.estimate_grad_scale = sums.grad_scale
-
-    # ---------------------------------------------------------------- the host route's lag
-    @property
-    def lagged_step(self) -> Optional[int]:
-        """The step of the host-route measurement awaiting its join (its estimate becomes
-        readable at the next measurement), None when there is none."""
-        return None if self._lagged is None else self._lagged.step
-
-    def record_lagged(self, new: LaggedMeasurement, group, all_reduce) -> None:
-        """A host-route measurement ``new`` was staged (the transports, where a measurement
-        launches its collective: never in a collective's callback): join the one awaiting
-        its join (wait for its host job, start its share all-reduce with ``group`` /
-        ``all_reduce``, none with one rank) and record it, readable from ``new.step`` on;
-        then submit ``new``'s host job and keep it until the next measurement."""
-        prev, self._lagged = self._lagged, None
-        if prev is not None:
-            dev = new.share.device
-            sums, waited, interval = prev.join(group, all_reduce, new.step, device=dev)
-            self._note_wait(prev.step, new.step, waited, interval)
-            self.record(sums)
-        new.submit()
-        self._lagged = new
-
-    def _note_wait(self, step: int, available: int, waited: float, interval: Optional[float]) -> None:
-        """Warn once when a join waited for its host job longer than 5% of the interval
-        since the job's submit (and 10 ms): the host route does not keep up at this F."""
-        if self._warned_wait or interval is None or waited <= max(0.05 * interval, 0.01):
-            return
-        self._warned_wait = True
-        gap = max(1, available - step)
-        job = interval + waited  # the job ended about when the wait did
-        keep = max(gap, math.ceil(gap * job / interval)) if interval > 0 else None
-        _warn_user(
-            f"{type(self).__name__}: the host solve of the measurement of step {step} took about "
-            f"{job:.3g} s; the join at step {available} waited {waited:.3g} s for it "
-            f"({100 * waited / max(interval, 1e-12):.0f}% of the {interval:.3g} s since it was "
-            "submitted), so training stalls there at every measurement. On this machine the "
-            "host route keeps up from about every="
-            + (f"{keep}" if keep is not None else "?")
-            + f" (measuring every {gap} steps now), or with more CPU cores for the process "
-            "(the values do not depend on it: the join waits). Said once")
-
-    def _drop_lagged(self, why: str) -> None:
-        lagged, self._lagged = self._lagged, None
-        if lagged is None:
-            return
-        lagged.cancel()
-        _warn_user(f"{type(self).__name__}: the host-route measurement of step {lagged.step} "
-                   f"awaiting its join is dropped ({why}); it gives no estimate")
 
     def record_measurement(self, num_samples: int, l_terms: Optional[Tensor], nuc_noise,
                            nuc_signal, step: int, *, nuc_signal_debiased=None,

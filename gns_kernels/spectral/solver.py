@@ -56,17 +56,14 @@ NEWTON_METHODS = ("newton", "newton-tf32")
 
 @dataclass(frozen=True)
 class SolverConfig:
-    """Base of the sqrt-trace solver configurations (EighConfig, NewtonConfig): a frozen
-    dataclass whose fields are checked once, in ``__post_init__``."""
+    """Base of the sqrt-trace solver configurations (EighConfig, NewtonConfig, HostConfig):
+    a frozen dataclass whose fields are checked once, in ``__post_init__``. Not made
+    itself; each route's config has a ``method`` property, its method string ('eigh',
+    'newton', 'newton-tf32' or 'host')."""
 
     def __post_init__(self) -> None:
         if type(self) is SolverConfig:
             raise TypeError("SolverConfig: make an EighConfig, a NewtonConfig or a HostConfig")
-
-    @property
-    def method(self) -> str:
-        """The method string of this route: 'eigh', 'newton', 'newton-tf32' or 'host'."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True, kw_only=True)
