@@ -114,12 +114,8 @@ class CoordinatorConfig:
         if self.max_batch_size is not None and self.max_batch_size % (R * b):
             raise ValueError(f"max_batch_size: expected a multiple of world_size x micro_batch_size "
                              f"= {R * b}, got {self.max_batch_size}")
-        every = state_every if self.every is None else self.every
-        if every != state_every:
-            raise ValueError(
-                f"every: AdaptiveBatching(every={every}) but the hook state measures every "
-                f"{state_every} steps; one F drives both: pass the same every to both, or leave "
-                "AdaptiveBatching's every=None to take the state's")
+        every = _agree("every", self.every, state_every,
+                       f"measures every {state_every} steps; one F drives both: pass the same every to both")
         beta_noise = self.beta_noise
         if beta_noise is None:
             beta_noise = 0.9 if pool_beta is None else pool_beta
@@ -129,12 +125,8 @@ class CoordinatorConfig:
                 f"the noise with pool_beta={pool_beta}, and the pooled noise is the controller's "
                 f"noise EMA; build the state with pool_beta={beta_noise}, or leave beta_noise=None "
                 "to take the state's")
-        signal = state_signal if self.signal is None else self.signal
-        if signal != state_signal:
-            raise ValueError(
-                f"signal: AdaptiveBatching(signal={signal!r}) but the hook state computes the "
-                f"{state_signal!r} signal; build the state with signal={signal!r}, or leave "
-                "AdaptiveBatching's signal=None to take the state's")
+        signal = _agree("signal", self.signal, state_signal,
+                        f"computes the {state_signal!r} signal; build the state with signal={self.signal!r}")
         return replace(self, world_size=R, rank=rank, every=every, beta_noise=beta_noise,
                        signal=signal)
 
@@ -168,3 +160,14 @@ def check_budget(name: str, value) -> Optional[int]:
     if value < 0:
         raise ValueError(f"{name}: expected an int >= 0 or None (no limit), got {value}")
     return value
+
+
+def _agree(name: str, mine, state_value, what: str):
+    """``mine`` (an AdaptiveBatching setting) or, when None, ``state_value`` (the hook
+    state's); ValueError naming ``name`` when both are given and differ. ``what``: what
+    the state does, and the fix."""
+    if mine is None or mine == state_value:
+        return state_value if mine is None else mine
+    shown = mine if isinstance(mine, int) and not isinstance(mine, bool) else repr(mine)
+    raise ValueError(f"{name}: AdaptiveBatching({name}={shown}) but the hook state {what}, or leave "
+                     f"AdaptiveBatching's {name}=None to take the state's")
