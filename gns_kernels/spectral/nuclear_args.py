@@ -115,9 +115,7 @@ def merge_other_dims(other_dims, others: list, L: int) -> list:
     """others with the entries of other_dims that are not None in their place."""
     if other_dims is None:
         return others
-    other_dims = list(other_dims)
-    if len(other_dims) != L:
-        raise ValueError(f"other_dims: expected {L} entries, got {len(other_dims)}")
+    other_dims = _per_layer("other_dims", other_dims, L, "entries")
     return [o if o is not None else d for o, d in zip(other_dims, others)]
 
 
@@ -141,13 +139,9 @@ def layers_of_grads(mean_grams: list, mean_grads, shifts, side: str) -> tuple[li
     if mean_grads is None:
         raise ValueError("mean_grads: expected one 2-D tensor per mean_grams entry, got None "
                          "(with only the Gram of the mean gradient pass mean_grad_grams=)")
-    mean_grads = list(mean_grads)
-    if len(mean_grads) != L:
-        raise ValueError(f"mean_grads: expected {L} tensors (one per mean_grams entry), got {len(mean_grads)}")
+    mean_grads = _per_layer("mean_grads", mean_grads, L, "tensors (one per mean_grams entry)")
     if shifts is not None:
-        shifts = list(shifts)
-        if len(shifts) != L:
-            raise ValueError(f"shifts: expected {L} entries (tensor or None), got {len(shifts)}")
+        shifts = _per_layer("shifts", shifts, L, "entries (tensor or None)")
     if side not in ("auto", "row", "col"):
         raise ValueError(f"side: expected 'auto', 'row' or 'col', got {side!r}")
     sides: list[str] = []
@@ -183,13 +177,9 @@ def layers_of_grams(mean_grams: list, mean_grad_grams, signal_grams, shapes, eig
     like mean_grams[l]; shapes[l] the parameter shape (m, n) with one side k (required
     with eig_hints), whose other side is others[l] (None without shapes)."""
     L = len(mean_grams)
-    mean_grad_grams = list(mean_grad_grams)
-    if len(mean_grad_grams) != L:
-        raise ValueError(f"mean_grad_grams: expected {L} tensors, got {len(mean_grad_grams)}")
+    mean_grad_grams = _per_layer("mean_grad_grams", mean_grad_grams, L, "tensors")
     if signal_grams is not None:
-        signal_grams = list(signal_grams)
-        if len(signal_grams) != L:
-            raise ValueError(f"signal_grams: expected {L} tensors, got {len(signal_grams)}")
+        signal_grams = _per_layer("signal_grams", signal_grams, L, "tensors")
     if shapes is not None:
         shapes = [tuple(int(d) for d in s) for s in shapes]
         if len(shapes) != L:
@@ -243,3 +233,12 @@ def check_form(mean_grads, mean_grad_grams, shifts, side, signal_grams, shapes) 
                "mean gradient goes in signal_grams)")
     if extra:
         raise ValueError(f"{extra[0]}: {why}")
+
+
+def _per_layer(name: str, values, L: int, what: str) -> list:
+    """``values`` as a list of L entries, else ValueError naming ``name`` ("expected {L}
+    {what}, got n")."""
+    values = list(values)
+    if len(values) != L:
+        raise ValueError(f"{name}: expected {L} {what}, got {len(values)}")
+    return values
