@@ -234,14 +234,7 @@ def _host_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, correct: Opti
     n_ls = [l for w, l in items if w == "n"]
     s_ls = [l for w, l in items if w != "n"]
     dev_k = lay.mean_grams[items[0][1]].device
-    parts = []
-    Cn = None
-    if n_ls:
-        Cn = torch.stack([plain(lay.mean_grams[l]) for l in n_ls]).double()
-        Cn = Cn.sub_(torch.stack([plain(lay.dd[l]) for l in n_ls]).double()).mul_(lay.scale)
-        parts.append(Cn)
-        if pool_fold is not None:
-            parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
+    parts, Cn = _noise_parts(lay, n_ls, pool_fold)
     n_rows = sum(p.shape[0] for p in parts)
     if s_ls:
         parts.append(torch.stack([_sig_matrix(lay, l, torch.float64) for l in s_ls]).to(device=dev_k,
@@ -272,6 +265,20 @@ def _host_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, correct: Opti
         acc.pooled.append(scatter_cols(out[:2, nn:2 * nn].to(acc.dev0), n_ls, acc.L))
 
 
+
+def _noise_parts(lay: NuclearLayers, n_ls: list, pool_fold) -> tuple[list, Optional[Tensor]]:
+    """([C, P] stacks, C) of the noise layers n_ls: C_l = scale (mean_gram - D D^T) formed in
+    float64 (the Newton and host routes), and the pooled matrices pool_fold(n_ls, C) when
+    the pool folds into this solve; ([], None) without noise layers."""
+    if not n_ls:
+        return [], None
+    Cn = torch.stack([plain(lay.mean_grams[l]) for l in n_ls]).double()
+    Cn = Cn.sub_(torch.stack([plain(lay.dd[l]) for l in n_ls]).double()).mul_(lay.scale)
+    parts = [Cn]
+    if pool_fold is not None:
+        parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
+    return parts, Cn
+
 def _newton_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, solver: NewtonConfig,
                  correct: Optional[NoiseCorrection], sums: bool, pool_fold) -> None:
     """One Gram size by ONE Newton chain (float64 matmuls, positive-part projection,
@@ -290,13 +297,7 @@ def _newton_size(acc: _Acc, lay: NuclearLayers, k: int, items: list, solver: New
     s_proj = [l for l in s_all if lay.debias is not None or lay.gg[l].dtype != torch.float64]
     s_ls = s_proj + [l for l in s_all if lay.debias is None and lay.gg[l].dtype == torch.float64]
     dev_k = lay.mean_grams[items[0][1]].device
-    parts = []
-    if n_ls:
-        Cn = torch.stack([plain(lay.mean_grams[l]) for l in n_ls]).double()
-        Cn = Cn.sub_(torch.stack([plain(lay.dd[l]) for l in n_ls]).double()).mul_(lay.scale)
-        parts.append(Cn)
-        if pool_fold is not None:
-            parts.append(pool_fold(n_ls, Cn).to(dtype=torch.float64))
+    parts, Cn = _noise_parts(lay, n_ls, pool_fold)
     n_rows = sum(p.shape[0] for p in parts)  # the noise and pooled rows, first
     n_pair = n_rows if (correct is not None or sums) else 0
     cdt = _cdt(lay)
