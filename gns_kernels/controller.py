@@ -70,6 +70,7 @@ import math
 from numbers import Real
 from typing import Any, Optional
 
+from ._settings_view import setting_of
 from ._validation import check_int as _check_int
 from .controller_config import LR_SCALINGS, ControllerConfig, config_differences
 from .controller_rule import (STATE_VERSION, Trajectory, decide_batch, ema, invalid_reason,
@@ -86,8 +87,7 @@ _LR_SCALINGS = LR_SCALINGS   # the old private name (gns_kernels.probe imports i
 
 def _setting(name: str) -> property:
     """A read-only attribute that reads the setting ``name`` of the controller's config."""
-    return property(lambda self: getattr(self._config, name),
-                    doc=f"The ``{name}`` setting (``ControllerConfig.{name}``).")
+    return setting_of("_config", name, f"The ``{name}`` setting (``ControllerConfig.{name}``).")
 
 
 class AdaptiveBatchSize:

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .._settings_view import setting_of
 from .._validation import check_signal
 from ..spectral.solver import HostConfig
 from ..spectral.trace import METHODS as SOLVE_METHODS
@@ -115,8 +116,7 @@ def unique_params(params: Iterable[Tensor]) -> tuple:
 
 def config_field(name: str) -> property:
     """A read-only property returning ``self.config.<name>`` (the hook states' settings)."""
-    return property(lambda self: getattr(self.config, name),
-                    doc=f"``config.{name}`` (read-only; see GNSConfig)")
+    return setting_of("config", name, f"``config.{name}`` (read-only; see GNSConfig)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
