@@ -126,8 +126,9 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ._fsdp_mesh import DPMesh, dp_mesh, effective_reduce_dtype, op_multiplier, reduce_factors
 from ._measurement import Measurement, MeasurementPlan
-from ._stats import l1_signal_debiased_sum
+from ._fsdp_stats import add_l_shard, add_nuclear_grams, finish, gram_offsets
 from .state import GNSHookState
 
 
@@ -222,53 +223,6 @@ def _layout(fsdp_params, world: int, state: GNSHookState, plan: MeasurementPlan)
     return segs, chunk, extra
 
 
-def _divide_factors(param_group, group, reduce_dtype: torch.dtype, device: torch.device):
-    """(pre_factor or None, op_kind, premul) as FSDP2's foreach_reduce chooses them."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
-
-    pre, _post, rs_op, _ar = _get_gradient_divide_factors(
-        group, None, reduce_dtype, device.type, param_group.gradient_divide_factor,
-        param_group.force_sum_reduction_for_comms)
-    return pre, rs_op
-
-
-# --------------------------------------------------------------------------- measurement
-def _offsets(ks):
-    """Start of each matrix's [mean Gram, mean-Gram partial] pair in a group's flat buffer."""
-    out, q = [], 0
-    for k in ks:
-        out.append(q)
-        q += 2 * k * k
-    return out
-
-
-def _finish(m: Measurement, group) -> None:
-    """After the last param group: the step's one small all-reduce (l1/l2: the four
-    sums, and the l1 pool's part; nuclear: the shared sqrt-traces), launched without a
-    host read; the estimate is built on its first read."""
-    st = m.state
-    if st.geometry == "nuclear":
-        # every param group solved its share after its Gram all-reduce
-        m.record_nuclear(group, dist.all_reduce)
-        return
-    # per-rank sums over its shards -> totals: the step's one small all-reduce
-    width = 5 if st.l1_debiased else 4
-    terms = m.l_terms if m.l_terms is not None else torch.zeros(
-        width, dtype=torch.float64, device=m.device)
-    if st.pool is not None:  # the pooled part rides last in the same all-reduce
-        part = None
-        for v in m.l_pool:  # the param groups' parts, in order
-            part = v if part is None else part + v
-        if part is None:
-            part = torch.zeros((), dtype=torch.float64, device=terms.device)
-        terms = torch.cat([terms, part.to(terms.device).reshape(1)])
-    dist.all_reduce(terms, group=group)
-    pooled = None
-    if st.pool is not None:
-        pooled, terms = terms[-1], terms[:-1]
-    m.record_l(terms, pooled)
-
-
 class GNSReduceScatter:
     """``torch.distributed.fsdp`` ReduceScatter that measures the GNS on measurement steps.
 
@@ -283,31 +237,64 @@ class GNSReduceScatter:
         self._param_group = param_group
         self.inner = inner
         self._stash: Optional[Tensor] = None  # 2n float32 buffer whose first n FSDP fills
-        self._stash_output_seen = False
+        self._allocations = 0  # allocate() calls of this reduce: the input, then the output
         # the FSDPParams FSDP2 reduces in this backward (those with a gradient), noted by
         # the param group's post_backward just before it calls foreach_reduce
         self.with_grad: Optional[list] = None
 
     def allocate(self, size, *, dtype, device):
         """FSDP2 allocates the reduce-scatter input, then the output, then calls us.
-        On an l1/l2 measurement step with a float32 reduce dtype the input is handed
-        out as the first half of a 2n float32 buffer, so the packed [x_r, x_r^2]
-        layout is built in place (no copy of x: the squares are the only extra)."""
-        if self._stash is not None and not self._stash_output_seen:
-            self._stash_output_seen = True  # FSDP's output buffer
+
+        Input: on an l1/l2 measurement step with a float32 reduce dtype it is handed out
+        as the first half of a 2n float32 buffer, so the packed [x_r, x_r^2] layout is
+        built in place (no copy of x: the squares are the only extra).
+        Output, HSDP measurement step: enlarged to [gradient shard | statistics] (float32),
+        so FSDP2's own replicate all-reduce carries the statistics too."""
+        self._allocations += 1
+        h = self._handle
+        if self._allocations > 1:  # the output
+            if h.mesh is not None and h.mesh.hsdp and len(size) == 1:
+                numel = self._hsdp_output_numel(int(size[0]), dtype)
+                if numel is not None:
+                    return torch.empty(numel, dtype=torch.float32, device=device)
             return self.inner.allocate(size, dtype=dtype, device=device)
         self._stash = None
-        h = self._handle
         if (h.reuse_input and dtype == torch.float32 and len(size) == 1
                 and h.state.geometry != "nuclear" and h._will_measure()):
             n = int(size[0])
             self._stash = torch.empty(2 * n, dtype=torch.float32, device=device)
-            self._stash_output_seen = False
             return self._stash[:n]
         return self.inner.allocate(size, dtype=dtype, device=device)
 
+    def _hsdp_output_numel(self, chunk: int, dtype) -> Optional[int]:
+        """HSDP: the enlarged output's numel on a measurement step that measures a
+        parameter of this group (chunk + the statistics: the squares for l1/l2, the
+        other-dimension blocks for nuclear), else None (FSDP's own output)."""
+        h = self._handle
+        ctx = h._begin(self._param_group._reduce_scatter_process_group)
+        if ctx is None:
+            return None
+        Rs = h.mesh.dp_size // h.mesh.replicate_size
+        segs, c, extra = _layout(self._fsdp_params(chunk * Rs, Rs), Rs, ctx.state, ctx.plan)
+        if not any(seg.measured for seg in segs):
+            return None
+        pg = self._param_group
+        if not pg.all_reduce_grads or pg._partial_reduce_output is not None:
+            raise RuntimeError(
+                "attach_fsdp_gns: HSDP measurement step with set_requires_all_reduce(False) "
+                "(this backward or an unreduced earlier one): its gradients are not all-reduced "
+                "across replicas, so they are not the step's; accumulate with "
+                "set_requires_gradient_sync(False) (no reduce at all) instead")
+        if dtype != torch.float32:
+            raise RuntimeError(
+                f"attach_fsdp_gns: HSDP with reduce dtype {dtype}: the measurement's statistics "
+                "ride in FSDP2's replicate all-reduce, in its dtype; use "
+                "MixedPrecisionPolicy(reduce_dtype=torch.float32)")
+        return c + (c if ctx.state.geometry != "nuclear" else extra)
+
     # FSDP2 calls this once per param group per synchronized backward
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
+        self._allocations = 0
         ctx = self._handle._begin(group)
         if ctx is None:
             return self.inner(output_tensor, input_tensor, group, op, async_op)
@@ -328,33 +315,37 @@ class GNSReduceScatter:
             f"({input_numel} elements) to the parameters of FSDP param group "
             f"{self._param_group._module_fqn!r}")
 
-    def _measure(self, ctx: Measurement, output: Tensor, inp: Tensor, group, op):
-        st = ctx.state
-        R = ctx.world
-        pre, predicted_op = _divide_factors(self._param_group, group, inp.dtype, inp.device)
-        a = 1.0 if pre is None else float(pre)  # local gradient g^j = a * input
-        if op == dist.ReduceOp.SUM:
-            op_mult = 1.0
-        elif op == dist.ReduceOp.AVG:
-            op_mult = 1.0 / R
-        elif op == dist.ReduceOp.PREMUL_SUM:
-            factor = self._param_group.gradient_divide_factor
-            if factor is None or not (predicted_op == dist.ReduceOp.PREMUL_SUM):
-                raise RuntimeError("attach_fsdp_gns: PREMUL_SUM reduce-scatter without a gradient "
-                                   "divide factor on the param group; cannot recover the mean")
-            op_mult = 1.0 / float(factor)
-        else:
-            raise RuntimeError(f"attach_fsdp_gns: unsupported reduce-scatter op {op!r} "
-                               "(expected SUM, AVG or PREMUL_SUM)")
-        mean_mult = 1.0 / (op_mult * R)  # reduced value * mean_mult = mean_j input^j
+    def _mean_multiplier(self, ctx: Measurement, group, op, inp: Tensor):
+        """(a, mean_mult): the local gradient is g^j = a x^j (x: the reduce-scatter input)
+        and (reduced buffer) * mean_mult = mean_j x^j over the R samples. On a 1-D mesh the
+        buffer is our reduce-scatter's output; on HSDP it is FSDP2's after its replicate
+        all-reduce and post-divide (both applied to the whole enlarged output)."""
+        mesh = self._handle.mesh
+        replicate = mesh.replicate_group if mesh.hsdp else None
+        pre, rs_op, ar_op, post = reduce_factors(self._param_group, group, replicate, inp.dtype, inp.device)
+        factor = self._param_group.gradient_divide_factor
+        mult = op_multiplier(op, group.size(), factor, rs_op, "reduce-scatter")
+        if replicate is not None:
+            mult *= op_multiplier(ar_op, mesh.replicate_size, factor, ar_op, "all-reduce")
+            if post is not None and post != 1:
+                mult /= float(post)
+        a = 1.0 if pre is None else float(pre)
+        return a, 1.0 / (mult * ctx.num_samples)
 
-        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), R), R, st, ctx.plan)
-        if chunk * R != inp.numel() or output.numel() != chunk:
-            raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
-                               f"do not match the param group's layout ({chunk} per rank)")
+    def _measure(self, ctx: Measurement, output: Tensor, inp: Tensor, group, op):
+        st, h = ctx.state, self._handle
+        Rs = group.size()  # chunks of the input (the shard group); ctx.num_samples: R
+        a, mean_mult = self._mean_multiplier(ctx, group, op, inp)
+        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), Rs), Rs, st, ctx.plan)
+        hsdp = h.mesh.hsdp
         if not any(seg.measured for seg in segs):  # nothing to measure in this group
             return self.inner(output, inp, group, op, False)
-        x = inp.view(R, chunk)
+        stats = (chunk if st.geometry != "nuclear" else extra) if hsdp else 0
+        if chunk * Rs != inp.numel() or output.numel() != chunk + stats:
+            raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
+                               f"do not match the param group's layout ({chunk} per rank"
+                               + (f" + {stats} statistics on HSDP)" if hsdp else ")"))
+        x = inp.view(Rs, chunk)
         if ctx.device is None:
             ctx.device = inp.device
             if st.pool is not None:  # a loaded pool moves here (the first group of the step)
@@ -368,59 +359,44 @@ class GNSReduceScatter:
                 and inp.data_ptr() == stash.data_ptr()):
             # in place: move x_r to 2r*chunk (last first: targets never overlap unmoved
             # sources), then square into the gaps
-            for r in range(R - 1, 0, -1):
+            for r in range(Rs - 1, 0, -1):
                 stash[2 * r * chunk:(2 * r + 1) * chunk].copy_(stash[r * chunk:(r + 1) * chunk])
-            pack = stash.view(R, 2 * chunk)
+            pack = stash.view(Rs, 2 * chunk)
             torch.mul(pack[:, :chunk], pack[:, :chunk], out=pack[:, chunk:])
-            self._handle.packed_in_place += 1
+            h.packed_in_place += 1
         else:
-            pack = torch.empty((R, 2 * chunk), dtype=torch.float32, device=inp.device)
-            for r in range(R):
+            pack = torch.empty((Rs, 2 * chunk), dtype=torch.float32, device=inp.device)
+            for r in range(Rs):
                 ops.square_pack(x[r], pack[r])
         del stash
+        if hsdp:
+            # straight into FSDP's enlarged output; its replicate all-reduce sums both
+            # halves, the statistics are taken after it (the finishing callback)
+            work = _reduce_scatter(output, pack.view(-1), op=op, group=group, async_op=False)
+            h.defer(lambda: add_l_shard(ctx, segs, output[:chunk] * mean_mult,
+                                        output[chunk:].mul_(mean_mult), a))
+            return work
         out = torch.empty(2 * chunk, dtype=torch.float32, device=inp.device)
         work = _reduce_scatter(out, pack.view(-1), op=op, group=group, async_op=False)
         del pack
         output.copy_(out[:chunk].view_as(output))  # the reduction FSDP asked for
         out.mul_(mean_mult)  # -> mean_j x^j, mean_j (x^j)^2
-        ds, qs = [], []
-        for seg in segs:
-            if seg.measured:
-                ds.append(out[seg.offset:seg.offset + seg.numel])
-                qs.append(out[chunk + seg.offset:chunk + seg.offset + seg.numel])
-        if ds and st.pool is not None:  # this rank's shard of every measured parameter
-            # g = a d, s2 = a^2 s2(d): the pool folds gradient units (scale a^2)
-            roots = [st.pool.fold_variance(ctx.plan.of(seg.param).key, d, q_, ctx.scale * a * a, R,
-                                           st.grad_scale)
-                     for seg, d, q_ in zip([sg for sg in segs if sg.measured], ds, qs)]
-            ctx.l_pool.append(torch.stack(roots).sum())
-        if ds:
-            terms = ops.variance_norms_multi(ds, qs, ctx.scale).to(torch.float64)
-            if st.l1_debiased:  # this shard's part of the sum
-                # g = a d, s2 = a^2 s2(d): the sum scales with a (applied below)
-                deb = l1_signal_debiased_sum(ds, qs, [None] * len(ds), ctx.scale, ctx.batch_size)
-                terms = torch.cat([terms, deb.to(terms.device).reshape(1)])
-            if a != 1.0:  # s and g scale with a, s2 and g^2 with a^2 (the debiased sum with a)
-                # scalar multiplies in place: a factor tensor built from a host list would be
-                # a pageable copy to the GPU, a host synchronization inside the collective
-                terms[:2].mul_(a)
-                terms[2:4].mul_(a * a)
-                terms[4:].mul_(a)
-            ctx.l_terms = terms if ctx.l_terms is None else ctx.l_terms + terms
+        add_l_shard(ctx, segs, out[:chunk], out[chunk:], a)
         return work
 
     def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
-        R = ctx.world
+        Rs = group.size()
+        R = ctx.num_samples
+        h = self._handle
         dev = x.device
         mats = [s for s in segs if s.measured]
-        pack = torch.empty((R, chunk + extra), dtype=torch.float32, device=dev)
+        pack = torch.empty((Rs, chunk + extra), dtype=torch.float32, device=dev)
         pack[:, :chunk].copy_(x)
         # this group's Grams, one flat buffer: per matrix [local Gram / R, mean-Gram partial]
         ks = [min(s_.shape) for s_ in mats]
         flat = torch.empty(sum(2 * k * k for k in ks), dtype=torch.float32, device=dev)
-        q = 0
-        for seg, k in zip(mats, ks):
-            blocks = pack[:, seg.offset:seg.offset + seg.numel].view(R, *seg.block)
+        for seg, k, q in zip(mats, ks, gram_offsets(ks)):
+            blocks = pack[:, seg.offset:seg.offset + seg.numel].view(Rs, *seg.block)
             m, n = seg.shape
             if seg.natural:
                 # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
@@ -429,16 +405,16 @@ class GNSReduceScatter:
                 # this rank's full local gradient (float32 copy, transient), then the blocks
                 # along the other dimension go into the extra part of every chunk
                 if seg.dim == 0:
-                    full = blocks.reshape(R * seg.block[0], n)[:m]
+                    full = blocks.reshape(Rs * seg.block[0], n)[:m]
                 else:
                     full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
                 G = spectral.gram([full], side=seg.side)[0]
                 eb = seg.extra_block
-                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(R, *eb)
+                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(Rs, *eb)
                 dst.zero_()
                 want = 1 if seg.side == "row" else 0
                 step = eb[want]
-                for r in range(R):
+                for r in range(Rs):
                     lo = min(r * step, full.shape[want])
                     hi = min(lo + step, full.shape[want])
                     if hi > lo:
@@ -446,32 +422,20 @@ class GNSReduceScatter:
                 del full
             torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])  # sums to mean_j G^jT G^j
             del G
-            q += 2 * k * k
+        f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
+        if h.mesh.hsdp:
+            # straight into FSDP's enlarged output; the mean-gradient Grams are formed after
+            # its replicate all-reduce (the finishing callback); every replica holds the
+            # same shard, so each adds 1 / Rr of its partial over all R ranks
+            work = _reduce_scatter(output, pack.view(-1), op=op, group=group, async_op=False)
+            h.defer(lambda: add_nuclear_grams(ctx, mats, ks, flat, output, f, h.mesh.replicate_size,
+                                              h.mesh.dp_group))
+            return work
         out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
         work = _reduce_scatter(out, pack.view(-1), op=op, group=group, async_op=False)
         del pack
         output.copy_(out[:chunk].view_as(output))
-        if not mats:
-            return work
-        f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
-        q = 0
-        for seg, k in zip(mats, ks):
-            if seg.natural:
-                Dr = out[seg.offset:seg.offset + seg.numel].view(seg.block)
-            else:
-                Dr = out[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
-            P = spectral.gram([Dr], side=seg.side)[0]
-            torch.mul(P.view(-1), f * f, out=flat[q + k * k:q + 2 * k * k])  # sums to D^T D or D D^T
-            q += 2 * k * k
-        del out
-        # the group's one small all-reduce: local Grams and mean-Gram partials together
-        dist.all_reduce(flat, group=group)
-        mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
-        dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(_offsets(ks), ks)]
-        # this rank's share of the group's sqrt-traces; non-finite gradients on some rank
-        # give nan statistics: the measurement is invalid everywhere
-        keys = [ctx.plan.of(s_.param).key for s_ in mats] if ctx.state.pool is not None else None
-        ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats], keys)
+        add_nuclear_grams(ctx, mats, ks, flat, out, f, 1, group)
         return work
 
 
@@ -497,10 +461,25 @@ class FSDPGNSHandle:
         self._task = -1  # autograd graph task id of that backward
         self._ctx: Optional[Measurement] = None
         self._group = None
-        # the data-parallel group the reduce-scatters run over (the FSDP2 mesh's shard
-        # group): its size is R, the samples of the GNS, whatever the world size
-        self.dp_size: Optional[int] = None
-        self.dp_rank: Optional[int] = None
+        self._deferred: list = []  # HSDP: each measured group's statistics, taken in _end
+        # the data-parallel mesh (None: no FSDP2 param group): its ranks, all of them on
+        # HSDP (replicate x shard), are the R samples of the GNS, whatever the world size
+        self.mesh: Optional[DPMesh] = None
+
+    @property
+    def dp_size(self) -> Optional[int]:
+        """R: the data-parallel ranks (the samples of the GNS)."""
+        return None if self.mesh is None else self.mesh.dp_size
+
+    @property
+    def dp_rank(self) -> Optional[int]:
+        """This rank among the R data-parallel ranks."""
+        return None if self.mesh is None else self.mesh.dp_rank
+
+    def defer(self, fn) -> None:
+        """HSDP: run ``fn`` (a param group's statistics) once FSDP2's replicate all-reduces
+        are done, in the finishing callback, before the step's small all-reduce."""
+        self._deferred.append(fn)
 
     def _will_measure(self) -> bool:
         """Whether the reduce-scatter about to be allocated belongs to a measurement."""
@@ -517,32 +496,39 @@ class FSDPGNSHandle:
             # callbacks on error): forget it, it was not an optimizer step
             self._pending = False
             self._ctx = None
+            self._deferred = []
         if not self._pending:
             self._task = task
             st = self.state
             self._ctx = None
             self._group = group
-            if st.is_measurement_step() and st.accepts_samples(group.size()):
+            self._deferred = []
+            R, rank = self.mesh.dp_size, self.mesh.dp_rank
+            if st.is_measurement_step() and st.accepts_samples(R):
                 # the state's plan is taken here, once per measurement; the dof is 'columns'
                 # (a rank's deviation from the mean gradient needs the whole mean, and a
                 # rank holds only its shard)
-                self._ctx = Measurement(st, group.size(), group.size(), dist.get_rank(group=group),
-                                        per_sample=False)
+                self._ctx = Measurement(st, R, R, rank, per_sample=False)
             # a measurement: an unread CPU measurement's hints apply to this one first
             st.begin_sync(self._ctx)
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
             self._pending = True
-        elif self._group is not group and self._ctx is not None and group.size() != self._ctx.world:
+        elif self._group is not group and self._ctx is not None and group.size() != self._group.size():
             raise RuntimeError("attach_fsdp_gns: param groups reduce over different process groups")
         return self._ctx
 
     def _end(self) -> None:
-        ctx, group = self._ctx, self._group
+        ctx, group, deferred = self._ctx, self._group, self._deferred
         self._pending = False
         self._ctx = None
+        self._deferred = []
         self.state.end_sync()
         if ctx is not None:
-            _finish(ctx, group)
+            for fn in deferred:  # HSDP: FSDP2's replicate all-reduces are done
+                fn()
+            # l1/l2: the shard group's ranks hold distinct shards (on HSDP each replica
+            # holds all of them); nuclear: the solves are shared by every data-parallel rank
+            finish(ctx, group, self.mesh.dp_group if self.mesh.hsdp else group)
 
     def remove(self) -> None:
         """Restore the reduce-scatter objects that were installed before attaching."""
@@ -567,6 +553,7 @@ def _note_grads(rs) -> None:
     post_backward = pg.post_backward
 
     def noting_post_backward(*args, **kwargs):
+        rs._allocations = 0
         rs.with_grad = [fp for fp in pg.fsdp_params if _has_grad(pg, fp)]
         try:
             return post_backward(*args, **kwargs)
@@ -653,60 +640,87 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     return handle
 
 
+def _check_param_group(pg, names: dict) -> DPMesh:
+    """One FSDP2 param group's mesh, checked: a 1-D FSDP mesh or a 2-D HSDP (replicate,
+    shard) mesh, parameters sharded over it alone, no GNSReduceScatter installed; HSDP
+    also needs a float32 reduce dtype (the statistics ride in its all-reduce)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    info = pg.mesh_info
+    if not isinstance(info, FSDPMeshInfo):
+        raise ValueError("model: a replicate-only mesh (DDPMeshInfo: every rank holds whole "
+                         "parameters): measure it with DDP and gk.ddp_gns_hook; the FSDP2 hooks "
+                         "measure FSDP2 over a 1-D mesh or HSDP over a 2-D (replicate, shard) mesh")
+    hsdp = isinstance(info, HSDPMeshInfo)
+    if info.mesh.ndim != (2 if hsdp else 1) or getattr(info, "is_spmd_mesh", False):
+        raise ValueError(
+            f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
+            f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D data-parallel "
+            "mesh or HSDP over a 2-D (replicate, shard) mesh (or DDP)")
+    for fp in pg.fsdp_params:
+        mesh = getattr(fp.sharded_param, "device_mesh", None)
+        if mesh is not None and mesh.ndim != 1 and not (hsdp and mesh == info.mesh):
+            name = names.get(id(fp.sharded_param), "?")
+            raise ValueError(
+                f"model: parameter {name!r} is sharded over a {mesh.ndim}-D mesh of shape "
+                f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}, placements "
+                f"{tuple(fp.sharded_param.placements)}): FSDP2 with tensor / sequence / "
+                "expert parallelism is a layout the GNS measurement does not handle (each "
+                "rank would measure its own slice, and the ranks of one data-parallel "
+                "replica are not separate samples). Supported: FSDP2 over a 1-D "
+                "data-parallel mesh, HSDP over a 2-D (replicate, shard) mesh, DDP, or one rank")
+    if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
+        raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
+                         "handle first (attach_fsdp_gns returned it; "
+                         "gk.AdaptiveBatching(model, ...) keeps it as coord.fsdp_handle)")
+    if hsdp:
+        if info.shard_mesh_size < 2:
+            raise ValueError(f"model: an HSDP mesh of shape {tuple(info.mesh.shape)} shards over one "
+                             "rank: FSDP2 issues no reduce-scatter there, which is where the GNS is "
+                             "measured; use a 1-D mesh, or DDP with gk.ddp_gns_hook")
+        dtype = effective_reduce_dtype(pg)
+        if dtype != torch.float32:
+            raise ValueError(
+                f"model: HSDP with reduce dtype {dtype} (param group {pg._module_fqn!r}): the GNS "
+                "statistics ride in FSDP2's replicate all-reduce, in the reduce dtype, and the "
+                "squared gradients lose the variance in it; use "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+        if getattr(pg, "_all_reduce_hook", None) is not None:
+            raise ValueError("model: HSDP with an all-reduce hook (set_all_reduce_hook): on "
+                             "measurement steps the all-reduced buffer also carries the GNS "
+                             "statistics; remove the hook to measure")
+    group = info.reduce_scatter_process_group or info.shard_process_group
+    return dp_mesh(info, group)
+
+
 def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
     """Every check of ``attach_fsdp_gns`` and the handle, with nothing installed yet:
     (handle, install), ``install()`` putting the GNSReduceScatter objects in place (what
     ``gk.AdaptiveBatching(model, ...)`` calls last, once every other argument passed).
-    Refuses the meshes the measurement does not handle: HSDP / replicate, a mesh of more
-    than one dimension (FSDP2 x tensor / expert parallelism: DTensor parameters on a 2-D
-    mesh), param groups over different process groups."""
+    Refuses the meshes the measurement does not handle: replicate-only, a mesh of more
+    dimensions than FSDP's 1 or HSDP's 2 (FSDP2 x tensor / expert parallelism: DTensor
+    parameters on a larger mesh), HSDP with a reduce dtype other than float32 or an
+    all-reduce hook, param groups over different meshes."""
     FSDPModule, _ = _fsdp_api()
     if checked is None:
         _check_attach(model, state)
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     else:
         modules = checked
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, DDPMeshInfo
-
     names = {id(p): n for n, p in model.named_parameters()}
-    dp_group = None
+    mesh = None
     for mod in modules:
         for pg in _param_groups(mod):
-            info = pg.mesh_info
-            if isinstance(info, DDPMeshInfo) or not isinstance(info, FSDPMeshInfo):
-                raise ValueError("model: HSDP / replicate meshes are not supported: the GNS hooks "
-                                 "measure FSDP2 over a 1-D data-parallel mesh (fully_shard(..., "
-                                 "mesh=<1-D mesh>)) or DDP")
-            if info.mesh.ndim != 1 or getattr(info, "is_spmd_mesh", False):
-                raise ValueError(
-                    f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
-                    f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D "
-                    "data-parallel mesh only (or DDP)")
-            for fp in pg.fsdp_params:
-                mesh = getattr(fp.sharded_param, "device_mesh", None)
-                if mesh is not None and mesh.ndim != 1:
-                    name = names.get(id(fp.sharded_param), "?")
-                    raise ValueError(
-                        f"model: parameter {name!r} is sharded over a {mesh.ndim}-D mesh of shape "
-                        f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}, placements "
-                        f"{tuple(fp.sharded_param.placements)}): FSDP2 with tensor / sequence / "
-                        "expert parallelism is a layout the GNS measurement does not handle (each "
-                        "rank would measure its own slice, and the ranks of one data-parallel "
-                        "replica are not separate samples). Supported: FSDP2 over a 1-D "
-                        "data-parallel mesh, DDP, or one rank")
-            if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
-                raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
-                                 "handle first (attach_fsdp_gns returned it; "
-                                 "gk.AdaptiveBatching(model, ...) keeps it as coord.fsdp_handle)")
-            group = info.shard_process_group
-            if dp_group is None:
-                dp_group = group
-            elif dist.get_process_group_ranks(group) != dist.get_process_group_ranks(dp_group):
-                raise ValueError("model: FSDP2 param groups shard over different process groups; "
-                                 "the GNS is measured over one data-parallel group")
+            this = _check_param_group(pg, names)
+            if mesh is None:
+                mesh = this
+            elif (dist.get_process_group_ranks(this.shard_group) != dist.get_process_group_ranks(mesh.shard_group)
+                  or this.hsdp != mesh.hsdp or (this.hsdp and dist.get_process_group_ranks(
+                      this.replicate_group) != dist.get_process_group_ranks(mesh.replicate_group))):
+                raise ValueError("model: FSDP2 param groups reduce over different process groups "
+                                 "(or meshes); the GNS is measured over one data-parallel mesh")
     handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
-    if dp_group is not None:
-        handle.dp_size, handle.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    handle.mesh = mesh
 
     def install() -> None:
         GNSReduceScatter = _reduce_scatter_class()

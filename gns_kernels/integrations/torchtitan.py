@@ -31,12 +31,16 @@ per-rank-mean convention; their ratio is not); with unequal n_j the ranks are sa
 unequal weight and the GNS is that of the weighted samples (tests/integrations/
 test_torchtitan.py shows the effect with ``gk.estimate``).
 
+Meshes: FSDP2 (``data_parallel_shard_degree``) and HSDP (``data_parallel_replicate_degree``
+> 1 with it): the GNS samples are all R = replicate x shard data-parallel ranks (the
+``batch`` mesh), B a multiple of R x ``local_batch_size``; HSDP needs torchtitan's default
+float32 reduce dtype (``training.mixed_precision_reduce``), where the statistics ride.
+
 What it does not do: ``ChunkedLossWrapper`` (the llama3 configs' default loss) is refused:
 it runs the lm_head outside the FSDP2 root's forward, and in a test every synchronized
 backward was counted twice with accumulation micro-batches still reduce-scattering that
-unit; use its plain ``loss_fn``. Pipeline, tensor, context or expert parallelism, HSDP
-(``dp_replicate`` > 1) and one data-parallel rank are refused (the FSDP2 hook measures the
-``dp_shard`` ranks only); CUDA graphs are refused (the step is not a fixed graph when A
+unit; use its plain ``loss_fn``. Pipeline, tensor, context or expert parallelism,
+replicate-only data parallelism and one data-parallel rank are refused; CUDA graphs are refused (the step is not a fixed graph when A
 changes); ``training.steps`` counts optimizer steps, not tokens (stop by tokens with
 ``gns.max_samples``); the data loader's checkpoint is torchtitan's (exact with
 ``num_workers=0``; with workers, its ``snapshot_every_n_steps`` was computed from the
@@ -104,15 +108,15 @@ class GNS(Configurable):
 def _refusals(trainer) -> None:
     pd, cfg = trainer.parallel_dims, trainer.config
     for name, on in (("pipeline_parallel_degree", pd.pp_enabled), ("tensor_parallel_degree", pd.tp_enabled),
-                     ("context_parallel_degree", pd.cp_enabled), ("expert_parallel_degree", pd.ep_enabled),
-                     ("data_parallel_replicate_degree", pd.dp_replicate_enabled)):
+                     ("context_parallel_degree", pd.cp_enabled), ("expert_parallel_degree", pd.ep_enabled)):
         if on:
-            raise ValueError(f"parallelism.{name}: GNSTrainer supports FSDP2 data parallelism only "
-                             "(the GNS hook measures the dp_shard ranks); set it to 1")
+            raise ValueError(f"parallelism.{name}: GNSTrainer supports FSDP2 and HSDP data "
+                             "parallelism only (the GNS samples are the data-parallel ranks); set it to 1")
     if not pd.dp_shard_enabled:
-        raise ValueError("parallelism.data_parallel_shard_degree: GNSTrainer needs >= 2 data-parallel "
-                         "(FSDP2) ranks, the GNS samples; on one rank use gk.AdaptiveBatching with "
-                         "gk.MicroBatchGNS in your own loop")
+        raise ValueError("parallelism.data_parallel_shard_degree: GNSTrainer needs FSDP2 (or HSDP) "
+                         "sharding over >= 2 ranks, where the GNS is measured (in the reduce-scatter); "
+                         "with replicate-only data parallelism use DDP and gk.AdaptiveBatching in your "
+                         "own loop, on one rank gk.MicroBatchGNS")
     if not cfg.training.disable_cuda_graphs:
         raise ValueError("training.disable_cuda_graphs: must be True (a step's number of "
                          "micro-batches changes, so it is not one captured graph)")

@@ -1,5 +1,5 @@
 """Rank-side code of the DCP tests (runs in the spawned gloo processes): a small MLP under
-DDP or FSDP2 with the coordinator built on the model (noise pool on), trained a few
+DDP, FSDP2 or HSDP (FSDP2 on a 2 x (world / 2) replicate x shard mesh) with the coordinator built on the model (noise pool on), trained a few
 steps, its state written with torch.distributed.checkpoint and read into fresh objects."""
 from __future__ import annotations
 
@@ -30,12 +30,16 @@ def _data(n=512):
 def _build(kind, geometry, world, B0=None, Bmax=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    if kind == "fsdp":
+    if kind in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import fully_shard
-        place = {}
+        place, shard = {}, world
+        if kind == "hsdp":  # a 2 x (world / 2) (replicate, shard) mesh
+            from torch.distributed.device_mesh import init_device_mesh
+            shard = world // 2
+            place = {"mesh": init_device_mesh("cpu", (2, shard), mesh_dim_names=("replicate", "shard"))}
         if geometry == "nuclear":
             from gns_kernels.distributed.fsdp import fsdp_gns_shard_placement
-            place = {"shard_placement_fn": fsdp_gns_shard_placement}
+            place["shard_placement_fn"] = lambda p: fsdp_gns_shard_placement(p, shard)
         fully_shard(model[0], **place); fully_shard(model[2], **place); fully_shard(model, **place)
         wrapped = model
     elif kind == "ddp":
@@ -88,7 +92,7 @@ def round_trip(rank, world, folder, kind="ddp", geometry="l1", steps=5, after=3)
     freshly built one (model and optimizer copied in memory) and train both ``after`` more
     steps. Returns the flattened states before save / after load and both continuations."""
     model, wrapped, opt, coord, loader = _build(kind, geometry, world)
-    _train(wrapped, opt, coord, loader, steps)
+    first = _train(wrapped, opt, coord, loader, steps)
     before = flat(coord.state_dict())
     path = os.path.join(folder, f"ckpt_{kind}_{geometry}")
     dcp.save({"coord": DCPState(coord)}, checkpoint_id=path)
@@ -111,6 +115,7 @@ def round_trip(rank, world, folder, kind="ddp", geometry="l1", steps=5, after=3)
         refused = str(exc)
     return {"refused": refused, "before": before, "fresh": fresh, "after": after_load,
             "rows": [flat(r) for r in rows1], "rows_loaded": [flat(r) for r in rows2],
+            "batch_sizes": [int(r["batch_size"]) for r in first + rows1],
             "warnings": [str(x.message) for x in w]}
 
 

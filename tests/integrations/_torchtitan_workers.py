@@ -189,6 +189,27 @@ def fit(rank, world, folder):
     return {"first": first, "second": second}
 
 
+def fit_hsdp(rank, world, folder):
+    """HSDP: data_parallel_replicate_degree 2 x data_parallel_shard_degree world / 2, three
+    steps (no checkpoint): the GNS over all world ranks, the batch growing."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    patch_cpu()
+    cfg = config(folder, steps=3)
+    cfg.checkpoint.enable = False
+    cfg.parallelism.data_parallel_replicate_degree = 2
+    cfg.parallelism.data_parallel_shard_degree = world // 2
+    cfg.training.global_batch_size = 2 * world   # local_batch_size 2 on every rank
+    cfg.gns.max_batch_size = 4 * world
+    t = cfg.build()
+    gloo_sum(t)
+    t.train()
+    h = t.coord.fsdp_handle
+    out = {"history": t.gns_history, "hsdp": h.mesh.hsdp, "dp": (h.dp_size, h.dp_rank),
+           "replicate": h.mesh.replicate_size, "data_n": t.dataloader.n}
+    t.close()
+    return out
+
+
 def refused(rank, world, folder, what):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     patch_cpu()
