@@ -111,10 +111,25 @@ float32) and its shard-sized output, alive only during that group's reduce-scatt
 nuclear, a float32 copy of a non-natural matrix's local gradient while its blocks are
 packed, and the group's Grams (2 k^2 floats per matrix) until its statistics are done.
 
+HSDP (FSDP2 on a 2-D (replicate, shard) mesh): the samples are all R = Rr x Rs
+data-parallel ranks. FSDP2 reduce-scatters over the shard group, then all-reduces that
+output across replicas. On a measurement step ``allocate`` hands FSDP2 an output
+enlarged to [gradient shard | statistics] (float32: the squares for l1/l2, the
+other-dimension blocks for nuclear), the packed reduce-scatter writes both, and FSDP2's
+own replicate all-reduce sums both (no extra launch; twice its bytes for l1/l2). The
+statistics are taken in the finishing callback, after FSDP2's root callback waited for
+every reduce (``FSDPGNSHandle.defer``): l1/l2 the shard's partial sums, summed over the
+shard group by the step's small all-reduce; nuclear the mean-gradient Gram partials
+(1/Rr each: every replica holds the same shard) beside the local Grams, one Gram
+all-reduce per group over all R ranks, solves shared by all R. Refused: a reduce dtype
+other than float32 (the statistics would be summed in it), a one-rank shard dimension,
+an all-reduce hook; ``set_requires_all_reduce(False)`` on a measurement step raises.
+The groups: ``_fsdp_mesh.DPMesh``; the statistics: ``_fsdp_stats``.
+
 Not supported (clear errors): ``state.shift`` (the squares are formed before the
 reduce-scatter from the full local gradient, so a shift would have to be the full
-unsharded tensor on every rank, while FSDP2 optimizer states are sharded), HSDP /
-replicate meshes, ``MicroBatchGNS``.
+unsharded tensor on every rank, while FSDP2 optimizer states are sharded), replicate-only
+meshes (use DDP), ``MicroBatchGNS``.
 """
 from __future__ import annotations
 
@@ -443,8 +458,9 @@ class GNSReduceScatter:
 # --------------------------------------------------------------------------- attach
 class FSDPGNSHandle:
     """Returned by ``attach_fsdp_gns``: the installed ReduceScatter objects; ``remove()``;
-    ``dp_size`` / ``dp_rank``: the size of the FSDP2 mesh's shard group (R, the samples of the
-    GNS; not the world size when the world holds other dimensions) and this rank in it.
+    ``mesh``: the data-parallel mesh's groups (``DPMesh``); ``dp_size`` / ``dp_rank``: R,
+    the samples of the GNS (the shard group on a 1-D mesh, replicate x shard on HSDP; not
+    the world size when the world holds other dimensions), and this rank among them.
 
     ``packed_in_place`` (int) counts the measured reduce-scatters whose l1/l2 pack was built
     in FSDP's own (enlarged) input buffer without a copy: the float32-reduce fast path. It
@@ -620,7 +636,8 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     """Measure the GNS of an FSDP2 model inside its reduce-scatters.
 
     model: a module tree to which ``torch.distributed.fsdp.fully_shard`` was applied
-        (the root and/or submodules). Every FSDPModule in ``model.modules()`` gets a
+        (the root and/or submodules), over a 1-D mesh or an HSDP 2-D (replicate, shard)
+        mesh (float32 reduce dtype). Every FSDPModule in ``model.modules()`` gets a
         ``GNSReduceScatter`` through ``set_custom_reduce_scatter``; call this after all
         ``fully_shard`` calls and after any other ``set_custom_reduce_scatter``.
     state: GNSHookState (geometry, every=F, batch_size=B global, params, bias_correction,
@@ -747,7 +764,8 @@ def fsdp_gns_shard_placement(param: torch.nn.Parameter, world_size: Optional[int
     the nuclear GNS: Shard(1) for wide/square matrices (m <= n, row Gram) whose n divides
     by the world size, else Shard(0) (the default). Returns a ``Shard`` placement.
 
-    world_size: the data-parallel size (default: ``dist.get_world_size()``).
+    world_size: the size of the dimension FSDP2 shards over (default:
+        ``dist.get_world_size()``); under HSDP the shard group's, not the world's.
     """
     from torch.distributed.tensor import Shard
 
