@@ -300,6 +300,18 @@ class GNSReduceScatter:
                 "(this backward or an unreduced earlier one): its gradients are not all-reduced "
                 "across replicas, so they are not the step's; accumulate with "
                 "set_requires_gradient_sync(False) (no reduce at all) instead")
+        if getattr(pg, "_all_reduce_hook", None) is not None:
+            raise RuntimeError("attach_fsdp_gns: HSDP with an all-reduce hook (set_all_reduce_hook, "
+                               "set after attaching): on measurement steps the all-reduced buffer "
+                               "also carries the GNS statistics; remove the hook to measure")
+        for seg in segs:
+            if seg.measured and getattr(seg.param, "_post_accumulate_grad_hooks", None):
+                raise RuntimeError(
+                    "attach_fsdp_gns: HSDP with a post-accumulate-grad hook on a measured parameter "
+                    f"(param group {pg._module_fqn!r}): FSDP2 runs it on the reduced gradient before "
+                    "the measurement reads that gradient (after the replicate all-reduce), so an "
+                    "in-place change (optimizer in backward, clipping) would change the statistics; "
+                    "remove the hook, or measure on a 1-D mesh")
         if dtype != torch.float32:
             raise RuntimeError(
                 f"attach_fsdp_gns: HSDP with reduce dtype {dtype}: the measurement's statistics "
@@ -355,6 +367,7 @@ class GNSReduceScatter:
         hsdp = h.mesh.hsdp
         if not any(seg.measured for seg in segs):  # nothing to measure in this group
             return self.inner(output, inp, group, op, False)
+        h.measured_on(self._param_group)
         stats = (chunk if st.geometry != "nuclear" else extra) if hsdp else 0
         if chunk * Rs != inp.numel() or output.numel() != chunk + stats:
             raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
@@ -478,6 +491,7 @@ class FSDPGNSHandle:
         self._ctx: Optional[Measurement] = None
         self._group = None
         self._deferred: list = []  # HSDP: each measured group's statistics, taken in _end
+        self._reduced: list = []  # the param groups whose reduce this measurement used
         # the data-parallel mesh (None: no FSDP2 param group): its ranks, all of them on
         # HSDP (replicate x shard), are the R samples of the GNS, whatever the world size
         self.mesh: Optional[DPMesh] = None
@@ -496,6 +510,23 @@ class FSDPGNSHandle:
         """HSDP: run ``fn`` (a param group's statistics) once FSDP2's replicate all-reduces
         are done, in the finishing callback, before the step's small all-reduce."""
         self._deferred.append(fn)
+
+    def measured_on(self, param_group) -> None:
+        """Note a param group whose reduce this measurement used: the finishing callback
+        makes the current stream wait for its reduce-scatter and all-reduce streams."""
+        if param_group not in self._reduced:
+            self._reduced.append(param_group)
+
+    def _wait_reduce_streams(self) -> None:
+        """The current stream waits for the side streams the measured reduces ran on
+        (FSDP2's ``finalize_backward`` does so only on the last backward,
+        ``set_is_last_backward``); no host synchronization. Nothing to do on CPU."""
+        for pg in self._reduced:
+            if pg.device.type == "cpu":
+                continue
+            cur = pg.device_handle.current_stream()
+            cur.wait_stream(pg.comm_ctx.reduce_scatter_stream)
+            cur.wait_stream(pg.comm_ctx.all_reduce_stream)
 
     def _will_measure(self) -> bool:
         """Whether the reduce-scatter about to be allocated belongs to a measurement."""
@@ -519,6 +550,7 @@ class FSDPGNSHandle:
             self._ctx = None
             self._group = group
             self._deferred = []
+            self._reduced = []
             R, rank = self.mesh.dp_size, self.mesh.dp_rank
             if st.is_measurement_step() and st.accepts_samples(R):
                 # the state's plan is taken here, once per measurement; the dof is 'columns'
@@ -540,6 +572,8 @@ class FSDPGNSHandle:
         self._deferred = []
         self.state.end_sync()
         if ctx is not None:
+            self._wait_reduce_streams()
+            self._reduced = []
             for fn in deferred:  # HSDP: FSDP2's replicate all-reduces are done
                 fn()
             # l1/l2: the shard group's ranks hold distinct shards (on HSDP each replica
@@ -706,7 +740,8 @@ def _check_param_group(pg, names: dict) -> DPMesh:
             raise ValueError("model: HSDP with an all-reduce hook (set_all_reduce_hook): on "
                              "measurement steps the all-reduced buffer also carries the GNS "
                              "statistics; remove the hook to measure")
-    group = info.reduce_scatter_process_group or info.shard_process_group
+    # torch >= 2.13 may give the reduce-scatter its own group (set_separate_reduce_scatter_group)
+    group = getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
     return dp_mesh(info, group)
 
 

@@ -101,7 +101,8 @@ def run_many(rank, world, *, scenarios):
 
 
 def run_refusals(rank, world):
-    """The HSDP refusals: bf16 reduce dtype, a shard dimension of one rank."""
+    """The HSDP refusals: bf16 reduce dtype, a shard dimension of one rank, a
+    post-accumulate-grad hook on a measured parameter."""
     out = {}
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     m = _model()
@@ -119,5 +120,17 @@ def run_refusals(rank, world):
         attach_fsdp_gns(m, GNSHookState("l1", batch_size=16))
     except ValueError as exc:
         out["shard1"] = str(exc)
+    # a post-accumulate-grad hook on a measured parameter: refused at the measurement (FSDP2
+    # runs it on the reduced gradient before the statistics are read from it)
+    m = _model()
+    for sub in (m.a, m.b, m):
+        fully_shard(sub, mesh=mesh)
+    m.a.weight.register_post_accumulate_grad_hook(lambda p: None)
+    attach_fsdp_gns(m, GNSHookState("l1", batch_size=16))
+    x, y = _batch(rank, 0, 0)
+    try:
+        _loss(m, x, y).backward()
+    except RuntimeError as exc:
+        out["grad_hook"] = str(exc)
     dist.barrier()
     return out

@@ -133,3 +133,4 @@ def test_refusals():
     for r in res:
         assert "reduce_dtype=torch.float32" in r["bf16"] and "HSDP" in r["bf16"], r["bf16"]
         assert "shards over one rank" in r["shard1"], r["shard1"]
+        assert "post-accumulate-grad hook" in r["grad_hook"], r["grad_hook"]
