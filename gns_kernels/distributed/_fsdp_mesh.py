@@ -9,7 +9,10 @@ R = replicate x shard; ``DPMesh`` names the process groups the measurement uses:
 - ``replicate_group``: the all-reduce's across replicas (Rr ranks), None on a 1-D mesh;
 - ``dp_group``: all R = Rr x Rs data-parallel ranks (the 1-D mesh's own group, or the
   2-D mesh flattened), the group of the nuclear Gram all-reduces and the shared solves;
-- ``dp_size``, ``dp_rank``: R and this rank in ``dp_group``.
+- ``dp_size``, ``dp_rank``: R and this rank in ``dp_group``;
+- with tensor parallelism (DTensor parameters on a tp mesh, FSDP2 over the dp mesh):
+  ``tp_group``, the ranks holding one sample's slices, and the groups the statistics add
+  over, ``l_group`` and ``gram_group`` (data-parallel x tensor-parallel ranks).
 
 ``reduce_factors`` gives the factors FSDP2's ``foreach_reduce`` applies (pre-divide,
 reduce-scatter op, all-reduce op, post-divide) and ``op_multiplier`` what one reduction op
@@ -26,38 +29,75 @@ __all__ = ["DPMesh", "dp_mesh", "reduce_factors", "op_multiplier", "effective_re
 
 
 class DPMesh(NamedTuple):
-    """The groups of one FSDP2 model's data-parallel mesh (module docstring)."""
+    """The groups of one FSDP2 model's data-parallel mesh (module docstring).
+
+    With tensor parallelism (FSDP2 over the dp mesh of DTensor parameters that
+    ``parallelize_module`` made on a tp mesh) the tp ranks of a data-parallel rank read the
+    same data and together are ONE sample: R stays the data-parallel size, and
+    ``tp_group`` (tp_size ranks, this rank tp_rank) is where a parameter's slices add up.
+    ``l_group``: the ranks whose l1/l2 partial sums add up to the totals (the shard group;
+    x tp); ``gram_group``: the ranks the nuclear Gram all-reduces and shared solves run over
+    (the shard group; every data-parallel rank on HSDP; x tp), ``gram_size`` / ``gram_rank``.
+    """
 
     shard_group: object
     replicate_group: Optional[object]
     dp_group: object
     dp_size: int
     dp_rank: int
+    tp_group: Optional[object] = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    l_group: Optional[object] = None
+    gram_group: Optional[object] = None
 
     @property
     def hsdp(self) -> bool:
         return self.replicate_group is not None
 
     @property
+    def tp(self) -> bool:
+        return self.tp_group is not None
+
+    @property
     def replicate_size(self) -> int:
         return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
 
+    @property
+    def gram_size(self) -> int:
+        return dist.get_world_size(self.gram_group)
 
-def dp_mesh(info, shard_group) -> DPMesh:
+    @property
+    def gram_rank(self) -> int:
+        return dist.get_rank(self.gram_group)
+
+
+def _flat_group(mesh):
+    """One process group of all ranks of ``mesh`` (a DeviceMesh): the world's when the
+    mesh is the world, else the mesh flattened."""
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+
+def dp_mesh(info, shard_group, tp_mesh=None, spmd_mesh=None) -> DPMesh:
     """The DPMesh of an FSDP2 param group's ``mesh_info`` (``FSDPMeshInfo`` or
-    ``HSDPMeshInfo``); ``shard_group``: the group its reduce-scatter runs over."""
+    ``HSDPMeshInfo``); ``shard_group``: the group its reduce-scatter runs over; ``tp_mesh``:
+    the 1-D tensor-parallel mesh of its DTensor parameters (None: no tensor parallelism)
+    and ``spmd_mesh`` the (dp, tp) mesh FSDP2 concatenated from both."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
-    if not isinstance(info, HSDPMeshInfo):
-        return DPMesh(shard_group, None, shard_group, dist.get_world_size(shard_group),
-                      dist.get_rank(shard_group))
-    replicate = info.replicate_process_group
-    mesh = info.mesh
-    if mesh.size() == dist.get_world_size():
-        dp = dist.group.WORLD  # the mesh is the world: no new group needed
-    else:  # a data-parallel mesh inside a larger world: its ranks flattened into one group
-        dp = mesh._flatten().get_group()
-    return DPMesh(shard_group, replicate, dp, dist.get_world_size(dp), dist.get_rank(dp))
+    R, rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
+    if isinstance(info, HSDPMeshInfo):
+        dp = _flat_group(info.mesh)  # every data-parallel rank
+        return DPMesh(shard_group, info.replicate_process_group, dp, dist.get_world_size(dp),
+                      dist.get_rank(dp), l_group=shard_group, gram_group=dp)
+    if tp_mesh is not None:
+        both = _flat_group(spmd_mesh)  # data-parallel x tensor-parallel ranks
+        tp = tp_mesh.get_group()
+        return DPMesh(shard_group, None, shard_group, R, rank, tp, dist.get_world_size(tp),
+                      dist.get_rank(tp), l_group=both, gram_group=both)
+    return DPMesh(shard_group, None, shard_group, R, rank, l_group=shard_group, gram_group=shard_group)
 
 
 def effective_reduce_dtype(param_group) -> torch.dtype:

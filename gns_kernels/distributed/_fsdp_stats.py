@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ._fsdp_layout import tp_assemble
 from ._measurement import Measurement
 from ._stats import l1_signal_debiased_sum
 
@@ -71,31 +72,43 @@ def add_l_shard(ctx: Measurement, segs, d: Tensor, q: Tensor, a: float) -> None:
 
 
 def add_nuclear_grams(ctx: Measurement, mats, ks, flat: Tensor, reduced: Tensor, f: float,
-                      copies: int, group) -> None:
+                      copies: int, mesh) -> None:
     """nuclear: ``flat`` holds, per measured matrix (``mats``, Gram sizes ``ks``), this
     rank's local Gram / R in its first k x k; ``reduced`` is this rank's reduced chunk
     (its natural blocks, the other-dimension blocks after them), ``reduced * f`` its shard
     D_r of the mean gradient. Writes the mean-gradient Gram partials D_r^T D_r (or
     D_r D_r^T) / ``copies`` (the number of ranks holding the same shard: the replicas of
-    HSDP, 1 on a 1-D mesh), all-reduces ``flat`` over ``group`` (the ranks whose partials
-    sum to the totals: every data-parallel rank) and hands the Grams to the share."""
+    HSDP, 1 on a 1-D mesh), all-reduces ``flat`` over ``mesh.gram_group`` (the ranks whose
+    partials sum to the totals) and hands the Grams to the share. Tensor parallelism: a
+    matrix sliced along its Gram's dimension (``tp_gather``) has its D_r slices assembled
+    over the tp group (one all-gather for the group's such matrices) and its partial
+    written by tp rank 0."""
     offs = gram_offsets(ks)
     w = f * f / copies
-    for seg, k, q in zip(mats, ks, offs):
+
+    def shard(seg):
         if seg.natural:
-            Dr = reduced[seg.offset:seg.offset + seg.numel].view(seg.block)
-        else:
-            Dr = reduced[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
-        P = spectral.gram([Dr], side=seg.side)[0]
+            return reduced[seg.offset:seg.offset + seg.numel].view(seg.block)
+        return reduced[seg.extra_offset:seg.extra_offset + seg.extra_block.numel()].view(seg.extra_block)
+
+    gather = [i for i, seg in enumerate(mats) if seg.tp_gather]
+    wholes = dict(zip(gather, tp_assemble([shard(mats[i]) for i in gather],
+                                          [mats[i].tp_dim for i in gather], mesh.tp_group, mesh.tp_size)))
+    for i, (seg, k, q) in enumerate(zip(mats, ks, offs)):
+        if seg.tp_zero or (seg.tp_gather and mesh.tp_rank != 0):
+            flat[q + k * k:q + 2 * k * k].zero_()
+            continue
+        Dr = wholes.get(i)
+        P = spectral.gram([shard(seg) if Dr is None else Dr], side=seg.side)[0]
         torch.mul(P.view(-1), w, out=flat[q + k * k:q + 2 * k * k])  # sums to D^T D or D D^T
     # the group's one small all-reduce: local Grams and mean-Gram partials together
-    dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=mesh.gram_group)
     mean_grams = [flat[q:q + k * k].view(k, k) for q, k in zip(offs, ks)]
     dd = [flat[q + k * k:q + 2 * k * k].view(k, k) for q, k in zip(offs, ks)]
     # this rank's share of the group's sqrt-traces; non-finite gradients on some rank
     # give nan statistics: the measurement is invalid everywhere
     keys = [ctx.plan.of(s_.param).key for s_ in mats] if ctx.state.pool is not None else None
-    ctx.share.add_grams(mean_grams, dd, [s_.shape for s_ in mats], keys)
+    ctx.share.add_grams(mean_grams, dd, [tuple(s_.full_shape) for s_ in mats], keys)
 
 
 def finish(m: Measurement, l_group, nuclear_group) -> None:

@@ -141,6 +141,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .. import spectral
+from ._fsdp_layout import layout, local_matrix, tp_assemble, tp_placement
 from ._fsdp_mesh import DPMesh, dp_mesh, effective_reduce_dtype, op_multiplier, reduce_factors
 from ._measurement import Measurement, MeasurementPlan
 from ._fsdp_stats import add_l_shard, add_nuclear_grams, finish, gram_offsets
@@ -181,61 +182,6 @@ def _reduce_scatter_class():
         _fsdp_api()[1].register(GNSReduceScatter)
         _REGISTERED.append(True)
     return GNSReduceScatter
-
-
-class _Seg:
-    """One parameter's block inside every chunk of the reduce-scatter input."""
-
-    __slots__ = ("fsdp_param", "param", "offset", "numel", "block", "shape", "dim",
-                 "measured", "side", "natural", "extra_offset", "extra_block")
-
-    def __init__(self, fsdp_param, offset: int, numel: int, block: torch.Size, dim: int):
-        self.fsdp_param = fsdp_param
-        self.param = fsdp_param.sharded_param
-        self.offset = offset
-        self.numel = numel
-        self.block = block  # shape of this parameter's block in one chunk
-        self.shape = torch.Size(fsdp_param._orig_size)
-        self.dim = dim  # sharded dimension
-        self.measured = False
-        self.side = None  # nuclear: Gram side ('row' | 'col')
-        self.natural = False  # nuclear: blocks along the sharded dim partition the Gram's sum
-        self.extra_offset = 0  # nuclear, non-natural: offset of the other-dim block in a chunk
-        self.extra_block = None  # its shape
-
-
-def _layout(fsdp_params, world: int, state: GNSHookState, plan: MeasurementPlan):
-    """Segments of the chunk for ``fsdp_params`` (the params with a gradient, in order),
-    the chunk numel of FSDP's part and the extra per-chunk numel (nuclear, non-natural);
-    which parameters are measured comes from the measurement's ``plan``."""
-    segs = []
-    off = 0
-    for fp in fsdp_params:
-        block = torch.Size(fp.padded_sharded_param_size)
-        n = block.numel()
-        seg = _Seg(fp, off, n, block, fp.fsdp_placement.dim)
-        seg.measured = plan.of(seg.param).measured
-        segs.append(seg)
-        off += n
-    chunk = off
-    extra = 0
-    if state.geometry == "nuclear":
-        for seg in segs:
-            if not seg.measured:
-                continue
-            m, n = seg.shape
-            seg.side = spectral.smaller_side((m, n))
-            # col Gram sums over rows: row blocks (dim 0) are natural; row Gram: column blocks
-            want = 0 if seg.side == "col" else 1
-            seg.natural = seg.dim == want
-            if not seg.natural:
-                if want == 1:
-                    seg.extra_block = torch.Size((m, -(-n // world)))
-                else:
-                    seg.extra_block = torch.Size((-(-m // world), n))
-                seg.extra_offset = chunk + extra
-                extra += seg.extra_block.numel()
-    return segs, chunk, extra
 
 
 class GNSReduceScatter:
@@ -290,7 +236,7 @@ class GNSReduceScatter:
         if ctx is None:
             return None
         Rs = h.mesh.dp_size // h.mesh.replicate_size
-        segs, c, extra = _layout(self._fsdp_params(chunk * Rs, Rs), Rs, ctx.state, ctx.plan)
+        segs, c, extra = layout(self._fsdp_params(chunk * Rs, Rs), Rs, ctx.state, ctx.plan, h.mesh)
         if not any(seg.measured for seg in segs):
             return None
         pg = self._param_group
@@ -363,7 +309,7 @@ class GNSReduceScatter:
         st, h = ctx.state, self._handle
         Rs = group.size()  # chunks of the input (the shard group); ctx.num_samples: R
         a, mean_mult = self._mean_multiplier(ctx, group, op, inp)
-        segs, chunk, extra = _layout(self._fsdp_params(inp.numel(), Rs), Rs, st, ctx.plan)
+        segs, chunk, extra = layout(self._fsdp_params(inp.numel(), Rs), Rs, st, ctx.plan, h.mesh)
         hsdp = h.mesh.hsdp
         if not any(seg.measured for seg in segs):  # nothing to measure in this group
             return self.inner(output, inp, group, op, False)
@@ -412,6 +358,22 @@ class GNSReduceScatter:
         add_l_shard(ctx, segs, out[:chunk], out[chunk:], a)
         return work
 
+    @staticmethod
+    def _pack_extra(pack: Tensor, seg, full: Tensor, Rs: int) -> None:
+        """Non-natural ``seg``: the blocks of ``full`` (its local gradient) along the Gram's
+        own dimension into the extra part of every chunk (zero-padded), so rank r receives
+        that block r of the mean gradient."""
+        eb = seg.extra_block
+        dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(Rs, *eb)
+        dst.zero_()
+        want = 1 if seg.side == "row" else 0
+        step = eb[want]
+        for r in range(Rs):
+            lo = min(r * step, full.shape[want])
+            hi = min(lo + step, full.shape[want])
+            if hi > lo:
+                dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
+
     def _measure_nuclear(self, ctx, output, x, group, op, segs, chunk, extra, a, mean_mult):
         Rs = group.size()
         R = ctx.num_samples
@@ -421,35 +383,44 @@ class GNSReduceScatter:
         pack = torch.empty((Rs, chunk + extra), dtype=torch.float32, device=dev)
         pack[:, :chunk].copy_(x)
         # this group's Grams, one flat buffer: per matrix [local Gram / R, mean-Gram partial]
-        ks = [min(s_.shape) for s_ in mats]
+        ks = [s_.k for s_ in mats]
+        offs = gram_offsets(ks)
         flat = torch.empty(sum(2 * k * k for k in ks), dtype=torch.float32, device=dev)
-        for seg, k, q in zip(mats, ks, gram_offsets(ks)):
+        slices = []  # tensor parallelism: local slices to assemble before their Gram
+        for seg, k, q in zip(mats, ks, offs):
             blocks = pack[:, seg.offset:seg.offset + seg.numel].view(Rs, *seg.block)
-            m, n = seg.shape
-            if seg.natural:
+            if seg.tp_zero:  # replicated over tp: tp rank 0's part counts, this one is zero
+                if not seg.natural:
+                    self._pack_extra(pack, seg, local_matrix(seg, blocks), Rs)
+                flat[q:q + k * k].zero_()
+                continue
+            if seg.natural and not seg.tp_gather:
                 # G^jT G^j = sum_r B_r^T B_r (row blocks) or G^j G^jT = sum_r B_r B_r^T (column blocks)
                 G = torch.stack(spectral.gram(list(blocks.unbind(0)), side=seg.side)).sum(0)
             else:
-                # this rank's full local gradient (float32 copy, transient), then the blocks
-                # along the other dimension go into the extra part of every chunk
-                if seg.dim == 0:
-                    full = blocks.reshape(Rs * seg.block[0], n)[:m]
-                else:
-                    full = torch.cat(list(blocks.unbind(0)), dim=seg.dim)
+                # this rank's local gradient (slice), then, non-natural, the blocks along the
+                # other dimension go into the extra part of every chunk
+                full = local_matrix(seg, blocks)
+                if not seg.natural:
+                    self._pack_extra(pack, seg, full, Rs)
+                if seg.tp_gather:
+                    slices.append(full.clone())
+                    continue
                 G = spectral.gram([full], side=seg.side)[0]
-                eb = seg.extra_block
-                dst = pack[:, seg.extra_offset:seg.extra_offset + eb.numel()].view(Rs, *eb)
-                dst.zero_()
-                want = 1 if seg.side == "row" else 0
-                step = eb[want]
-                for r in range(Rs):
-                    lo = min(r * step, full.shape[want])
-                    hi = min(lo + step, full.shape[want])
-                    if hi > lo:
-                        dst[r].narrow(want, 0, hi - lo).copy_(full.narrow(want, lo, hi - lo))
                 del full
             torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])  # sums to mean_j G^jT G^j
             del G
+        if slices:  # the whole local gradients, assembled over tp; their Grams on tp rank 0
+            gather = [(seg, k, q) for seg, k, q in zip(mats, ks, offs) if seg.tp_gather]
+            wholes = tp_assemble(slices, [seg.tp_dim for seg, _k, _q in gather], h.mesh.tp_group,
+                                 h.mesh.tp_size)
+            for (seg, k, q), whole in zip(gather, wholes):
+                if h.mesh.tp_rank == 0:
+                    G = spectral.gram([whole], side=seg.side)[0]
+                    torch.mul(G.view(-1), a * a / R, out=flat[q:q + k * k])
+                else:
+                    flat[q:q + k * k].zero_()
+            del slices, wholes
         f = a * mean_mult  # reduced value * f = this shard of the mean gradient D
         if h.mesh.hsdp:
             # straight into FSDP's enlarged output; the mean-gradient Grams are formed after
@@ -457,13 +428,13 @@ class GNSReduceScatter:
             # same shard, so each adds 1 / Rr of its partial over all R ranks
             work = _reduce_scatter(output, pack.view(-1), op=op, group=group, async_op=False)
             h.defer(lambda: add_nuclear_grams(ctx, mats, ks, flat, output, f, h.mesh.replicate_size,
-                                              h.mesh.dp_group))
+                                              h.mesh))
             return work
         out = torch.empty(chunk + extra, dtype=torch.float32, device=dev)
         work = _reduce_scatter(out, pack.view(-1), op=op, group=group, async_op=False)
         del pack
         output.copy_(out[:chunk].view_as(output))
-        add_nuclear_grams(ctx, mats, ks, flat, out, f, 1, group)
+        add_nuclear_grams(ctx, mats, ks, flat, out, f, 1, h.mesh)
         return work
 
 
@@ -551,12 +522,13 @@ class FSDPGNSHandle:
             self._group = group
             self._deferred = []
             self._reduced = []
-            R, rank = self.mesh.dp_size, self.mesh.dp_rank
+            R, mesh = self.mesh.dp_size, self.mesh
             if st.is_measurement_step() and st.accepts_samples(R):
                 # the state's plan is taken here, once per measurement; the dof is 'columns'
                 # (a rank's deviation from the mean gradient needs the whole mean, and a
-                # rank holds only its shard)
-                self._ctx = Measurement(st, R, R, rank, per_sample=False)
+                # rank holds only its shard); R samples, the nuclear solves shared by the
+                # ranks of the Gram all-reduces
+                self._ctx = Measurement(st, mesh.gram_size, R, mesh.gram_rank, per_sample=False)
             # a measurement: an unread CPU measurement's hints apply to this one first
             st.begin_sync(self._ctx)
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
@@ -576,9 +548,9 @@ class FSDPGNSHandle:
             self._reduced = []
             for fn in deferred:  # HSDP: FSDP2's replicate all-reduces are done
                 fn()
-            # l1/l2: the shard group's ranks hold distinct shards (on HSDP each replica
-            # holds all of them); nuclear: the solves are shared by every data-parallel rank
-            finish(ctx, group, self.mesh.dp_group if self.mesh.hsdp else group)
+            # l1/l2: the ranks holding distinct shards (and tp slices); nuclear: the ranks
+            # sharing the solves (DPMesh)
+            finish(ctx, self.mesh.l_group, self.mesh.gram_group)
 
     def remove(self) -> None:
         """Restore the reduce-scatter objects that were installed before attaching."""
@@ -691,10 +663,47 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     return handle
 
 
-def _check_param_group(pg, names: dict) -> DPMesh:
-    """One FSDP2 param group's mesh, checked: a 1-D FSDP mesh or a 2-D HSDP (replicate,
-    shard) mesh, parameters sharded over it alone, no GNSReduceScatter installed; HSDP
-    also needs a float32 reduce dtype (the statistics ride in its all-reduce)."""
+def _tp_mesh(pg, names: dict, hsdp: bool, nuclear: bool):
+    """The tensor-parallel mesh of a param group's DTensor parameters (``parallelize_module``
+    before ``fully_shard``) and FSDP2's (dp, tp) mesh, (None, None) without any; checked:
+    a 1-D tp mesh, Shard(d) or Replicate() placements, even slices of the nuclear GNS's
+    matrices, one tp mesh, not with HSDP."""
+    tp = spmd = None
+    for fp in pg.fsdp_params:
+        if not getattr(fp, "is_dtensor", False):
+            continue
+        name = names.get(id(fp.sharded_param), "?")
+        spec = fp._unsharded_dtensor_spec
+        where = (f"model: parameter {name!r} (placements {tuple(fp.sharded_param.placements)} on a "
+                 f"mesh of shape {tuple(fp.sharded_param.device_mesh.shape)}, dims "
+                 f"{fp.sharded_param.device_mesh.mesh_dim_names})")
+        if hsdp or len(spec.placements) != 1:
+            raise ValueError(
+                f"{where}: the GNS measures FSDP2 x tensor parallelism over a 1-D data-parallel "
+                "mesh and a 1-D tp mesh (parallelize_module, then fully_shard over the dp mesh); "
+                "HSDP x tensor parallelism, expert parallelism and 2-D tp meshes are not supported")
+        try:
+            dim, _replicated = tp_placement(fp)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        size = spec.mesh.size()
+        if (nuclear and dim is not None and fp.sharded_param.dim() == 2
+                and fp.sharded_param.shape[dim] % size):
+            raise ValueError(f"{where}: the nuclear GNS needs even tensor-parallel slices (dim {dim} "
+                             f"of size {fp.sharded_param.shape[dim]} over {size} tp ranks)")
+        if tp is None:
+            tp, spmd = spec.mesh, fp._spmd_mesh
+        elif dist.get_process_group_ranks(spec.mesh.get_group()) != dist.get_process_group_ranks(tp.get_group()):
+            raise ValueError(f"{where}: parameters on different tensor-parallel meshes; the GNS "
+                             "needs one")
+    return tp, spmd
+
+
+def _check_param_group(pg, names: dict, nuclear: bool):
+    """One FSDP2 param group's mesh, checked: a 1-D FSDP mesh (its parameters plain or
+    DTensors of a 1-D tp mesh) or a 2-D HSDP (replicate, shard) mesh, no GNSReduceScatter
+    installed; HSDP also needs a float32 reduce dtype (the statistics ride in its
+    all-reduce). Returns (mesh_info, reduce-scatter group, tp mesh, (dp, tp) mesh)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     info = pg.mesh_info
@@ -708,18 +717,7 @@ def _check_param_group(pg, names: dict) -> DPMesh:
             f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
             f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D data-parallel "
             "mesh or HSDP over a 2-D (replicate, shard) mesh (or DDP)")
-    for fp in pg.fsdp_params:
-        mesh = getattr(fp.sharded_param, "device_mesh", None)
-        if mesh is not None and mesh.ndim != 1 and not (hsdp and mesh == info.mesh):
-            name = names.get(id(fp.sharded_param), "?")
-            raise ValueError(
-                f"model: parameter {name!r} is sharded over a {mesh.ndim}-D mesh of shape "
-                f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}, placements "
-                f"{tuple(fp.sharded_param.placements)}): FSDP2 with tensor / sequence / "
-                "expert parallelism is a layout the GNS measurement does not handle (each "
-                "rank would measure its own slice, and the ranks of one data-parallel "
-                "replica are not separate samples). Supported: FSDP2 over a 1-D "
-                "data-parallel mesh, HSDP over a 2-D (replicate, shard) mesh, DDP, or one rank")
+    tp, spmd = _tp_mesh(pg, names, hsdp, nuclear)
     if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
         raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
                          "handle first (attach_fsdp_gns returned it; "
@@ -742,7 +740,7 @@ def _check_param_group(pg, names: dict) -> DPMesh:
                              "statistics; remove the hook to measure")
     # torch >= 2.13 may give the reduce-scatter its own group (set_separate_reduce_scatter_group)
     group = getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
-    return dp_mesh(info, group)
+    return info, group, tp, spmd
 
 
 def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
@@ -760,17 +758,24 @@ def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, ch
     else:
         modules = checked
     names = {id(p): n for n, p in model.named_parameters()}
+    groups = [_check_param_group(pg, names, state.geometry == "nuclear")
+              for mod in modules for pg in _param_groups(mod)]
+    tps = [(tp, spmd) for _info, _group, tp, spmd in groups if tp is not None]
+    tp, spmd = tps[0] if tps else (None, None)  # the model's tp mesh (_tp_mesh: one per group)
+    for t, _spmd in tps[1:]:
+        if dist.get_process_group_ranks(t.get_group()) != dist.get_process_group_ranks(tp.get_group()):
+            raise ValueError("model: parameters on different tensor-parallel meshes; the GNS needs one")
+
+    def ranks(info, group):
+        rep = getattr(info, "replicate_process_group", None)
+        return (dist.get_process_group_ranks(group), None if rep is None else dist.get_process_group_ranks(rep))
+
     mesh = None
-    for mod in modules:
-        for pg in _param_groups(mod):
-            this = _check_param_group(pg, names)
-            if mesh is None:
-                mesh = this
-            elif (dist.get_process_group_ranks(this.shard_group) != dist.get_process_group_ranks(mesh.shard_group)
-                  or this.hsdp != mesh.hsdp or (this.hsdp and dist.get_process_group_ranks(
-                      this.replicate_group) != dist.get_process_group_ranks(mesh.replicate_group))):
-                raise ValueError("model: FSDP2 param groups reduce over different process groups "
-                                 "(or meshes); the GNS is measured over one data-parallel mesh")
+    if groups:
+        mesh = dp_mesh(groups[0][0], groups[0][1], tp, spmd)  # (flattened groups made once)
+        if any(ranks(info, group) != ranks(groups[0][0], groups[0][1]) for info, group, _t, _s in groups):
+            raise ValueError("model: FSDP2 param groups reduce over different process groups "
+                             "(or meshes); the GNS is measured over one data-parallel mesh")
     handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))
     handle.mesh = mesh
 

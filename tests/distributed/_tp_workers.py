@@ -1,0 +1,120 @@
+"""Rank-side code of the FSDP2 x tensor-parallel GNS tests (4 spawned gloo ranks, a 2 x 2
+(dp, tp) mesh; ranks 2 d and 2 d + 1 are data-parallel rank d, reading the same data).
+
+The net (``_TPNet``) covers each way a weight meets tensor parallelism, for the nuclear
+GNS's Gram side (the smaller side of the whole weight):
+  a 24x13 colwise   tall, column Gram, rows sliced: slices add up (natural)
+  b 16x24 rowwise   wide, row Gram, columns sliced: natural; its bias Replicate()
+  c  8x16 colwise   wide, row Gram, rows sliced: assembled over tp (tp_gather)
+  d 20x8  rowwise   tall, column Gram, columns sliced: assembled over tp
+  e  5x20 plain     not parallelized: the same on both tp ranks (tp rank 0 counts it)
+Per scenario the same weights are sharded two ways: ``tp`` (parallelize_module over the
+tp mesh, then fully_shard over the dp mesh, with gk.attach_fsdp_gns) and ``flat`` (the
+1-D FSDP2 run on the 2 data-parallel ranks of each tp column, with the hook: the
+expected value), plus ``plain`` (the tp model without the hook: its gradients).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from _fsdp_workers import _Counter, _est
+from _harness import gather_per_rank, run_scenarios
+
+import gns_kernels as gk
+from gns_kernels.distributed import GNSHookState
+from gns_kernels.distributed.fsdp import attach_fsdp_gns
+
+B_LOCAL = 4
+
+
+class _TPNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(13, 24)
+        self.b = torch.nn.Linear(24, 16)
+        self.c = torch.nn.Linear(16, 8)
+        self.d = torch.nn.Linear(8, 20)
+        self.e = torch.nn.Linear(20, 5)
+
+    def forward(self, x):
+        x = torch.tanh(self.b(torch.tanh(self.a(x))))
+        x = torch.tanh(self.d(torch.tanh(self.c(x))))
+        return self.e(x)
+
+
+PLAN = {"a": ColwiseParallel(), "b": RowwiseParallel(), "c": ColwiseParallel(), "d": RowwiseParallel()}
+
+
+def _base():
+    torch.manual_seed(4321)
+    return _TPNet()
+
+
+def _data(dp_rank: int, step: int):
+    g = torch.Generator().manual_seed(20_000 + 100 * step + dp_rank)
+    return torch.randn(B_LOCAL, 13, generator=g), torch.randn(B_LOCAL, 5, generator=g)
+
+
+def _shard(model, dp_mesh):
+    for sub in (model.a, model.b, model.c, model.d):
+        fully_shard(sub, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _tp(base, mesh):
+    return _shard(parallelize_module(copy.deepcopy(base), mesh["tp"], PLAN), mesh["dp"])
+
+
+def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, method=None,
+           signal="raw"):
+    extra = {} if method is None else {"method": method}
+    pool_kw = {} if pool else {"pool_beta": None}
+    dp = mesh["dp"].get_local_rank()
+    base = _base()
+    B = B_LOCAL * 2
+    models = {"tp": _tp(base, mesh), "flat": _shard(copy.deepcopy(base), mesh["dp"]),
+              "plain": _tp(base, mesh)}
+    states = {}
+    for name in ("tp", "flat"):
+        st = GNSHookState(geometry, every=every, batch_size=B, signal=signal, **pool_kw, **extra)
+        states[name] = (st, attach_fsdp_gns(models[name], st))
+    local = copy.deepcopy(base)
+    records = []
+    for k in range(steps):
+        for m in (*models.values(), local):
+            for p in m.parameters():
+                p.grad = None
+        x, y = _data(dp, k)
+        F.mse_loss(local(x), y).backward()
+        rank_grads = gather_per_rank([p.grad.detach().clone() for p in local.parameters()])
+        measuring = states["tp"][0].is_measurement_step()
+        calls = {}
+        for name in ("flat", "plain", "tp"):
+            with _Counter() as c:
+                F.mse_loss(models[name](x), y).backward()
+            calls[name] = c.calls
+        est = {name: _est(st.estimate) if measuring else None for name, (st, _h) in states.items()}
+        ref = None
+        if measuring:  # the two data-parallel ranks' local gradients (tp rank 0 of each)
+            sel = [[g for g in rg if geometry != "nuclear" or g.dim() == 2] for rg in rank_grads[::2]]
+            ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, signal=signal,
+                                   nuclear_dof="columns"))
+        tp_p, plain_p = list(models["tp"].parameters()), list(models["plain"].parameters())
+        records.append({"measuring": measuring, "est": est, "ref": ref, "calls": calls,
+                        "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
+                                                for p, q in zip(tp_p, plain_p))})
+    h = states["tp"][1]
+    return {"records": records, "dp": (h.dp_size, h.dp_rank), "tp": (h.mesh.tp_size, h.mesh.tp_rank)}
+
+
+def run_many(rank, world, *, scenarios):
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    return run_scenarios(lambda r, w, **kw: run_tp(r, w, mesh=mesh, **kw), rank, world, scenarios)

@@ -1,0 +1,86 @@
+"""gk.attach_fsdp_gns on FSDP2 x tensor parallelism: 4 gloo ranks, a 2 x 2 (dp, tp) mesh,
+parallelize_module (colwise / rowwise) then fully_shard over the dp mesh, as torchtitan
+builds it. The expected value is the 1-D FSDP2 run on the 2 data-parallel ranks with the
+same weights and data (R = 2: the tp ranks of a data-parallel rank are one sample), and
+gk.estimate on the gathered local gradients; the gradients are plain FSDP2 x TP's.
+Rank-side code and the net (every way a weight meets tp): _tp_workers.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _harness import run_world, rel
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+SCENARIOS = {
+    "l1": dict(geometry="l1", steps=2, every=2),
+    "l1_no_pool": dict(geometry="l1", pool=False, steps=1),
+    "l1_debiased": dict(geometry="l1", signal="debiased", steps=1),
+    "l2": dict(geometry="l2", steps=1),
+    "nuclear": dict(geometry="nuclear", steps=2),
+    "nuclear_no_pool": dict(geometry="nuclear", pool=False, steps=1),
+    "nuclear_newton": dict(geometry="nuclear", method="newton", steps=1),
+    "nuclear_host": dict(geometry="nuclear", method="host", steps=3),
+}
+TOL = 1e-4  # the issue's bound vs the 1-D run (measured: <= 6e-5 nuclear, eigh tolerances; ~1e-7 l1/l2)
+REF_TOL = {"l1": 1e-5, "l2": 1e-5, "nuclear": 1e-3}  # vs gk.estimate, as test_fsdp.TOL
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world("_tp_workers", "run_many", WORLD, timeout=300, scenarios=SCENARIOS)
+
+
+def _records(world4, name):
+    return [r[name] for r in world4]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_estimate_equals_the_1d_run_on_the_data_parallel_ranks(world4, name):
+    res = _records(world4, name)
+    kw = SCENARIOS[name]
+    checked = 0
+    for rec in res[0]["records"]:
+        if not rec["measuring"]:
+            continue
+        t, f = rec["est"]["tp"], rec["est"]["flat"]
+        assert (t is None) == (f is None), rec["est"]  # the host route: both lag alike
+        if t is None:
+            continue
+        assert t[3] and f[3]
+        for i, what in enumerate(("gns", "noise", "signal")):
+            assert rel(t[i], f[i]) < TOL, (what, t[i], f[i])
+        if t[4] is not None or f[4] is not None:
+            assert rel(t[4], f[4]) < TOL, ("noise_pooled", t[4], f[4])
+        if kw.get("method") != "host":
+            for i in range(3):
+                assert rel(t[i], rec["ref"][i]) < REF_TOL[kw["geometry"]], (i, t, rec["ref"])
+        checked += 1
+    assert checked >= 1
+    for r in res[1:]:  # identical on every rank, tp ranks included
+        assert [x["est"] for x in r["records"]] == [x["est"] for x in res[0]["records"]]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gradients_are_plain_fsdp2_x_tps(world4, name):
+    for rank, r in enumerate(_records(world4, name)):
+        assert all(x["grad_equal_plain"] for x in r["records"]), rank
+
+
+def test_samples_are_the_data_parallel_ranks(world4):
+    for rank, r in enumerate(_records(world4, "l1")):
+        assert r["dp"] == (2, rank // 2) and r["tp"] == (2, rank % 2)
+
+
+def test_l_collectives(world4):
+    """l1 on a measurement step: plain FSDP2 x TP's reduce-scatters with twice the payload,
+    then ONE all-reduce of 5 float64 (over dp x tp); other steps: plain's calls."""
+    for rec in _records(world4, "l1")[0]["records"]:
+        plain, hooked = rec["calls"]["plain"], rec["calls"]["tp"]
+        if not rec["measuring"]:
+            assert hooked == plain
+            continue
+        assert [c[1] for c in hooked[:-1]] == [2 * c[1] for c in plain]
+        assert hooked[-1][:2] == ("all_reduce", 5) and hooked[-1][2] == "torch.float64"
