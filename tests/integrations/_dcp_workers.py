@@ -30,13 +30,19 @@ def _data(n=512):
 def _build(kind, geometry, world, B0=None, Bmax=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    if kind in ("fsdp", "hsdp"):
+    if kind in ("fsdp", "hsdp", "tp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         place, shard = {}, world
         if kind == "hsdp":  # a 2 x (world / 2) (replicate, shard) mesh
-            from torch.distributed.device_mesh import init_device_mesh
             shard = world // 2
             place = {"mesh": init_device_mesh("cpu", (2, shard), mesh_dim_names=("replicate", "shard"))}
+        if kind == "tp":  # a (world / 2) x 2 (dp, tp) mesh: tensor parallelism, then FSDP2 over dp
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            shard = world // 2
+            mesh = init_device_mesh("cpu", (shard, 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            place = {"mesh": mesh["dp"]}
         if geometry == "nuclear":
             from gns_kernels.distributed.fsdp import fsdp_gns_shard_placement
             place["shard_placement_fn"] = lambda p: fsdp_gns_shard_placement(p, shard)

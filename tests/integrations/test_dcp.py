@@ -41,13 +41,15 @@ def test_dcp_round_trip_is_bit_exact_on_every_rank(kind, geometry):
     assert _diff(res[0]["before"], res[1]["before"])
 
 
-@pytest.mark.parametrize("geometry", ["l1", "nuclear"])
-def test_hsdp_adaptive_batching_grows_and_resumes_bit_exact(geometry):
-    """gk.AdaptiveBatching on an HSDP model (4 ranks, 2 x 2 replicate x shard mesh): the
-    batch is a multiple of (all 4 data-parallel ranks) x b, it grows, and a DCP round trip
-    resumes bit-exact on every rank."""
+@pytest.mark.parametrize("kind,geometry", [("hsdp", "l1"), ("hsdp", "nuclear"), ("tp", "l1"), ("tp", "nuclear")])
+def test_hsdp_and_tp_adaptive_batching_grows_and_resumes_bit_exact(kind, geometry):
+    """gk.AdaptiveBatching on an HSDP model (4 ranks, 2 x 2 replicate x shard mesh: R = 4)
+    and on FSDP2 x tensor parallelism (2 x 2 dp x tp: R = 2, the tp ranks of a
+    data-parallel rank read the same data): the batch is a multiple of R x b, it grows, and
+    a DCP round trip resumes bit-exact on every rank."""
+    R = 4 if kind == "hsdp" else 2
     with tempfile.TemporaryDirectory(prefix="gns_dcp_") as folder:
-        res = run_world(W, "round_trip", 4, folder=folder, kind="hsdp", geometry=geometry,
+        res = run_world(W, "round_trip", 4, folder=folder, kind=kind, geometry=geometry,
                         steps=8, after=4, timeout=240)
     for rank, r in enumerate(res):
         assert _diff(r["before"], r["fresh"]), f"rank {rank}: a fresh coordinator equals the trained one"
@@ -55,7 +57,7 @@ def test_hsdp_adaptive_batching_grows_and_resumes_bit_exact(geometry):
         assert not r["warnings"], r["warnings"]
         assert r["rows"] == r["rows_loaded"], f"rank {rank}: the continuation differs"
     batches = res[0]["batch_sizes"]
-    assert all(B % (4 * 4) == 0 for B in batches), batches  # R = 4 ranks x b = 4
+    assert all(B % (R * 4) == 0 for B in batches), batches  # R ranks x b = 4
     assert batches[-1] > batches[0], batches  # the batch grew
     for r in res[1:]:
         assert r["batch_sizes"] == batches
