@@ -107,11 +107,14 @@ class GNS(Configurable):
 
 def _refusals(trainer) -> None:
     pd, cfg = trainer.parallel_dims, trainer.config
-    for name, on in (("pipeline_parallel_degree", pd.pp_enabled), ("tensor_parallel_degree", pd.tp_enabled),
+    for name, on in (("pipeline_parallel_degree", pd.pp_enabled),
                      ("context_parallel_degree", pd.cp_enabled), ("expert_parallel_degree", pd.ep_enabled)):
         if on:
-            raise ValueError(f"parallelism.{name}: GNSTrainer supports FSDP2 and HSDP data "
-                             "parallelism only (the GNS samples are the data-parallel ranks); set it to 1")
+            raise ValueError(f"parallelism.{name}: GNSTrainer supports FSDP2, HSDP and tensor "
+                             "parallelism (the GNS samples are the data-parallel ranks); set it to 1")
+    if pd.tp_enabled and pd.dp_replicate_enabled:
+        raise ValueError("parallelism.tensor_parallel_degree with data_parallel_replicate_degree > 1: "
+                         "HSDP x tensor parallelism is not measured yet; use one of the two")
     if not pd.dp_shard_enabled:
         raise ValueError("parallelism.data_parallel_shard_degree: GNSTrainer needs FSDP2 (or HSDP) "
                          "sharding over >= 2 ranks, where the GNS is measured (in the reduce-scatter); "

@@ -210,6 +210,50 @@ def fit_hsdp(rank, world, folder):
     return out
 
 
+def _same_weights(model) -> None:
+    """Weights that do not depend on the parallelism (torchtitan's initialization draws
+    them differently under tensor parallelism): each parameter from a generator seeded by
+    its name, loaded as a full state dict into however the model is sharded."""
+    import zlib
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = {}
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        full[name] = (torch.ones(p.shape) if name.endswith("norm.weight")
+                      else 0.02 * torch.randn(p.shape, generator=g)).to(p.dtype)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+
+def fit_tp(rank, world, folder, tp=2):
+    """FSDP2 x tensor parallelism: data_parallel_shard_degree world / tp x
+    tensor_parallel_degree tp, three steps (no checkpoint): the GNS over the world / tp
+    data-parallel ranks, the batch growing. tp=1: the same run without tensor parallelism
+    (the data depends on the data-parallel rank only)."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    patch_cpu()
+    cfg = config(folder, steps=3)
+    cfg.checkpoint.enable = False
+    cfg.parallelism.data_parallel_shard_degree = world // tp
+    cfg.parallelism.tensor_parallel_degree = tp
+    cfg.training.global_batch_size = 2 * (world // tp)   # local_batch_size 2 on every dp rank
+    cfg.gns.max_batch_size = 4 * (world // tp)
+    # float32 compute: under bf16 the tp and the plain run round differently (measured: the
+    # l1 noise 4e-4 apart), which would hide what the comparison checks
+    cfg.training.mixed_precision_param = "float32"
+    t = cfg.build()
+    gloo_sum(t)
+    _same_weights(t.model_parts[0])
+    t.train()
+    h = t.coord.fsdp_handle
+    out = {"history": t.gns_history, "tp": (h.mesh.tp_size, h.mesh.tp_rank), "dp": (h.dp_size, h.dp_rank),
+           "tp_mesh": h.mesh.tp,
+           "data_n": t.dataloader.n}
+    t.close()
+    return out
+
+
 def refused(rank, world, folder, what):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     patch_cpu()

@@ -104,6 +104,34 @@ def test_torchtitan_gns_trainer_hsdp_four_gloo_ranks():
     assert all(r["history"] == res[0]["history"] for r in res[1:])
 
 
+@pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason=_NO_TT)
+def test_torchtitan_gns_trainer_fsdp_x_tp_four_gloo_ranks():
+    """FSDP2 x tensor parallelism (data_parallel_shard_degree 2 x tensor_parallel_degree
+    2, torchtitan's llama3 TP plan: colwise / rowwise projections, sequence-parallel norms):
+    R = the 2 data-parallel ranks, B a multiple of 2 x local_batch_size, the batch grows,
+    and the first measurement equals, within 1e-4, the same run on 2 ranks without tp."""
+    from _harness import rel, run_world
+
+    with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
+        res = run_world("_torchtitan_workers", "fit_tp", 4, folder=folder, timeout=500)
+    with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
+        flat = run_world("_torchtitan_workers", "fit_tp", 2, folder=folder, tp=1, timeout=500)
+    for rank, r in enumerate(res):
+        assert r["tp_mesh"] and r["tp"] == (2, rank % 2) and r["dp"] == (2, rank // 2)
+        hist = r["history"]
+        sizes = [h["batch_size"] for h in hist]
+        assert sizes[0] == 4 and sizes[-1] == 8, sizes
+        assert [h["accum_steps"] for h in hist] == [s // (2 * 2) for s in sizes]
+        assert all(h["measured"] and h["valid"] and h["gns"] > 0 for h in hist)
+        assert r["data_n"] == sum(h["accum_steps"] for h in hist)
+    assert all(r["history"] == res[0]["history"] for r in res[1:])
+    a, b = res[0]["history"][0], flat[0]["history"][0]
+    assert not flat[0]["tp_mesh"] and flat[0]["dp"] == (2, 0)
+    for key in ("gns", "noise", "signal"):
+        assert rel(a[key], b[key]) < 1e-4, (key, a[key], b[key])
+
+
 def test_torchtitan_token_normalization_weights_ranks():
     """torchtitan divides each rank's token-summed loss by the global number of valid
     tokens N and FSDP2 sums, so rank j's gradient is (n_j / N) x its per-token mean m_j.
