@@ -86,6 +86,14 @@ except ImportError:  # pragma: no cover - the standalone package
 __all__ = ["GNSCallback"]
 
 
+def _data_parallel(trainer) -> tuple:
+    """(R, rank): the data-parallel size and this rank among them, as the strategy shards
+    the data (``distributed_sampler_kwargs``: under ModelParallelStrategy the data-parallel
+    mesh dimension, the tp ranks of one data-parallel rank reading the same data)."""
+    kw = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kw.get("num_replicas", trainer.world_size)), int(kw.get("rank", trainer.global_rank))
+
+
 class GNSCallback(_Callback):
     """Adaptive batch size and GNS logging for a Lightning ``Trainer`` (the module
     docstring says what it changes).
@@ -133,11 +141,9 @@ class GNSCallback(_Callback):
         if "DDPStrategy" in names:
             return strategy.model       # Lightning's DistributedDataParallel
         if "ModelParallelStrategy" in names:
-            tp = getattr(strategy, "_tensor_parallel_size", 1)
-            if tp not in (1, "auto") or (tp == "auto" and trainer.world_size != getattr(
-                    strategy, "_data_parallel_size", trainer.world_size)):
-                raise RuntimeError(f"GNSCallback: ModelParallelStrategy with tensor_parallel_size={tp}; "
-                                   "only data parallelism (FSDP2, tensor_parallel_size=1) is supported")
+            # tensor_parallel_size > 1: configure_model's parallelize_module over
+            # device_mesh["tensor_parallel"], then fully_shard over device_mesh["data_parallel"];
+            # the GNS samples are the data-parallel ranks (_data_parallel below)
             if not callable(getattr(pl_module, "set_requires_gradient_sync", None)):
                 raise RuntimeError(
                     "GNSCallback: ModelParallelStrategy but the LightningModule is not an FSDP2 "
@@ -166,8 +172,8 @@ class GNSCallback(_Callback):
         resumed = self._pending
         if resumed is not None:
             _restore_lr_keys(trainer.optimizers, resumed.get("lr_keys"))
-        self.coord = AdaptiveBatching(model, trainer.optimizers, world_size=trainer.world_size,
-                                      rank=trainer.global_rank, **self.kw)
+        world, rank = _data_parallel(trainer)
+        self.coord = AdaptiveBatching(model, trainer.optimizers, world_size=world, rank=rank, **self.kw)
         self._pending = None
         if resumed is not None:
             self._load(resumed)
@@ -308,9 +314,17 @@ class GNSCallback(_Callback):
             self._load(state_dict)
 
     def _load(self, state: dict) -> None:
+        # one share per process (state_dict gathers them all; under tensor parallelism the
+        # tp ranks of a data-parallel rank hold different noise pools)
         shares = state["ranks"]
-        r = self.coord.rank
-        self.coord.load_state_dict(shares[r] if len(shares) == self.coord.world_size else shares[0])
+        rank, world = rank_world()
+        if len(shares) == world:
+            mine = shares[rank]
+        elif len(shares) == self.coord.world_size:
+            mine = shares[self.coord.rank]
+        else:  # another world size: the coordinator's load handles it as load_state_dict does
+            mine = shares[0]
+        self.coord.load_state_dict(mine)
         self._epoch, self._epoch_batches = state.get("epoch", 0), state.get("epoch_batches", 0)
 
     # ------------------------------------------------------------------ resume

@@ -22,7 +22,7 @@ def _data(n=1024):
     return TensorDataset(x, y)
 
 
-def _module(fsdp=False, sched=False):
+def _module(fsdp=False, sched=False, tp=False):
     import lightning as L
 
     class Net(L.LightningModule):
@@ -33,7 +33,16 @@ def _module(fsdp=False, sched=False):
             self.losses, self.sizes, self.seen = [], [], []
 
         def configure_model(self):
-            if fsdp:
+            if tp:  # tensor parallelism over the strategy's tp mesh, then FSDP2 over dp
+                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                               parallelize_module)
+                mesh = self.device_mesh
+                parallelize_module(self.net, mesh["tensor_parallel"],
+                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
+                dp = mesh["data_parallel"]
+                fully_shard(self.net[0], mesh=dp); fully_shard(self.net[2], mesh=dp); fully_shard(self, mesh=dp)
+            elif fsdp:
                 from torch.distributed.fsdp import fully_shard
                 fully_shard(self.net[0]); fully_shard(self.net[2]); fully_shard(self)
 
@@ -85,15 +94,17 @@ def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
 
     _env(rank, world)
 
+    dp = world // 2 if strategy == "tp" else world   # the data-parallel ranks (tp: 2 per dp rank)
+
     def strat():
-        if strategy == "fsdp":
+        if strategy in ("fsdp", "tp"):
             from lightning.pytorch.strategies import ModelParallelStrategy
-            return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+            return ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=world // dp)
         return strategy
 
     def callback():
-        return GNSCallback(micro_batch_size=4, initial_batch_size=8 * world,
-                           max_batch_size=64 * world, every=2, geometry="l1")
+        return GNSCallback(micro_batch_size=4, initial_batch_size=8 * dp,
+                           max_batch_size=64 * dp, every=2, geometry="l1")
 
     logged, before = [], []
 
@@ -110,7 +121,7 @@ def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
                 before.append(len(pl_module.seen))   # micro-batches before the checkpoint
 
     gns = callback()
-    model = _module(fsdp=(strategy == "fsdp"))
+    model = _module(fsdp=(strategy == "fsdp"), tp=(strategy == "tp"))
     loader = DataLoader(_data(), batch_size=4, shuffle=True)
     extra = [ModelCheckpoint(dirpath=folder, every_n_train_steps=stop, save_top_k=-1,
                              filename="gns-{step}")] if resume else []
@@ -128,7 +139,7 @@ def fit(rank, world, folder, strategy="ddp", steps=8, resume=False, stop=5):
     if resume:  # a new Trainer from the step-`stop` checkpoint: the callback restores every rank's state
         _env(rank, world)   # Lightning's teardown removed them
         gns2 = callback()
-        model2 = _module(fsdp=(strategy == "fsdp"))
+        model2 = _module(fsdp=(strategy == "fsdp"), tp=(strategy == "tp"))
         trainer2 = _trainer(strat(), [gns2], folder, steps, world)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

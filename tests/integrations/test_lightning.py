@@ -1,8 +1,8 @@
 """GNSCallback in a Lightning Trainer on 2 gloo processes: under DDP and under
-ModelParallelStrategy (FSDP2, fully_shard in configure_model) it measures, logs, grows the
-accumulation mid-epoch and checkpoints every rank's state (resumed through ckpt_path);
-LR schedulers, FSDP1 (FSDPStrategy), tensor parallelism and a LightningModule that is not
-the FSDP2 root are refused."""
+ModelParallelStrategy (FSDP2, fully_shard in configure_model; and FSDP2 x tensor
+parallelism on 4 processes) it measures, logs, grows the accumulation mid-epoch and
+checkpoints every rank's state (resumed through ckpt_path); LR schedulers, FSDP1
+(FSDPStrategy) and a LightningModule that is not the FSDP2 root are refused."""
 from __future__ import annotations
 
 import sys
@@ -36,11 +36,15 @@ def _same(a, b, where):
         assert a == b or (a != a and b != b), (where, a, b)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_lightning_callback_adapts_and_logs(strategy):
+    """tp: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) on 4
+    processes (colwise / rowwise, then fully_shard over the dp mesh): R = 2, the tp ranks of
+    a data-parallel rank see the same micro-batches."""
+    world = 4 if strategy == "tp" else 2
     with tempfile.TemporaryDirectory(prefix="gns_pl_") as folder:
-        res = run_world(W, "fit", 2, folder=folder, strategy=strategy, steps=8, stop=5,
-                        resume=True, timeout=200)
+        res = run_world(W, "fit", world, folder=folder, strategy=strategy, steps=8, stop=5,
+                        resume=True, timeout=300)
     for rank, r in enumerate(res):
         assert r["global_step"] == 8 and r["coord_step"] == 8
         assert all(s == 4 for s in r["sizes"])
@@ -51,8 +55,11 @@ def test_lightning_callback_adapts_and_logs(strategy):
         assert len(r["sizes"]) == sum(accum)
         assert accum[-1] > accum[0], f"rank {rank}: the batch never grew ({accum})"
         assert any("gns/gns" in d for d in r["logged"])
-        assert [d["gns/batch_size"] for d in r["logged"]] == [2 * 4 * a for a in accum]
-    assert res[0]["logged"] == res[1]["logged"]
+        assert [d["gns/batch_size"] for d in r["logged"]] == [2 * 4 * a for a in accum]  # R = 2
+    assert all(r["logged"] == res[0]["logged"] for r in res[1:])
+    if strategy == "tp":  # the tp pairs (0, 1) and (2, 3) read the same data, the pairs not
+        assert res[0]["seen"] == res[1]["seen"] and res[2]["seen"] == res[3]["seen"]
+        assert res[0]["seen"] != res[2]["seen"]
     for rank, r in enumerate(res):
         # loggers' step (_batches_that_stepped) counts optimizer steps (it stayed 0)
         assert r["batches_that_stepped"] == 8
@@ -79,12 +86,12 @@ def test_lightning_callback_refuses_a_scheduler():
 
 
 @pytest.mark.parametrize("cls,match", [("FSDPStrategy", "FSDP1"),
-                                       ("ModelParallelStrategy", "tensor_parallel_size"),
+                                       ("ModelParallelStrategy", "fully_shard"),
                                        ("unsharded", "fully_shard")])
 def test_lightning_callback_refuses_fsdp_strategies(cls, match):
     """Lightning's FSDPStrategy needs a GPU to reach on_train_start, so the refusals are
-    checked on the strategy object itself: FSDP1, tensor parallelism, a LightningModule
-    that is not the FSDP2 root."""
+    checked on the strategy object itself: FSDP1, and a LightningModule that is not the
+    FSDP2 root (with tensor_parallel_size 1 or 2: tensor parallelism is measured, test above)."""
     from types import SimpleNamespace
 
     import lightning.pytorch.strategies as S
