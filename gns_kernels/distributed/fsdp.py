@@ -126,6 +126,15 @@ other than float32 (the statistics would be summed in it), a one-rank shard dime
 an all-reduce hook; ``set_requires_all_reduce(False)`` on a measurement step raises.
 The groups: ``_fsdp_mesh.DPMesh``; the statistics: ``_fsdp_stats``.
 
+FSDP2 x tensor parallelism (DTensor parameters of a 1-D tp mesh, ``parallelize_module``
+before ``fully_shard`` over the dp mesh): R is the data-parallel size (the tp ranks of one
+are one sample); FSDP2 reduce-scatters each tp rank's slice and the layout
+(``_fsdp_layout``) knows the slicing: l1/l2 slices add up in the step's small all-reduce
+over dp x tp (tp-replicated parameters on tp rank 0 only); nuclear Grams are the whole
+matrix's, slices along the summation index adding up in the per-group Gram all-reduce (over
+dp x tp), slices along the Gram's own dimension assembled by two all-gathers over tp per
+param group (``tp_assemble``). HSDP x TP is refused.
+
 Not supported (clear errors): ``state.shift`` (the squares are formed before the
 reduce-scatter from the full local gradient, so a shift would have to be the full
 unsharded tensor on every rank, while FSDP2 optimizer states are sharded), replicate-only
