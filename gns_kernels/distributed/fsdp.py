@@ -320,7 +320,12 @@ class GNSReduceScatter:
         a, mean_mult = self._mean_multiplier(ctx, group, op, inp)
         segs, chunk, extra = layout(self._fsdp_params(inp.numel(), Rs), Rs, st, ctx.plan, h.mesh)
         hsdp = h.mesh.hsdp
+        if ctx.device is None:  # (also when this rank measures nothing here: under tensor
+            ctx.device = inp.device  # parallelism the step's small all-reduce still runs)
+            if st.pool is not None:  # a loaded pool moves here (the first group of the step)
+                st.pool.to(inp.device)
         if not any(seg.measured for seg in segs):  # nothing to measure in this group
+            self._stash = None
             return self.inner(output, inp, group, op, False)
         h.measured_on(self._param_group)
         stats = (chunk if st.geometry != "nuclear" else extra) if hsdp else 0
@@ -329,10 +334,6 @@ class GNSReduceScatter:
                                f"do not match the param group's layout ({chunk} per rank"
                                + (f" + {stats} statistics on HSDP)" if hsdp else ")"))
         x = inp.view(Rs, chunk)
-        if ctx.device is None:
-            ctx.device = inp.device
-            if st.pool is not None:  # a loaded pool moves here (the first group of the step)
-                st.pool.to(inp.device)
         if st.geometry == "nuclear":
             return self._measure_nuclear(ctx, output, x, group, op, segs, chunk, extra, a, mean_mult)
 
@@ -672,11 +673,11 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     return handle
 
 
-def _tp_mesh(pg, names: dict, hsdp: bool, nuclear: bool):
+def _tp_mesh(pg, names: dict, hsdp: bool, state: GNSHookState):
     """The tensor-parallel mesh of a param group's DTensor parameters (``parallelize_module``
     before ``fully_shard``) and FSDP2's (dp, tp) mesh, (None, None) without any; checked:
     a 1-D tp mesh, Shard(d) or Replicate() placements, even slices of the nuclear GNS's
-    matrices, one tp mesh, not with HSDP."""
+    assembled matrices (sliced along their Gram's dimension), one tp mesh, not with HSDP."""
     tp = spmd = None
     for fp in pg.fsdp_params:
         if not getattr(fp, "is_dtensor", False):
@@ -696,10 +697,13 @@ def _tp_mesh(pg, names: dict, hsdp: bool, nuclear: bool):
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         size = spec.mesh.size()
-        if (nuclear and dim is not None and fp.sharded_param.dim() == 2
-                and fp.sharded_param.shape[dim] % size):
-            raise ValueError(f"{where}: the nuclear GNS needs even tensor-parallel slices (dim {dim} "
-                             f"of size {fp.sharded_param.shape[dim]} over {size} tp ranks)")
+        p = fp.sharded_param
+        if (state.geometry == "nuclear" and dim is not None and p.dim() == 2 and state.measures(p)
+                and dim == (0 if spectral.smaller_side(tuple(p.shape)) == "row" else 1)
+                and p.shape[dim] % size):
+            raise ValueError(f"{where}: the nuclear GNS assembles this matrix's tensor-parallel "
+                             f"slices (they cut its Gram's dimension) and needs them even: dim {dim} "
+                             f"of size {p.shape[dim]} over {size} tp ranks")
         if tp is None:
             tp, spmd = spec.mesh, fp._spmd_mesh
         elif dist.get_process_group_ranks(spec.mesh.get_group()) != dist.get_process_group_ranks(tp.get_group()):
@@ -708,7 +712,7 @@ def _tp_mesh(pg, names: dict, hsdp: bool, nuclear: bool):
     return tp, spmd
 
 
-def _check_param_group(pg, names: dict, nuclear: bool):
+def _check_param_group(pg, names: dict, state: GNSHookState):
     """One FSDP2 param group's mesh, checked: a 1-D FSDP mesh (its parameters plain or
     DTensors of a 1-D tp mesh) or a 2-D HSDP (replicate, shard) mesh, no GNSReduceScatter
     installed; HSDP also needs a float32 reduce dtype (the statistics ride in its
@@ -726,7 +730,7 @@ def _check_param_group(pg, names: dict, nuclear: bool):
             f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
             f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D data-parallel "
             "mesh or HSDP over a 2-D (replicate, shard) mesh (or DDP)")
-    tp, spmd = _tp_mesh(pg, names, hsdp, nuclear)
+    tp, spmd = _tp_mesh(pg, names, hsdp, state)
     if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
         raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
                          "handle first (attach_fsdp_gns returned it; "
@@ -767,7 +771,7 @@ def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, ch
     else:
         modules = checked
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = [_check_param_group(pg, names, state.geometry == "nuclear")
+    groups = [_check_param_group(pg, names, state)
               for mod in modules for pg in _param_groups(mod)]
     tps = [(tp, spmd) for _info, _group, tp, spmd in groups if tp is not None]
     tp, spmd = tps[0] if tps else (None, None)  # the model's tp mesh (_tp_mesh: one per group)
@@ -814,14 +818,18 @@ def fsdp_gns_shard_placement(param: torch.nn.Parameter, world_size: Optional[int
     by the world size, else Shard(0) (the default). Returns a ``Shard`` placement.
 
     world_size: the size of the dimension FSDP2 shards over (default:
-        ``dist.get_world_size()``); under HSDP the shard group's, not the world's.
+        ``dist.get_world_size()``); under HSDP the shard group's, under tensor parallelism
+        the data-parallel size (a DTensor's local slice is what FSDP2 shards: its width
+        decides).
     """
     from torch.distributed.tensor import Shard
 
     if world_size is None:
         world_size = dist.get_world_size()
     if param.dim() == 2:
-        m, n = param.shape
-        if m <= n and n % world_size == 0:
+        m, n = param.shape  # the whole matrix's side decides
+        # FSDP2 shards a tensor-parallel DTensor's local slice: its width must divide
+        local_n = param.to_local().shape[1] if hasattr(param, "to_local") else n
+        if m <= n and local_n % world_size == 0:
             return Shard(1)
     return Shard(0)

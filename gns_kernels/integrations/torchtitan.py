@@ -174,7 +174,11 @@ class GNSTrainer(_Trainer):
             world_size=R, rank=r)
         self.coord = self.gns.coord
         if getattr(self.checkpointer, "enable", False):
-            self.checkpointer.states["gns"] = DCPState(self.coord, group=mesh.get_group())
+            # one share per data-parallel rank; under tensor parallelism per process (the tp
+            # ranks of a data-parallel rank hold different noise-pool parts and solves), so
+            # keyed by the world's rank: DCP keeps one copy of a key several ranks write
+            group = None if self.parallel_dims.tp_enabled else mesh.get_group()
+            self.checkpointer.states["gns"] = DCPState(self.coord, group=group)
 
     def should_continue_training(self) -> bool:
         c, cap = self.coord, self.config.gns.max_samples

@@ -222,9 +222,10 @@ def run_many(rank, world, scenarios):
 # ------------------------------------------------------------------------- meshes (4 ranks)
 def meshes(rank, world):
     """Item 11 on a 2 x 2 mesh: FSDP2 x TP (torchtitan's order: parallelize_module over
-    tp, then fully_shard over dp) is refused by the coordinator and by attach_fsdp_gns,
-    leaving the model as it was; FSDP2 over the dp sub-mesh alone, and DDP over the dp
-    group, measure over their 2 ranks (R = 2, not the world's 4)."""
+    tp, then fully_shard over dp) is measured over the 2 data-parallel ranks (issue 45; it
+    was refused before, and before that measured wrong with R = 4); FSDP2 over the dp
+    sub-mesh alone, and DDP over the dp group, measure over their 2 ranks (R = 2, not the
+    world's 4)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -237,12 +238,18 @@ def meshes(rank, world):
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    out["tp_coord"] = _error(lambda: gk.AdaptiveBatching(model, opt, micro_batch_size=4,
-                                                         initial_batch_size=16))["error"]
-    out["tp_attach"] = _error(lambda: gk.attach_fsdp_gns(
-        model, gk.GNSHookState(geometry="l1", every=1, batch_size=16)))["error"]
-    out["tp_installed"] = sum(isinstance(pg._reduce_scatter_comm, GNSReduceScatter)
-                              for pg in _param_groups(model))
+    # measured since issue 45: R = 2 (the tp ranks of a dp rank are one sample), the data
+    # sharded over the dp ranks
+    coord = gk.AdaptiveBatching(model, opt, geometry="l1", every=1, micro_batch_size=4,
+                                initial_batch_size=16, max_batch_size=64)
+    ds = _data()
+    loader = DataLoader(ds, batch_sampler=coord.batch_sampler(len(ds)))
+    with _gns_warnings_are_errors():
+        rows = _loop(coord, model, loader, 2)
+    out["tp"] = {"world_size": coord.world_size, "rank": coord.rank,
+                 "accum": [r["accum_steps"] for r in rows], "valid": [r["valid"] for r in rows],
+                 "installed": sum(isinstance(pg._reduce_scatter_comm, GNSReduceScatter)
+                                  for pg in _param_groups(model))}
     # the dp sub-mesh alone: R = 2 on a world of 4 (the tp ranks are independent replicas here)
     for kind in ("fsdp", "ddp"):
         model = _model()

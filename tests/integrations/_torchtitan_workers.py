@@ -226,15 +226,24 @@ def _same_weights(model) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
-def fit_tp(rank, world, folder, tp=2):
+def fit_tp(rank, world, folder, tp=2, resume=False):
     """FSDP2 x tensor parallelism: data_parallel_shard_degree world / tp x
-    tensor_parallel_degree tp, three steps (no checkpoint): the GNS over the world / tp
-    data-parallel ranks, the batch growing. tp=1: the same run without tensor parallelism
-    (the data depends on the data-parallel rank only)."""
+    tensor_parallel_degree tp, three steps: the GNS over the world / tp data-parallel ranks,
+    the batch growing. tp=1: the same run without tensor parallelism (the data depends on
+    the data-parallel rank only). resume: a checkpoint at step 2, and a second trainer that
+    loads it and runs step 3 (its history and coordinator state returned)."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     patch_cpu()
-    cfg = config(folder, steps=3)
-    cfg.checkpoint.enable = False
+    out = _fit_tp(rank, world, folder, tp, load_step=-1, checkpoint=resume)
+    if resume:
+        again = _fit_tp(rank, world, folder, tp, load_step=2, checkpoint=True)
+        out.update(resumed_history=again["history"], resumed_state=again["state"])
+    return out
+
+
+def _fit_tp(rank, world, folder, tp, load_step, checkpoint):
+    cfg = config(folder, steps=3, load_step=load_step)
+    cfg.checkpoint.enable = checkpoint
     cfg.parallelism.data_parallel_shard_degree = world // tp
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.training.global_batch_size = 2 * (world // tp)   # local_batch_size 2 on every dp rank
@@ -248,6 +257,7 @@ def fit_tp(rank, world, folder, tp=2):
     t.train()
     h = t.coord.fsdp_handle
     out = {"history": t.gns_history, "tp": (h.mesh.tp_size, h.mesh.tp_rank), "dp": (h.dp_size, h.dp_rank),
+           "state": t.coord.state_dict(),
            "tp_mesh": h.mesh.tp,
            "data_n": t.dataloader.n}
     t.close()

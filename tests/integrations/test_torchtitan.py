@@ -110,13 +110,25 @@ def test_torchtitan_gns_trainer_fsdp_x_tp_four_gloo_ranks():
     """FSDP2 x tensor parallelism (data_parallel_shard_degree 2 x tensor_parallel_degree
     2, torchtitan's llama3 TP plan: colwise / rowwise projections, sequence-parallel norms):
     R = the 2 data-parallel ranks, B a multiple of 2 x local_batch_size, the batch grows,
-    and the first measurement equals, within 1e-4, the same run on 2 ranks without tp."""
+    the first measurement equals, within 1e-4, the same run on 2 ranks without tp, and a
+    resume from torchtitan's checkpoint continues bit for bit."""
     from _harness import rel, run_world
 
     with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
-        res = run_world("_torchtitan_workers", "fit_tp", 4, folder=folder, timeout=500)
+        res = run_world("_torchtitan_workers", "fit_tp", 4, folder=folder, resume=True, timeout=500)
     with tempfile.TemporaryDirectory(prefix="gns_tt_") as folder:
         flat = run_world("_torchtitan_workers", "fit_tp", 2, folder=folder, tp=1, timeout=500)
+    # resumed from torchtitan's step-2 checkpoint, every process its own coordinator share
+    # (the tp ranks of a data-parallel rank hold different pool parts): step 3 and the final
+    # state as the uninterrupted run's, bit for bit
+    for rank, r in enumerate(res):
+        assert len(r["resumed_history"]) == 1
+        x, y = r["resumed_history"][0], r["history"][2]
+        assert x.keys() == y.keys()
+        assert all(x[k] == y[k] or (isinstance(x[k], float) and math.isnan(x[k]) and math.isnan(y[k]))
+                   for k in x), rank
+        _same_state(r["resumed_state"], r["state"], f"rank {rank}")
+    assert any(not _equal(res[0]["state"], res[1]["state"]) for _ in [0])  # tp ranks' shares differ
     for rank, r in enumerate(res):
         assert r["tp_mesh"] and r["tp"] == (2, rank % 2) and r["dp"] == (2, rank // 2)
         hist = r["history"]
@@ -130,6 +142,30 @@ def test_torchtitan_gns_trainer_fsdp_x_tp_four_gloo_ranks():
     assert not flat[0]["tp_mesh"] and flat[0]["dp"] == (2, 0)
     for key in ("gns", "noise", "signal"):
         assert rel(a[key], b[key]) < 1e-4, (key, a[key], b[key])
+
+
+def _equal(a, b) -> bool:
+    try:
+        _same_state(a, b, "")
+        return True
+    except AssertionError:
+        return False
+
+
+def _same_state(a, b, where):
+    """Equal nested states (tensors bit for bit, NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same_state(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_state(x, y, f"{where}/{i}")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
 
 
 def test_torchtitan_token_normalization_weights_ranks():
