@@ -136,3 +136,47 @@ def run_scenarios(fn, rank, world, scenarios: dict) -> dict:
 def rel(a, b) -> float:
     """|a - b| / |b| (b = 0: / 1e-300) of two numbers."""
     return abs(a - b) / max(abs(b), 1e-300)
+
+
+def check_estimates_agree(records, mesh: str, expected: str, tol: float, ref_tol=None) -> int:
+    """The estimates (gns, noise, signal, valid, noise_pooled) of every measuring record:
+    ``est[mesh]`` within ``tol`` relative of ``est[expected]`` (None on both for a lagged
+    route), and, with ``ref_tol``, of ``ref`` (gk.estimate on the gathered gradients).
+    Returns how many were compared (a test asserts it is at least one)."""
+    checked = 0
+    for rec in records:
+        if not rec["measuring"]:
+            continue
+        a, b = rec["est"][mesh], rec["est"][expected]
+        assert (a is None) == (b is None), rec["est"]  # the host route: both lag alike
+        if a is None:
+            continue
+        assert a[3] and b[3], (a, b)
+        for i, what in enumerate(("gns", "noise", "signal")):
+            assert rel(a[i], b[i]) < tol, (what, a[i], b[i])
+        if a[4] is not None or b[4] is not None:
+            assert rel(a[4], b[4]) < tol, ("noise_pooled", a[4], b[4])
+        if ref_tol is not None:
+            for i in range(3):
+                assert rel(a[i], rec["ref"][i]) < ref_tol, (i, a, rec["ref"])
+        checked += 1
+    return checked
+
+
+def same_state(a, b, where: str = "") -> None:
+    """Equal nested states (tensors bit for bit, NaN equal to NaN); AssertionError naming
+    the first path that differs."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            same_state(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_state(x, y, f"{where}/{i}")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)

@@ -14,26 +14,10 @@ import torch
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning; in the test extra)")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from _harness import run_world  # noqa: E402
+from _harness import run_world, same_state as _same  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 W = "_lightning_workers"
-
-
-def _same(a, b, where):
-    """Equal nested states (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b or (a != a and b != b), (where, a, b)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
