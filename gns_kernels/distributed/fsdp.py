@@ -519,6 +519,13 @@ class FSDPGNSHandle:
         """Called by every GNSReduceScatter; on the first call of a backward queue the
         finishing callback and, on a measurement step, open the measurement."""
         task = torch._C._current_graph_task_id()
+        if task == -1:  # not inside a backward: nothing here can end the measurement
+            raise RuntimeError(
+                "attach_fsdp_gns: FSDP2 reduced gradients outside a backward pass (as "
+                "torch.distributed.pipelining's perform_reduce_grad does for a pipeline "
+                "stage): pipeline parallelism is not measured yet, and one stage's GNS is not "
+                "the model's. Measure without pipeline parallelism (FSDP2, HSDP, FSDP2 x "
+                "tensor parallelism, DDP)")
         if self._pending and task != self._task:
             # a backward that failed before our callback ran (the engine drops queued
             # callbacks on error): forget it, it was not an optimizer step
