@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _fsdp_workers import _Counter, _est
@@ -62,26 +62,34 @@ def _data(dp_rank: int, step: int):
     return torch.randn(B_LOCAL, 13, generator=g), torch.randn(B_LOCAL, 5, generator=g)
 
 
-def _shard(model, dp_mesh):
+def _shard(model, dp_mesh, mp=False):
+    kw = {"mesh": dp_mesh}
+    if mp:  # bf16 compute, float32 reduce
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for sub in (model.a, model.b, model.c, model.d):
-        fully_shard(sub, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(sub, **kw)
+    fully_shard(model, **kw)
     return model
 
 
-def _tp(base, mesh):
-    return _shard(parallelize_module(copy.deepcopy(base), mesh["tp"], PLAN), mesh["dp"])
+def _tp(base, mesh, mp=False):
+    return _shard(parallelize_module(copy.deepcopy(base), mesh["tp"], PLAN), mesh["dp"], mp)
 
 
 def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, method=None,
-           signal="raw"):
+           signal="raw", accumulate=1, mp=False, frozen=False):
+    """accumulate: micro-steps per optimizer step (set_requires_gradient_sync(False) on all
+    but the last); mp: bf16 parameters, float32 reduce; frozen: layer c's weight without a
+    gradient (FSDP2 leaves it out of the reduce-scatter)."""
     extra = {} if method is None else {"method": method}
     pool_kw = {} if pool else {"pool_beta": None}
     dp = mesh["dp"].get_local_rank()
     base = _base()
     B = B_LOCAL * 2
-    models = {"tp": _tp(base, mesh), "flat": _shard(copy.deepcopy(base), mesh["dp"]),
-              "plain": _tp(base, mesh)}
+    if frozen:
+        base.c.weight.requires_grad_(False)
+    models = {"tp": _tp(base, mesh, mp), "flat": _shard(copy.deepcopy(base), mesh["dp"], mp),
+              "plain": _tp(base, mesh, mp)}
     states = {}
     for name in ("tp", "flat"):
         st = GNSHookState(geometry, every=every, batch_size=B, signal=signal, **pool_kw, **extra)
@@ -92,14 +100,18 @@ def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, met
         for m in (*models.values(), local):
             for p in m.parameters():
                 p.grad = None
-        x, y = _data(dp, k)
-        F.mse_loss(local(x), y).backward()
-        rank_grads = gather_per_rank([p.grad.detach().clone() for p in local.parameters()])
+        batches = [_data(dp, k * accumulate + a) for a in range(accumulate)]
+        for x, y in batches:
+            (F.mse_loss(local(x), y) / accumulate).backward()
+        rank_grads = gather_per_rank([p.grad.detach().clone() for p in local.parameters()
+                                      if p.grad is not None])
         measuring = states["tp"][0].is_measurement_step()
         calls = {}
         for name in ("flat", "plain", "tp"):
             with _Counter() as c:
-                F.mse_loss(models[name](x), y).backward()
+                for a, (x, y) in enumerate(batches):
+                    models[name].set_requires_gradient_sync(a == accumulate - 1)
+                    (F.mse_loss(models[name](x).float(), y) / accumulate).backward()
             calls[name] = c.calls
         est = {name: _est(st.estimate) if measuring else None for name, (st, _h) in states.items()}
         ref = None
@@ -110,7 +122,7 @@ def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, met
         tp_p, plain_p = list(models["tp"].parameters()), list(models["plain"].parameters())
         records.append({"measuring": measuring, "est": est, "ref": ref, "calls": calls,
                         "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
-                                                for p, q in zip(tp_p, plain_p))})
+                                                for p, q in zip(tp_p, plain_p) if p.grad is not None)})
     h = states["tp"][1]
     return {"records": records, "dp": (h.dp_size, h.dp_rank), "tp": (h.mesh.tp_size, h.mesh.tp_rank)}
 

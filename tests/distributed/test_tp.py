@@ -23,8 +23,15 @@ SCENARIOS = {
     "nuclear_no_pool": dict(geometry="nuclear", pool=False, steps=1),
     "nuclear_newton": dict(geometry="nuclear", method="newton", steps=1),
     "nuclear_host": dict(geometry="nuclear", method="host", steps=3),
+    # accumulation over 2 micro-steps; bf16 parameters with a float32 reduce; a frozen weight
+    "l1_accumulate": dict(geometry="l1", accumulate=2, steps=1),
+    "nuclear_accumulate": dict(geometry="nuclear", accumulate=2, steps=1),
+    "nuclear_mp_bf16": dict(geometry="nuclear", mp=True, steps=1),
+    "l1_mp_bf16": dict(geometry="l1", mp=True, steps=1),
+    "nuclear_frozen": dict(geometry="nuclear", frozen=True, steps=1),
 }
 TOL = 1e-4  # the bound vs the 1-D run (measured: <= 6e-5 nuclear, eigh tolerances; ~1e-7 l1/l2)
+TOL_BF16 = 1e-2
 REF_TOL = {"l1": 1e-5, "l2": 1e-5, "nuclear": 1e-3}  # vs gk.estimate, as test_fsdp.TOL
 
 
@@ -41,8 +48,13 @@ def _records(world4, name):
 def test_estimate_equals_the_1d_run_on_the_data_parallel_ranks(world4, name):
     res = _records(world4, name)
     kw = SCENARIOS[name]
-    ref_tol = None if kw.get("method") == "host" else REF_TOL[kw["geometry"]]
-    assert check_estimates_agree(res[0]["records"], "tp", "flat", TOL, ref_tol) >= 1
+    # (not for the lagged host route, nor in bf16: the gathered copy computes in float32)
+    ref_tol = None if kw.get("method") == "host" or kw.get("mp") else REF_TOL[kw["geometry"]]
+    # bf16: the tp model computes in other bf16 roundings than the 1-D one (its matmuls are
+    # split), so their gradients differ at bf16 precision (measured 6e-4 on the gns); 1e-2
+    # still catches a wrong sample count (R = 4 for 2 triples the variance scale B / (R - 1))
+    tol = TOL_BF16 if kw.get("mp") else TOL
+    assert check_estimates_agree(res[0]["records"], "tp", "flat", tol, ref_tol) >= 1
     for r in res[1:]:  # identical on every rank, tp ranks included
         assert [x["est"] for x in r["records"]] == [x["est"] for x in res[0]["records"]]
 
