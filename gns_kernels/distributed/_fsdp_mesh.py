@@ -80,6 +80,17 @@ def _flat_group(mesh):
     return mesh._flatten().get_group()
 
 
+def _replica_group(spmd_mesh):
+    """The ranks of this rank's replica in a (replicate, shard, tp) mesh (shard x tp), one
+    process group (only its members create it)."""
+    me = dist.get_rank()
+    for block in spmd_mesh.mesh.unbind(0):  # one replica each
+        ranks = block.flatten().tolist()
+        if me in ranks:
+            return dist.new_group(ranks, use_local_synchronization=True)
+    raise RuntimeError("the tensor-parallel mesh does not hold this rank")
+
+
 def dp_mesh(info, shard_group, tp_mesh=None, spmd_mesh=None) -> DPMesh:
     """The DPMesh of an FSDP2 param group's ``mesh_info`` (``FSDPMeshInfo`` or
     ``HSDPMeshInfo``); ``shard_group``: the group its reduce-scatter runs over; ``tp_mesh``:
@@ -90,8 +101,15 @@ def dp_mesh(info, shard_group, tp_mesh=None, spmd_mesh=None) -> DPMesh:
     R, rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
     if isinstance(info, HSDPMeshInfo):
         dp = _flat_group(info.mesh)  # every data-parallel rank
+        if tp_mesh is None:
+            return DPMesh(shard_group, info.replicate_process_group, dp, dist.get_world_size(dp),
+                          dist.get_rank(dp), l_group=shard_group, gram_group=dp)
+        # HSDP x TP: the (replicate, shard, tp) mesh; the l1/l2 partials add over one
+        # replica's shard x tp ranks, the Grams over all of them
+        tp = tp_mesh.get_group()
         return DPMesh(shard_group, info.replicate_process_group, dp, dist.get_world_size(dp),
-                      dist.get_rank(dp), l_group=shard_group, gram_group=dp)
+                      dist.get_rank(dp), tp, dist.get_world_size(tp), dist.get_rank(tp),
+                      l_group=_replica_group(spmd_mesh), gram_group=_flat_group(spmd_mesh))
     if tp_mesh is not None:
         both = _flat_group(spmd_mesh)  # data-parallel x tensor-parallel ranks
         tp = tp_mesh.get_group()

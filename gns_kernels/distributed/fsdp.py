@@ -133,7 +133,8 @@ are one sample); FSDP2 reduce-scatters each tp rank's slice and the layout
 over dp x tp (tp-replicated parameters on tp rank 0 only); nuclear Grams are the whole
 matrix's, slices along the summation index adding up in the per-group Gram all-reduce (over
 dp x tp), slices along the Gram's own dimension assembled by two all-gathers over tp per
-param group (``tp_assemble``). HSDP x TP is refused.
+param group (``tp_assemble``). HSDP x TP: the l1/l2 partials add over one replica's shard
+x tp ranks, the Grams over all ranks (``DPMesh``).
 
 Not supported (clear errors): ``state.shift`` (the squares are formed before the
 reduce-scatter from the full local gradient, so a shift would have to be the full
@@ -680,11 +681,11 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     return handle
 
 
-def _tp_mesh(pg, names: dict, hsdp: bool, state: GNSHookState):
+def _tp_mesh(pg, names: dict, state: GNSHookState):
     """The tensor-parallel mesh of a param group's DTensor parameters (``parallelize_module``
     before ``fully_shard``) and FSDP2's (dp, tp) mesh, (None, None) without any; checked:
     a 1-D tp mesh, Shard(d) or Replicate() placements, even slices of the nuclear GNS's
-    assembled matrices (sliced along their Gram's dimension), one tp mesh, not with HSDP."""
+    assembled matrices (sliced along their Gram's dimension), one tp mesh."""
     tp = spmd = None
     for fp in pg.fsdp_params:
         if not getattr(fp, "is_dtensor", False):
@@ -694,11 +695,11 @@ def _tp_mesh(pg, names: dict, hsdp: bool, state: GNSHookState):
         where = (f"model: parameter {name!r} (placements {tuple(fp.sharded_param.placements)} on a "
                  f"mesh of shape {tuple(fp.sharded_param.device_mesh.shape)}, dims "
                  f"{fp.sharded_param.device_mesh.mesh_dim_names})")
-        if hsdp or len(spec.placements) != 1:
+        if len(spec.placements) != 1:
             raise ValueError(
-                f"{where}: the GNS measures FSDP2 x tensor parallelism over a 1-D data-parallel "
-                "mesh and a 1-D tp mesh (parallelize_module, then fully_shard over the dp mesh); "
-                "HSDP x tensor parallelism, expert parallelism and 2-D tp meshes are not supported")
+                f"{where}: the GNS measures FSDP2 (or HSDP) x tensor parallelism over a 1-D tp "
+                "mesh (parallelize_module, then fully_shard over the data-parallel mesh); "
+                "expert parallelism and 2-D tp meshes are not supported")
         try:
             dim, _replicated = tp_placement(fp)
         except ValueError as exc:
@@ -737,7 +738,7 @@ def _check_param_group(pg, names: dict, state: GNSHookState):
             f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
             f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D data-parallel "
             "mesh or HSDP over a 2-D (replicate, shard) mesh (or DDP)")
-    tp, spmd = _tp_mesh(pg, names, hsdp, state)
+    tp, spmd = _tp_mesh(pg, names, state)
     if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
         raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
                          "handle first (attach_fsdp_gns returned it; "

@@ -32,8 +32,7 @@ unequal weight and the GNS is that of the weighted samples (tests/integrations/
 test_torchtitan.py shows the effect with ``gk.estimate``).
 
 Meshes: FSDP2 (``data_parallel_shard_degree``), HSDP (``data_parallel_replicate_degree``
-> 1 with it) and FSDP2 x tensor parallelism (``tensor_parallel_degree`` > 1; not with
-HSDP): the GNS samples are all R = replicate x shard data-parallel ranks (the ``batch``
+> 1 with it) and either with tensor parallelism (``tensor_parallel_degree`` > 1): the GNS samples are all R = replicate x shard data-parallel ranks (the ``batch``
 mesh; the tp ranks of one are one sample), B a multiple of R x ``local_batch_size``; HSDP
 needs torchtitan's default float32 reduce dtype (``training.mixed_precision_reduce``),
 where the statistics ride.
@@ -41,7 +40,7 @@ where the statistics ride.
 What it does not do: ``ChunkedLossWrapper`` (the llama3 configs' default loss) is refused:
 it runs the lm_head outside the FSDP2 root's forward, and in a test every synchronized
 backward was counted twice with accumulation micro-batches still reduce-scattering that
-unit; use its plain ``loss_fn``. Pipeline, context or expert parallelism, HSDP x TP,
+unit; use its plain ``loss_fn``. Pipeline, context or expert parallelism,
 replicate-only data parallelism and one data-parallel rank are refused; CUDA graphs are refused (the step is not a fixed graph when A
 changes); ``training.steps`` counts optimizer steps, not tokens (stop by tokens with
 ``gns.max_samples``); the data loader's checkpoint is torchtitan's (exact with
@@ -114,9 +113,6 @@ def _refusals(trainer) -> None:
         if on:
             raise ValueError(f"parallelism.{name}: GNSTrainer supports FSDP2, HSDP and tensor "
                              "parallelism (the GNS samples are the data-parallel ranks); set it to 1")
-    if pd.tp_enabled and pd.dp_replicate_enabled:
-        raise ValueError("parallelism.tensor_parallel_degree with data_parallel_replicate_degree > 1: "
-                         "HSDP x tensor parallelism is not measured yet; use one of the two")
     if not pd.dp_shard_enabled:
         raise ValueError("parallelism.data_parallel_shard_degree: GNSTrainer needs FSDP2 (or HSDP) "
                          "sharding over >= 2 ranks, where the GNS is measured (in the reduce-scatter); "

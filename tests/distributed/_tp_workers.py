@@ -76,20 +76,26 @@ def _tp(base, mesh, mp=False):
     return _shard(parallelize_module(copy.deepcopy(base), mesh["tp"], PLAN), mesh["dp"], mp)
 
 
-def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, method=None,
-           signal="raw", accumulate=1, mp=False, frozen=False):
+def run_tp(rank, world, *, mesh, hsdp_mesh=None, geometry="l1", steps=2, every=1, pool=True,
+           method=None, signal="raw", accumulate=1, mp=False, frozen=False):
     """accumulate: micro-steps per optimizer step (set_requires_gradient_sync(False) on all
     but the last); mp: bf16 parameters, float32 reduce; frozen: layer c's weight without a
-    gradient (FSDP2 leaves it out of the reduce-scatter)."""
+    gradient (FSDP2 leaves it out of the reduce-scatter). hsdp_mesh: a (replicate, shard,
+    tp) mesh with the same ranks as ``mesh`` (dp, tp): the tp model is HSDP x TP over it."""
     extra = {} if method is None else {"method": method}
     pool_kw = {} if pool else {"pool_beta": None}
     dp = mesh["dp"].get_local_rank()
+    R = mesh["dp"].size()
     base = _base()
-    B = B_LOCAL * 2
+    B = B_LOCAL * R
     if frozen:
         base.c.weight.requires_grad_(False)
-    models = {"tp": _tp(base, mesh, mp), "flat": _shard(copy.deepcopy(base), mesh["dp"], mp),
-              "plain": _tp(base, mesh, mp)}
+    tp_dp = mesh["dp"] if hsdp_mesh is None else hsdp_mesh["replicate", "shard"]
+
+    def tp_model():
+        return _shard(parallelize_module(copy.deepcopy(base), mesh["tp"], PLAN), tp_dp, mp)
+
+    models = {"tp": tp_model(), "flat": _shard(copy.deepcopy(base), mesh["dp"], mp), "plain": tp_model()}
     states = {}
     for name in ("tp", "flat"):
         st = GNSHookState(geometry, every=every, batch_size=B, signal=signal, **pool_kw, **extra)
@@ -115,8 +121,9 @@ def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, met
             calls[name] = c.calls
         est = {name: _est(st.estimate) if measuring else None for name, (st, _h) in states.items()}
         ref = None
-        if measuring:  # the two data-parallel ranks' local gradients (tp rank 0 of each)
-            sel = [[g for g in rg if geometry != "nuclear" or g.dim() == 2] for rg in rank_grads[::2]]
+        if measuring:  # the data-parallel ranks' local gradients (tp rank 0 of each)
+            sel = [[g for g in rg if geometry != "nuclear" or g.dim() == 2]
+                   for rg in rank_grads[::mesh["tp"].size()]]
             ref = _est(gk.estimate(sel, batch_size=B, geometry=geometry, signal=signal,
                                    nuclear_dof="columns"))
         tp_p, plain_p = list(models["tp"].parameters()), list(models["plain"].parameters())
@@ -124,9 +131,15 @@ def run_tp(rank, world, *, mesh, geometry="l1", steps=2, every=1, pool=True, met
                         "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
                                                 for p, q in zip(tp_p, plain_p) if p.grad is not None)})
     h = states["tp"][1]
-    return {"records": records, "dp": (h.dp_size, h.dp_rank), "tp": (h.mesh.tp_size, h.mesh.tp_rank)}
+    return {"records": records, "dp": (h.dp_size, h.dp_rank), "tp": (h.mesh.tp_size, h.mesh.tp_rank),
+            "hsdp": h.mesh.hsdp}
 
 
-def run_many(rank, world, *, scenarios):
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-    return run_scenarios(lambda r, w, **kw: run_tp(r, w, mesh=mesh, **kw), rank, world, scenarios)
+def run_many(rank, world, *, scenarios, hsdp=False):
+    """world // 2 data-parallel ranks x 2 tp ranks; hsdp: the tp model's data-parallel ranks
+    as 2 replicas x world // 4 shards (HSDP x TP)."""
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    hsdp_mesh = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("replicate", "shard", "tp")) \
+        if hsdp else None
+    return run_scenarios(lambda r, w, **kw: run_tp(r, w, mesh=mesh, hsdp_mesh=hsdp_mesh, **kw),
+                         rank, world, scenarios)

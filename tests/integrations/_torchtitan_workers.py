@@ -226,7 +226,7 @@ def _same_weights(model) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
-def fit_tp(rank, world, folder, tp=2, resume=False):
+def fit_tp(rank, world, folder, tp=2, resume=False, replicate=1):
     """FSDP2 x tensor parallelism: data_parallel_shard_degree world / tp x
     tensor_parallel_degree tp, three steps: the GNS over the world / tp data-parallel ranks,
     the batch growing. tp=1: the same run without tensor parallelism (the data depends on
@@ -234,17 +234,18 @@ def fit_tp(rank, world, folder, tp=2, resume=False):
     loads it and runs step 3 (its history and coordinator state returned)."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     patch_cpu()
-    out = _fit_tp(rank, world, folder, tp, load_step=-1, checkpoint=resume)
+    out = _fit_tp(rank, world, folder, tp, load_step=-1, checkpoint=resume, replicate=replicate)
     if resume:
-        again = _fit_tp(rank, world, folder, tp, load_step=2, checkpoint=True)
+        again = _fit_tp(rank, world, folder, tp, load_step=2, checkpoint=True, replicate=replicate)
         out.update(resumed_history=again["history"], resumed_state=again["state"])
     return out
 
 
-def _fit_tp(rank, world, folder, tp, load_step, checkpoint):
+def _fit_tp(rank, world, folder, tp, load_step, checkpoint, replicate=1):
     cfg = config(folder, steps=3, load_step=load_step)
     cfg.checkpoint.enable = checkpoint
-    cfg.parallelism.data_parallel_shard_degree = world // tp
+    cfg.parallelism.data_parallel_replicate_degree = replicate   # > 1: HSDP x TP
+    cfg.parallelism.data_parallel_shard_degree = world // (tp * replicate)
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.training.global_batch_size = 2 * (world // tp)   # local_batch_size 2 on every dp rank
     cfg.gns.max_batch_size = 4 * (world // tp)
@@ -258,7 +259,7 @@ def _fit_tp(rank, world, folder, tp, load_step, checkpoint):
     h = t.coord.fsdp_handle
     out = {"history": t.gns_history, "tp": (h.mesh.tp_size, h.mesh.tp_rank), "dp": (h.dp_size, h.dp_rank),
            "state": t.coord.state_dict(),
-           "tp_mesh": h.mesh.tp,
+           "tp_mesh": h.mesh.tp, "hsdp": h.mesh.hsdp,
            "data_n": t.dataloader.n}
     t.close()
     return out
