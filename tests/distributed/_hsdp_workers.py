@@ -40,11 +40,14 @@ def _shard(model, mesh, placement: str, shard_size: int, mp: str = "none"):
 
 
 def run_hsdp(rank, world, *, meshes, geometry="l1", steps=3, every=1, pool=True, placement="default",
-             method=None, signal="raw", mp="none", force_sum=False):
+             method=None, signal="raw", mp="none", force_sum=False, frozen=False):
+    """frozen: layer b's weight without a gradient (FSDP2 leaves it out of the reduce)."""
     hsdp_mesh, flat_mesh = meshes
     extra = {} if method is None else {"method": method}
     pool_kw = {} if pool else {"pool_beta": None}
     base = _model()
+    if frozen:
+        base.b.weight.requires_grad_(False)
     B = LOCAL_BATCH * world
     models, states = {}, {}
     for name, mesh, shard_size in (("hsdp", hsdp_mesh, 2), ("fsdp", flat_mesh, world),
@@ -66,7 +69,8 @@ def run_hsdp(rank, world, *, meshes, geometry="l1", steps=3, every=1, pool=True,
                 p.grad = None
         x, y = _batch(rank, k, 0)
         _loss(local, x, y).backward()
-        rank_grads = gather_per_rank([p.grad.detach().clone() for p in local.parameters()])
+        rank_grads = gather_per_rank([p.grad.detach().clone() for p in local.parameters()
+                                      if p.grad is not None])
         measuring = states["hsdp"][0].is_measurement_step()
         calls = {}
         for name in ("fsdp", "plain", "hsdp"):
@@ -85,7 +89,8 @@ def run_hsdp(rank, world, *, meshes, geometry="l1", steps=3, every=1, pool=True,
             "est": est,
             "ref": ref,
             "steps": {name: (st.estimate_step, st.step) for name, (st, _h) in states.items()},
-            "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(hp, pp)),
+            "grad_equal_plain": all(torch.equal(p.grad.to_local(), q.grad.to_local())
+                                    for p, q in zip(hp, pp) if p.grad is not None),
             "calls": calls,
         })
     h = states["hsdp"][1]

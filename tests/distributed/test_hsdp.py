@@ -28,6 +28,9 @@ SCENARIOS = {
     "nuclear_placement": dict(geometry="nuclear", placement="gns", steps=1),
     "nuclear_newton": dict(geometry="nuclear", method="newton", steps=1),
     "nuclear_host": dict(geometry="nuclear", method="host", placement="gns", steps=3),
+    # a frozen weight: FSDP2 leaves it out of the reduce-scatter and the enlarged output
+    "l1_frozen": dict(geometry="l1", frozen=True, steps=1),
+    "nuclear_frozen": dict(geometry="nuclear", frozen=True, steps=1),
 }
 TOL = 1e-4  # the bound: HSDP vs the 1-D FSDP2 run (measured: <= 2e-5, eigh tolerances)
 REF_TOL = {"l1": 1e-5, "l2": 1e-5, "nuclear": 1e-3}  # vs gk.estimate, as test_fsdp.TOL
