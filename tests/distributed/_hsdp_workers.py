@@ -137,5 +137,16 @@ def run_refusals(rank, world):
         _loss(m, x, y).backward()
     except RuntimeError as exc:
         out["grad_hook"] = str(exc)
+    # set_requires_all_reduce(False) on a measurement step: refused (the gradients are not
+    # all-reduced across replicas)
+    m = _model()
+    for sub in (m.a, m.b, m):
+        fully_shard(sub, mesh=mesh)
+    attach_fsdp_gns(m, GNSHookState("l1", batch_size=16))
+    m.set_requires_all_reduce(False)
+    try:
+        _loss(m, x, y).backward()
+    except RuntimeError as exc:
+        out["no_all_reduce"] = str(exc)
     dist.barrier()
     return out

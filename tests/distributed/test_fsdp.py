@@ -320,3 +320,20 @@ def test_shard_placement():
     assert fsdp_gns_shard_placement(p(5, 17), 4) == Shard(0)  # uneven: FSDP2 needs even Shard(1)
     assert fsdp_gns_shard_placement(p(24, 13), 4) == Shard(0)  # tall: column Gram natural
     assert fsdp_gns_shard_placement(p(24), 4) == Shard(0)
+
+    class TPSlice:  # a tensor-parallel DTensor's shape and local slice, as FSDP2 sees them
+        def __init__(self, shape, local):
+            self.shape, self._local = torch.Size(shape), torch.zeros(local)
+
+        def dim(self):
+            return len(self.shape)
+
+        def to_local(self):
+            return self._local
+
+    # wide 4096 x 11008 sliced by tp 8 on dim 1: the local width 1376 decides (1376 % 64 != 0;
+    # the global 11008 % 64 == 0 would choose Shard(1) and FSDP2 would refuse the uneven split)
+    assert fsdp_gns_shard_placement(TPSlice((4096, 11008), (4096, 1376)), 64) == Shard(0)
+    assert fsdp_gns_shard_placement(TPSlice((4096, 11008), (4096, 1376)), 16) == Shard(1)
+    # the side is the whole matrix's: a wide weight whose local slice is tall stays row-Gram
+    assert fsdp_gns_shard_placement(TPSlice((512, 2048), (512, 256)), 4) == Shard(1)

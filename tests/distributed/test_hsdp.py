@@ -119,3 +119,4 @@ def test_refusals():
         assert "reduce_dtype=torch.float32" in r["bf16"] and "HSDP" in r["bf16"], r["bf16"]
         assert "shards over one rank" in r["shard1"], r["shard1"]
         assert "post-accumulate-grad hook" in r["grad_hook"], r["grad_hook"]
+        assert "set_requires_all_reduce(False)" in r["no_all_reduce"], r["no_all_reduce"]
