@@ -7,12 +7,11 @@ R = replicate x shard; ``DPMesh`` names the process groups the measurement uses:
 
 - ``shard_group``: the reduce-scatter's (Rs ranks: the chunks of a reduce-scatter input);
 - ``replicate_group``: the all-reduce's across replicas (Rr ranks), None on a 1-D mesh;
-- ``dp_group``: all R = Rr x Rs data-parallel ranks (the 1-D mesh's own group, or the
-  2-D mesh flattened), the group of the nuclear Gram all-reduces and the shared solves;
-- ``dp_size``, ``dp_rank``: R and this rank in ``dp_group``;
+- ``dp_size``, ``dp_rank``: R = Rr x Rs, all data-parallel ranks, and this rank among them;
+- ``l_group``, ``gram_group``: the groups the l1/l2 partial sums and the nuclear Grams add
+  over (the shard group and every data-parallel rank; x tp under tensor parallelism);
 - with tensor parallelism (DTensor parameters on a tp mesh, FSDP2 over the dp mesh):
-  ``tp_group``, the ranks holding one sample's slices, and the groups the statistics add
-  over, ``l_group`` and ``gram_group`` (data-parallel x tensor-parallel ranks).
+  ``tp_group``, the ranks holding one sample's slices.
 
 ``reduce_factors`` gives the factors FSDP2's ``foreach_reduce`` applies (pre-divide,
 reduce-scatter op, all-reduce op, post-divide) and ``op_multiplier`` what one reduction op
@@ -42,14 +41,13 @@ class DPMesh(NamedTuple):
 
     shard_group: object
     replicate_group: Optional[object]
-    dp_group: object
     dp_size: int
     dp_rank: int
-    tp_group: Optional[object] = None
-    tp_size: int = 1
-    tp_rank: int = 0
-    l_group: Optional[object] = None
-    gram_group: Optional[object] = None
+    tp_group: Optional[object]
+    tp_size: int
+    tp_rank: int
+    l_group: object
+    gram_group: object
 
     @property
     def hsdp(self) -> bool:
@@ -98,24 +96,19 @@ def dp_mesh(info, shard_group, tp_mesh=None, spmd_mesh=None) -> DPMesh:
     and ``spmd_mesh`` the (dp, tp) mesh FSDP2 concatenated from both."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
-    R, rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
-    if isinstance(info, HSDPMeshInfo):
-        dp = _flat_group(info.mesh)  # every data-parallel rank
-        if tp_mesh is None:
-            return DPMesh(shard_group, info.replicate_process_group, dp, dist.get_world_size(dp),
-                          dist.get_rank(dp), l_group=shard_group, gram_group=dp)
-        # HSDP x TP: the (replicate, shard, tp) mesh; the l1/l2 partials add over one
-        # replica's shard x tp ranks, the Grams over all of them
-        tp = tp_mesh.get_group()
-        return DPMesh(shard_group, info.replicate_process_group, dp, dist.get_world_size(dp),
-                      dist.get_rank(dp), tp, dist.get_world_size(tp), dist.get_rank(tp),
-                      l_group=_replica_group(spmd_mesh), gram_group=_flat_group(spmd_mesh))
-    if tp_mesh is not None:
-        both = _flat_group(spmd_mesh)  # data-parallel x tensor-parallel ranks
-        tp = tp_mesh.get_group()
-        return DPMesh(shard_group, None, shard_group, R, rank, tp, dist.get_world_size(tp),
-                      dist.get_rank(tp), l_group=both, gram_group=both)
-    return DPMesh(shard_group, None, shard_group, R, rank, l_group=shard_group, gram_group=shard_group)
+    hsdp = isinstance(info, HSDPMeshInfo)
+    dp = _flat_group(info.mesh) if hsdp else shard_group  # every data-parallel rank
+    tp = None if tp_mesh is None else tp_mesh.get_group()
+    if tp is None:  # the l1/l2 partials add over the shards, the Grams over every dp rank
+        l_group, gram_group = shard_group, dp
+    elif hsdp:  # (replicate, shard, tp): partials over one replica's shard x tp ranks
+        l_group, gram_group = _replica_group(spmd_mesh), _flat_group(spmd_mesh)
+    else:  # (dp, tp)
+        l_group = gram_group = _flat_group(spmd_mesh)
+    return DPMesh(shard_group, info.replicate_process_group if hsdp else None,
+                  dist.get_world_size(dp), dist.get_rank(dp), tp,
+                  1 if tp is None else dist.get_world_size(tp), 0 if tp is None else dist.get_rank(tp),
+                  l_group, gram_group)
 
 
 def effective_reduce_dtype(param_group) -> torch.dtype:

@@ -245,7 +245,7 @@ class GNSReduceScatter:
         ctx = h._begin(self._param_group._reduce_scatter_process_group)
         if ctx is None:
             return None
-        Rs = h.mesh.dp_size // h.mesh.replicate_size
+        Rs = dist.get_world_size(h.mesh.shard_group)
         segs, c, extra = layout(self._fsdp_params(chunk * Rs, Rs), Rs, ctx.state, ctx.plan, h.mesh)
         if not any(seg.measured for seg in segs):
             return None
@@ -256,10 +256,8 @@ class GNSReduceScatter:
                 "(this backward or an unreduced earlier one): its gradients are not all-reduced "
                 "across replicas, so they are not the step's; accumulate with "
                 "set_requires_gradient_sync(False) (no reduce at all) instead")
-        if getattr(pg, "_all_reduce_hook", None) is not None:
-            raise RuntimeError("attach_fsdp_gns: HSDP with an all-reduce hook (set_all_reduce_hook, "
-                               "set after attaching): on measurement steps the all-reduced buffer "
-                               "also carries the GNS statistics; remove the hook to measure")
+        if getattr(pg, "_all_reduce_hook", None) is not None:  # set after attaching
+            raise RuntimeError(_ALL_REDUCE_HOOK)
         for seg in segs:
             if seg.measured and getattr(seg.param, "_post_accumulate_grad_hooks", None):
                 raise RuntimeError(
@@ -273,7 +271,13 @@ class GNSReduceScatter:
                 f"attach_fsdp_gns: HSDP with reduce dtype {dtype}: the measurement's statistics "
                 "ride in FSDP2's replicate all-reduce, in its dtype; use "
                 "MixedPrecisionPolicy(reduce_dtype=torch.float32)")
-        return c + (c if ctx.state.geometry != "nuclear" else extra)
+        return c + self._statistics_numel(ctx.state, c, extra)
+
+    @staticmethod
+    def _statistics_numel(state, chunk: int, extra: int) -> int:
+        """HSDP: the statistics part of the enlarged output (the squares for l1/l2, the
+        other-dimension blocks for nuclear)."""
+        return extra if state.geometry == "nuclear" else chunk
 
     # FSDP2 calls this once per param group per synchronized backward
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group, op, async_op: bool = False):
@@ -329,7 +333,7 @@ class GNSReduceScatter:
             self._stash = None
             return self.inner(output, inp, group, op, False)
         h.measured_on(self._param_group)
-        stats = (chunk if st.geometry != "nuclear" else extra) if hsdp else 0
+        stats = self._statistics_numel(st, chunk, extra) if hsdp else 0
         if chunk * Rs != inp.numel() or output.numel() != chunk + stats:
             raise RuntimeError(f"attach_fsdp_gns: reduce-scatter sizes {inp.numel()} -> {output.numel()} "
                                f"do not match the param group's layout ({chunk} per rank"
@@ -681,12 +685,18 @@ def attach_fsdp_gns(model: torch.nn.Module, state: GNSHookState, *, reuse_input:
     return handle
 
 
+_ALL_REDUCE_HOOK = ("attach_fsdp_gns: HSDP with an all-reduce hook (set_all_reduce_hook): on "
+                    "measurement steps the all-reduced buffer also carries the GNS statistics; "
+                    "remove the hook to measure")
+
+
 def _tp_mesh(pg, names: dict, state: GNSHookState):
-    """The tensor-parallel mesh of a param group's DTensor parameters (``parallelize_module``
-    before ``fully_shard``) and FSDP2's (dp, tp) mesh, (None, None) without any; checked:
-    a 1-D tp mesh, Shard(d) or Replicate() placements, even slices of the nuclear GNS's
-    assembled matrices (sliced along their Gram's dimension), one tp mesh."""
-    tp = spmd = None
+    """The tensor-parallel meshes of a param group's DTensor parameters (``parallelize_module``
+    before ``fully_shard``), each with FSDP2's (dp, tp) mesh: a list of (tp mesh, spmd mesh,
+    where), empty without any; checked: a 1-D tp mesh, Shard(d) or Replicate() placements,
+    even slices of the nuclear GNS's assembled matrices (sliced along their Gram's
+    dimension). That they are one mesh is checked across the groups (prepare_fsdp_gns)."""
+    found = []
     for fp in pg.fsdp_params:
         if not getattr(fp, "is_dtensor", False):
             continue
@@ -712,19 +722,15 @@ def _tp_mesh(pg, names: dict, state: GNSHookState):
             raise ValueError(f"{where}: the nuclear GNS assembles this matrix's tensor-parallel "
                              f"slices (they cut its Gram's dimension) and needs them even: dim {dim} "
                              f"of size {p.shape[dim]} over {size} tp ranks")
-        if tp is None:
-            tp, spmd = spec.mesh, fp._spmd_mesh
-        elif dist.get_process_group_ranks(spec.mesh.get_group()) != dist.get_process_group_ranks(tp.get_group()):
-            raise ValueError(f"{where}: parameters on different tensor-parallel meshes; the GNS "
-                             "needs one")
-    return tp, spmd
+        found.append((spec.mesh, fp._spmd_mesh, where))
+    return found
 
 
 def _check_param_group(pg, names: dict, state: GNSHookState):
     """One FSDP2 param group's mesh, checked: a 1-D FSDP mesh (its parameters plain or
     DTensors of a 1-D tp mesh) or a 2-D HSDP (replicate, shard) mesh, no GNSReduceScatter
     installed; HSDP also needs a float32 reduce dtype (the statistics ride in its
-    all-reduce). Returns (mesh_info, reduce-scatter group, tp mesh, (dp, tp) mesh)."""
+    all-reduce). Returns (mesh_info, reduce-scatter group, its tp meshes: ``_tp_mesh``)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     info = pg.mesh_info
@@ -738,7 +744,7 @@ def _check_param_group(pg, names: dict, state: GNSHookState):
             f"model: an FSDP2 mesh of shape {tuple(info.mesh.shape)} (dims "
             f"{info.mesh.mesh_dim_names}): the GNS hooks measure FSDP2 over a 1-D data-parallel "
             "mesh or HSDP over a 2-D (replicate, shard) mesh (or DDP)")
-    tp, spmd = _tp_mesh(pg, names, state)
+    tps = _tp_mesh(pg, names, state)
     if isinstance(pg._reduce_scatter_comm, _reduce_scatter_class()):
         raise ValueError("model: a GNSReduceScatter is already installed; remove() its "
                          "handle first (attach_fsdp_gns returned it; "
@@ -756,12 +762,10 @@ def _check_param_group(pg, names: dict, state: GNSHookState):
                 "squared gradients lose the variance in it; use "
                 "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))")
         if getattr(pg, "_all_reduce_hook", None) is not None:
-            raise ValueError("model: HSDP with an all-reduce hook (set_all_reduce_hook): on "
-                             "measurement steps the all-reduced buffer also carries the GNS "
-                             "statistics; remove the hook to measure")
+            raise ValueError(_ALL_REDUCE_HOOK)
     # torch >= 2.13 may give the reduce-scatter its own group (set_separate_reduce_scatter_group)
     group = getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
-    return info, group, tp, spmd
+    return info, group, tps
 
 
 def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, checked=None):
@@ -781,11 +785,12 @@ def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, ch
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [_check_param_group(pg, names, state)
               for mod in modules for pg in _param_groups(mod)]
-    tps = [(tp, spmd) for _info, _group, tp, spmd in groups if tp is not None]
-    tp, spmd = tps[0] if tps else (None, None)  # the model's tp mesh (_tp_mesh: one per group)
-    for t, _spmd in tps[1:]:
+    tps = [t for _info, _group, found in groups for t in found]
+    tp, spmd = tps[0][:2] if tps else (None, None)  # the model's tp mesh: one for all
+    for t, _spmd, where in tps[1:]:
         if dist.get_process_group_ranks(t.get_group()) != dist.get_process_group_ranks(tp.get_group()):
-            raise ValueError("model: parameters on different tensor-parallel meshes; the GNS needs one")
+            raise ValueError(f"{where}: parameters on different tensor-parallel meshes; the GNS "
+                             "needs one")
 
     def ranks(info, group):
         rep = getattr(info, "replicate_process_group", None)
@@ -794,7 +799,7 @@ def prepare_fsdp_gns(model, state: GNSHookState, *, reuse_input: bool = True, ch
     mesh = None
     if groups:
         mesh = dp_mesh(groups[0][0], groups[0][1], tp, spmd)  # (flattened groups made once)
-        if any(ranks(info, group) != ranks(groups[0][0], groups[0][1]) for info, group, _t, _s in groups):
+        if any(ranks(info, group) != ranks(groups[0][0], groups[0][1]) for info, group, _t in groups):
             raise ValueError("model: FSDP2 param groups reduce over different process groups "
                              "(or meshes); the GNS is measured over one data-parallel mesh")
     handle = FSDPGNSHandle(state, modules, reuse_input=bool(reuse_input))

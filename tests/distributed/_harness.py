@@ -138,6 +138,16 @@ def rel(a, b) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
 
 
+# the hooks' estimate vs gk.estimate on the all-gathered local gradients (float32 hooks;
+# the nuclear solves' tolerances): test_fsdp, test_hsdp, test_tp
+GATHERED_TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
+
+
+def scenario_records(results: list, name: str) -> list:
+    """Every rank's result of scenario ``name`` (``run_scenarios`` output per rank)."""
+    return [r[name] for r in results]
+
+
 def check_estimates_agree(records, mesh: str, expected: str, tol: float, ref_tol=None) -> int:
     """The estimates (gns, noise, signal, valid, noise_pooled) of every measuring record:
     ``est[mesh]`` within ``tol`` relative of ``est[expected]`` (None on both for a lagged

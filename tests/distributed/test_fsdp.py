@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from _harness import run_world, rel as _rel
+from _harness import GATHERED_TOL, run_world, rel as _rel
 
 pytestmark = pytest.mark.distributed
 
-TOL = {"l2": 1e-5, "l1": 1e-5, "nuclear": 1e-3}
+TOL = GATHERED_TOL
 TOL_DEBIASED = {"l2": 1e-5, "l1": 1e-4, "nuclear": 1e-3}  # see test_ddp_hook.TOL_DEBIASED
 
 SCENARIOS_2 = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import check_estimates_agree, run_world
+from _harness import GATHERED_TOL, check_estimates_agree, run_world, scenario_records
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +33,7 @@ SCENARIOS = {
     "nuclear_frozen": dict(geometry="nuclear", frozen=True, steps=1),
 }
 TOL = 1e-4  # the bound: HSDP vs the 1-D FSDP2 run (measured: <= 2e-5, eigh tolerances)
-REF_TOL = {"l1": 1e-5, "l2": 1e-5, "nuclear": 1e-3}  # vs gk.estimate, as test_fsdp.TOL
+REF_TOL = GATHERED_TOL  # vs gk.estimate
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,7 @@ def world4():
     return run_world("_hsdp_workers", "run_many", WORLD, timeout=300, scenarios=SCENARIOS)
 
 
-def _records(world4, name):
-    return [r[name] for r in world4]
+_records = scenario_records
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
